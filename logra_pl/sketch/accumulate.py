@@ -1,0 +1,94 @@
+"""Sketch accumulation (SPEC §3): ``S += dYᵀ (X Pᵀ)`` in backward, never forming ``G = dYᵀ X``.
+
+A forward hook on each selected ``nn.Linear`` computes ``Z = X Pᵀ`` (tokens × r) and routes the layer output
+through :class:`SketchGrad`, an identity autograd function that saves only ``Z``. Its backward adds
+``dYᵀ Z`` (d_out × r, fp32) into the matrix's sketch buffer and passes ``dY`` through unchanged. Summed over
+microbatches, ``S = (Σ dYᵀ X) Pᵀ = G Pᵀ`` exactly.
+
+Activation checkpointing (non-reentrant) replays the forward, and with it this hook, to rebuild ``Z``; the
+replayed graph is never back-propagated, so the accumulation runs once per microbatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class MatrixSketch:
+    """The sketch state of one selected weight ``W`` of shape ``(d_out, d_in)``.
+
+    Arguments:
+        name: wrapper-free module name (the key of its projection seed and of its payload entry).
+        module: the ``nn.Linear`` holding ``W``.
+        rank: sketch rank ``r``.
+
+    Holds the current projection ``P`` (r × d_in, fp32), its seed, and the sketch buffer ``S`` (d_out × r, fp32).
+    """
+
+    def __init__(self, name: str, module: nn.Linear, rank: int) -> None:
+        self.name = name
+        self.module = module
+        self.rank = rank
+        self.d_out, self.d_in = module.out_features, module.in_features
+        device = module.weight.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self.sketch = torch.zeros(self.d_out, rank, dtype=torch.float32, device=device)
+        self.projection = torch.empty(0)
+        self.seed = -1
+        # A grad-requiring leaf routed into SketchGrad so backward reaches the hook even when nothing
+        # below this layer requires grad (frozen embeddings, SPEC §1). It never receives a gradient.
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.handle: Any = None
+
+    def set_projection(self, projection: torch.Tensor, seed: int) -> None:
+        """Install ``P`` (moved to the sketch's device) for the coming update."""
+        self.projection = projection.to(self.sketch.device)
+        self.seed = seed
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+        """Forward hook: save ``Z = X Pᵀ`` and route the output through :class:`SketchGrad`."""
+        if not torch.is_grad_enabled():
+            return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
+        x = args[0]
+        z = torch.matmul(x.detach().reshape(-1, self.d_in).to(torch.float32), self.projection.T)
+        return SketchGrad.apply(output, z, self.anchor, self)
+
+    def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
+        """``S += dYᵀ Z`` in fp32."""
+        dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
+        self.sketch.addmm_(dy.T, z)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by this matrix's sketch buffer and projection."""
+        return {
+            "sketches": self.sketch.numel() * self.sketch.element_size(),
+            "projections": self.projection.numel() * self.projection.element_size(),
+        }
+
+
+class SketchGrad(torch.autograd.Function):
+    """Identity on the layer output whose backward accumulates ``dYᵀ Z`` into the matrix's sketch.
+
+    Only ``Z`` (tokens × r) is saved for backward — not the layer input ``X`` (tokens × d_in).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, z: torch.Tensor, anchor: torch.Tensor, sketch: MatrixSketch) -> Any:
+        ctx.save_for_backward(z)
+        ctx.matrix = sketch
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        (z,) = ctx.saved_tensors
+        ctx.matrix.accumulate(grad_output, z)
+        return grad_output, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, output_tangent: torch.Tensor, *_: Any) -> torch.Tensor:
+        # Forward-mode AD (the KL probe) sees an identity.
+        return output_tangent

@@ -1,0 +1,119 @@
+"""The LoGRA hyper-parameters (SPEC §1-5) as one validated, serialisable dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+Distribution = Literal["rademacher", "gaussian"]
+UpdateRule = Literal["rowadam", "sgd"]
+StepMode = Literal["ratio", "lr"]
+
+_FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Keys that change what the saved LoGRA state means: a checkpoint written with one value cannot be resumed
+# under another (row statistics of another rank/target set, projections from another seed or distribution).
+STRUCTURAL_KEYS: tuple[str, ...] = ("targets", "rank", "distribution", "refresh", "base_seed", "update_rule", "beta2")
+
+
+class LoGRAConfigError(ValueError):
+    """A LoGRA setting or input that cannot work; the message names the value and how to fix it."""
+
+
+@dataclass
+class LoGRAConfig:
+    """Every knob of the LoGRA sketch core, with the defaults of SPEC §1-5.
+
+    Arguments:
+        targets: last name parts of the ``nn.Linear`` modules whose weights are trained through sketches.
+        rank: sketch rank ``r``; the sketch of a ``(d_out, d_in)`` weight is ``(d_out, r)``.
+        distribution: projection entries, ``"rademacher"`` (``±1/sqrt(r)``) or ``"gaussian"`` (``N(0, 1/r)``).
+        refresh: draw a new projection every update (``True``) or keep one fixed basis (``False``).
+        base_seed: mixed with the update index and the module name into each projection's seed.
+        update_rule: ``"rowadam"`` (per-row second moment, SPEC §4) or ``"sgd"`` (``D = S``).
+        beta2: RowAdam's EMA factor for the row statistic.
+        eps: RowAdam's denominator floor, relative to the mean row root.
+        step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``.
+        update_ratio: relative nominal step size ``‖ΔW‖/‖W‖`` summed over all selected matrices (ratio mode).
+        lr: learning rate (lr mode only).
+        factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
+        merge_chunk_rows: rows merged per chunk, bounding the temporary ``rows × d_in`` delta.
+    """
+
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    rank: int = 64
+    distribution: Distribution = "rademacher"
+    refresh: bool = True
+    base_seed: int = 0
+    update_rule: UpdateRule = "rowadam"
+    beta2: float = 0.95
+    eps: float = 1e-8
+    step_mode: StepMode = "ratio"
+    update_ratio: float = 6e-5
+    lr: float = 1e-4
+    factor_dtype: str = "bfloat16"
+    merge_chunk_rows: int = 256
+
+    def __post_init__(self) -> None:
+        self.targets = tuple(self.targets)
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise LoGRAConfigError(f"targets must be a non-empty list of module name parts, got {self.targets!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise LoGRAConfigError(f"rank must be a positive integer, got {self.rank!r}")
+        if self.distribution not in ("rademacher", "gaussian"):
+            raise LoGRAConfigError(
+                f"unknown projection distribution {self.distribution!r}: use 'rademacher' or 'gaussian'"
+            )
+        if self.update_rule not in ("rowadam", "sgd"):
+            raise LoGRAConfigError(f"unknown update_rule {self.update_rule!r}: use 'rowadam' or 'sgd'")
+        if self.step_mode not in ("ratio", "lr"):
+            raise LoGRAConfigError(f"unknown step_mode {self.step_mode!r}: use 'ratio' or 'lr'")
+        if not 0.0 <= self.beta2 < 1.0:
+            raise LoGRAConfigError(f"beta2 must lie in [0, 1), got {self.beta2!r}")
+        if self.eps < 0:
+            raise LoGRAConfigError(f"eps must be >= 0, got {self.eps!r}")
+        if self.update_ratio <= 0 or self.lr <= 0:
+            raise LoGRAConfigError(f"update_ratio and lr must be > 0, got {self.update_ratio!r} and {self.lr!r}")
+        if self.factor_dtype not in _FACTOR_DTYPES:
+            raise LoGRAConfigError(f"unknown factor_dtype {self.factor_dtype!r}: use one of {sorted(_FACTOR_DTYPES)}")
+        if self.merge_chunk_rows <= 0:
+            raise LoGRAConfigError(f"merge_chunk_rows must be > 0, got {self.merge_chunk_rows!r}")
+        if not isinstance(self.base_seed, int) or self.base_seed < 0:
+            raise LoGRAConfigError(f"base_seed must be a non-negative integer, got {self.base_seed!r}")
+
+    @property
+    def factor_torch_dtype(self) -> torch.dtype:
+        """The torch dtype of shipped/merged factors."""
+        return _FACTOR_DTYPES[self.factor_dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python form (lists, not tuples) for checkpoints and payloads."""
+        out = dataclasses.asdict(self)
+        out["targets"] = list(self.targets)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoGRAConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise LoGRAConfigError(f"unknown LoGRA config keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    def structural_mismatch(self, other: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Keys of :data:`STRUCTURAL_KEYS` whose value differs between ``self`` and a saved config dict."""
+        mine = self.to_dict()
+        diff: dict[str, tuple[Any, Any]] = {}
+        for key in STRUCTURAL_KEYS:
+            theirs = other.get(key)
+            if key == "targets" and theirs is not None:
+                theirs = list(theirs)
+            if theirs != mine[key]:
+                diff[key] = (theirs, mine[key])
+        return diff

@@ -1,0 +1,88 @@
+"""Memory accounting: bytes of training state by kind, for a module, its optimizer and its LoGRA sketcher.
+
+Counts each storage once (tied weights, views), by what it is for: ``weights``, ``gradients``,
+``optimizer_state``, ``sketches``, ``projections``, ``row_statistics``. ``dense_gradient_equivalent`` is what
+fp32 dense gradients of the sketched weights would have cost — the memory LoGRA does not spend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from logra_pl.sketch.sketcher import LoGRASketcher
+
+MiB = 1024**2
+
+
+@dataclass
+class MemoryReport:
+    """Bytes of training state by kind."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    sketches: int = 0
+    projections: int = 0
+    row_statistics: int = 0
+    dense_gradient_equivalent: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes actually held (the dense-gradient equivalent is a counterfactual, not included)."""
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "dense_gradient_equivalent")
+
+    def as_mib(self) -> dict[str, float]:
+        """Every field and the total in MiB."""
+        out = {f.name: getattr(self, f.name) / MiB for f in fields(self)}
+        out["total"] = self.total / MiB
+        return out
+
+    def format(self) -> str:
+        """One line per kind, in MiB."""
+        return "\n".join(f"  {k:<26}{v:12.3f} MiB" for k, v in self.as_mib().items())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
+    total = 0
+    for t in tensors:
+        t = _local(t)
+        if t.device.type == "meta":
+            total += t.numel() * t.element_size()
+            continue
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def memory_report(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None = None, sketcher: LoGRASketcher | None = None
+) -> MemoryReport:
+    """Bytes held by ``module``'s parameters and buffers, their ``.grad``, ``optimizer``'s state and the sketcher."""
+    seen: set[tuple[str, int]] = set()
+    report = MemoryReport()
+    params = list(module.parameters())
+    report.weights = _storage_bytes(params, seen) + _storage_bytes(module.buffers(), seen)
+    report.gradients = _storage_bytes((p.grad for p in params if p.grad is not None), seen)
+    if optimizer is not None:
+        state_tensors = [
+            v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+        ]
+        report.optimizer_state = _storage_bytes(state_tensors, seen)
+    if sketcher is not None:
+        report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
+        report.projections = _storage_bytes((m.projection for m in sketcher.matrices.values()), seen)
+        report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)
+        report.dense_gradient_equivalent = sum(m.d_out * m.d_in * 4 for m in sketcher.matrices.values())
+    return report

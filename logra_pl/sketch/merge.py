@@ -1,0 +1,69 @@
+"""Merging a factor into a weight (SPEC §5): ``W ← W − F P`` with ``F = bf16(U·α)``, in row chunks.
+
+Works on any row range of ``W``: a rank holding rows ``[o, o+n)`` of a dim-0 shard passes those rows and
+``row_offset=o`` and gets exactly the rows a whole-matrix merge would produce. Exactness: the product
+``F P`` is formed in float64 from the low-precision factor, and Rademacher projections are applied as
+``±1`` signs times one scale, so every partial sum is exact and the result does not depend on how rows are
+chunked or sharded, nor on the BLAS kernel. ``W`` is rounded once, from float64 to its own dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from logra_pl.sketch.projection import make_projection
+
+
+def merge_operand(
+    seed: int, rank: int, d_in: int, distribution: str, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, float]:
+    """``(M, c)`` in float64 with ``P = c·M`` exactly as :func:`make_projection` draws it.
+
+    Rademacher: ``M`` holds ``±1`` and ``c = fp32(1/sqrt(r))`` (exact sums). Gaussian: ``M = P``, ``c = 1``.
+    """
+    proj = make_projection(seed, rank, d_in, distribution, device=device)
+    if distribution == "rademacher":
+        scale = float(proj[0, 0].abs())
+        return torch.sign(proj).to(torch.float64), scale
+    return proj.to(torch.float64), 1.0
+
+
+def merge_rows_(
+    weight_rows: torch.Tensor,
+    factor: torch.Tensor,
+    operand: torch.Tensor,
+    scale: float,
+    row_offset: int = 0,
+    chunk_rows: int = 256,
+) -> None:
+    """In place: ``weight_rows[i] -= (factor[row_offset + i] @ M) · c`` for every local row ``i``.
+
+    Arguments:
+        weight_rows: the local rows of ``W`` (the whole matrix, or one dim-0 shard).
+        factor: the full ``(d_out, r)`` factor ``bf16(U·α)``.
+        operand: ``M`` from :func:`merge_operand`, float64, ``(r, d_in)``.
+        scale: ``c`` from :func:`merge_operand`.
+        row_offset: global index of ``weight_rows[0]``.
+        chunk_rows: rows per chunk; bounds the temporary float64 ``chunk × d_in`` delta.
+    """
+    n = weight_rows.shape[0]
+    if row_offset < 0 or row_offset + n > factor.shape[0]:
+        raise ValueError(
+            f"rows [{row_offset}, {row_offset + n}) lie outside the factor's {factor.shape[0]} rows: "
+            "pass the shard's global row offset"
+        )
+    if weight_rows.shape[1] != operand.shape[1] or factor.shape[1] != operand.shape[0]:
+        raise ValueError(
+            f"shape mismatch: weight rows {tuple(weight_rows.shape)}, factor {tuple(factor.shape)}, "
+            f"projection {tuple(operand.shape)}"
+        )
+    operand = operand.to(weight_rows.device)
+    with torch.no_grad():
+        for start in range(0, n, chunk_rows):
+            stop = min(start + chunk_rows, n)
+            f = factor[row_offset + start : row_offset + stop].to(device=weight_rows.device, dtype=torch.float64)
+            delta = f @ operand
+            if scale != 1.0:
+                delta.mul_(scale)
+            rows = weight_rows[start:stop]
+            rows.copy_((rows.to(torch.float64) - delta).to(rows.dtype))

@@ -1,0 +1,170 @@
+"""The proposal and its compact payload (SPEC §5, §9): one object that is probed, merged and shipped.
+
+A :class:`Proposal` holds, per selected matrix, the fp32 update factor ``U`` (d_out × r) and the seed of its
+projection, plus the step multiplier ``alpha`` (nominally 1; the KL controller may change it). Turning it into
+a :class:`Payload` rounds ``U·α`` to ``factor_dtype`` (bf16): that payload is what the trainer merges *and*
+what the rollout engine receives, through the same :func:`apply_payload`, so both hold identical weights.
+The payload is ``O(d_out·r)`` per matrix plus a few integers, instead of ``d_out·d_in``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from logra_pl.sketch.merge import merge_operand, merge_rows_
+from logra_pl.sketch.projection import projection_seed
+from logra_pl.sketch.targets import canonical_name
+
+PAYLOAD_FORMAT = "logra-pl/payload/v1"
+
+
+@dataclass
+class MatrixProposal:
+    """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed``."""
+
+    factor: torch.Tensor  # U, fp32, (d_out, r)
+    seed: int
+    projection: torch.Tensor  # P, fp32, (r, d_in): kept for probing; never serialised
+
+
+@dataclass
+class Proposal:
+    """All matrices' update factors at one update index, and the step multiplier ``alpha``.
+
+    Arguments:
+        matrices: ``{canonical module name: MatrixProposal}``.
+        update_index: the update these projections belong to.
+        base_seed, rank, distribution, refresh: what a receiver needs to rebuild every ``P``.
+        factor_dtype: dtype ``U·α`` is rounded to in the payload.
+        alpha: step multiplier; 1 is the nominal step (SPEC §6 sets it from the predicted KL).
+        scale: the global scale ``c`` already folded into each ``U`` (diagnostics).
+    """
+
+    matrices: dict[str, MatrixProposal]
+    update_index: int
+    base_seed: int
+    rank: int
+    distribution: str
+    refresh: bool
+    factor_dtype: torch.dtype = torch.bfloat16
+    alpha: float = 1.0
+    scale: float = 1.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def to_payload(self, alpha: float | None = None) -> Payload:
+        """Round ``U·α`` (``alpha`` defaults to ``self.alpha``) to ``factor_dtype``: the exact merged update."""
+        a = self.alpha if alpha is None else float(alpha)
+        factors = {name: (m.factor * a).to(self.factor_dtype) for name, m in self.matrices.items()}
+        return Payload(
+            factors=factors,
+            update_index=self.update_index,
+            base_seed=self.base_seed,
+            rank=self.rank,
+            distribution=self.distribution,
+            refresh=self.refresh,
+            alpha=a,
+        )
+
+
+@dataclass
+class Payload:
+    """What is merged and shipped for one update: bf16 ``U·α`` per matrix plus the seeds' ingredients.
+
+    A receiver rebuilds each ``P`` from ``(base_seed, update_index, name)`` and applies ``W ← W − F P``.
+    """
+
+    factors: dict[str, torch.Tensor]
+    update_index: int
+    base_seed: int
+    rank: int
+    distribution: str
+    refresh: bool
+    alpha: float = 1.0
+
+    def seed(self, name: str) -> int:
+        """Seed of matrix ``name``'s projection (a fixed basis uses update index 0)."""
+        return projection_seed(self.base_seed, self.update_index if self.refresh else 0, name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of factor data (the part that scales with model size)."""
+        return sum(f.numel() * f.element_size() for f in self.factors.values())
+
+    def header(self) -> dict[str, Any]:
+        """The scalar fields, as JSON-able metadata."""
+        return {
+            "format": PAYLOAD_FORMAT,
+            "update_index": self.update_index,
+            "base_seed": self.base_seed,
+            "rank": self.rank,
+            "distribution": self.distribution,
+            "refresh": self.refresh,
+            "alpha": self.alpha,
+        }
+
+    def to_bytes(self) -> bytes:
+        """Serialise as safetensors (factors as tensors, scalars as JSON metadata)."""
+        tensors = {name: f.detach().contiguous().cpu() for name, f in self.factors.items()}
+        return st_save(tensors, metadata={"logra": json.dumps(self.header())})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Payload:
+        """Inverse of :meth:`to_bytes`; refuses bytes that are not a logra-pl payload."""
+        try:
+            tensors = st_load(data)
+            header_len = int.from_bytes(data[:8], "little")
+            meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+        except Exception as err:
+            raise ValueError(f"not a readable logra-pl payload (expected safetensors bytes): {err}") from err
+        header = json.loads(meta.get("logra", "{}"))
+        if header.get("format") != PAYLOAD_FORMAT:
+            raise ValueError(f"not a logra-pl payload (format {header.get('format')!r}, expected {PAYLOAD_FORMAT!r})")
+        header.pop("format")
+        return cls(factors=dict(tensors), **header)
+
+
+def weight_tensors(target: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{canonical module name: weight tensor}`` of a module's parameters or of a state dict's ``*.weight`` keys."""
+    items = target.named_parameters() if isinstance(target, nn.Module) else target.items()
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in items:
+        if key.endswith(".weight"):
+            out[canonical_name(key[: -len(".weight")])] = tensor
+    return out
+
+
+def apply_payload(
+    payload: Payload,
+    target: nn.Module | Mapping[str, torch.Tensor],
+    *,
+    row_offsets: Mapping[str, int] | None = None,
+    chunk_rows: int = 256,
+) -> list[str]:
+    """Apply ``W ← W − F P`` for every matrix of ``payload`` to ``target``, in place; return the names merged.
+
+    This is the one merge used by the trainer and by every receiver. ``target`` is a module or a state dict
+    (keys ``<module>.weight``, wrapper prefixes ignored). When ``target`` holds dim-0 shards, ``row_offsets``
+    gives each one's global first row. A matrix of the payload missing from ``target`` is an error.
+    """
+    weights = weight_tensors(target)
+    missing = [name for name in payload.factors if name not in weights]
+    if missing:
+        raise KeyError(
+            f"payload matrices {missing[:5]}{'...' if len(missing) > 5 else ''} are not in the target; "
+            "was the payload made for another model?"
+        )
+    for name, factor in payload.factors.items():
+        weight = weights[name]
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight
+        operand, scale = merge_operand(payload.seed(name), payload.rank, weight.shape[1], payload.distribution)
+        offset = 0 if row_offsets is None else int(row_offsets.get(name, 0))
+        merge_rows_(weight.data, factor, operand, scale, row_offset=offset, chunk_rows=chunk_rows)
+    return list(payload.factors)

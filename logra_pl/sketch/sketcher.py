@@ -1,0 +1,239 @@
+"""``LoGRASketcher``: attaches sketches to a model and turns them into merged, shippable updates.
+
+One update, in order (SPEC §3-5):
+
+1. forward/backward over the microbatches — the hooks fill each ``S = G Pᵀ``;
+2. (data-parallel callers all-reduce :meth:`LoGRASketcher.sketches` here);
+3. :meth:`propose` — non-finite guard, RowAdam/SGD directions, the global ``update_ratio`` scale → a
+   :class:`~logra_pl.sketch.payload.Proposal` (``alpha`` may now be set by a step controller);
+4. :meth:`apply` — ``proposal → payload`` (bf16 ``U·α``), merged with :func:`apply_payload`, the same function a
+   rollout engine uses; row statistics are committed; the next update's projections are drawn.
+   Or :meth:`skip` — nothing merged, the event counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from logra_pl.sketch.accumulate import MatrixSketch
+from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
+from logra_pl.sketch.payload import MatrixProposal, Payload, Proposal, apply_payload
+from logra_pl.sketch.projection import make_projection, projection_seed
+from logra_pl.sketch.targets import select_targets
+from logra_pl.sketch.update import lifted_sq_norm, ratio_scale, rowadam_direction, sgd_direction
+
+STATE_FORMAT = "logra-pl/sketcher/v1"
+
+
+class LoGRASketcher:
+    """The LoGRA state of one model: per-matrix sketches and projections, RowAdam row statistics, counters.
+
+    Arguments:
+        model: the policy; its selected ``nn.Linear`` weights get ``requires_grad=False`` and a sketch hook.
+        config: the LoGRA hyper-parameters.
+        freeze_rest: also set ``requires_grad=False`` on every other parameter (SPEC §1 default).
+    """
+
+    def __init__(self, model: nn.Module, config: LoGRAConfig | None = None, *, freeze_rest: bool = True) -> None:
+        self.model = model
+        self.config = config or LoGRAConfig()
+        self.update_index = 0
+        self.num_applied = 0
+        self.num_skipped = 0
+        self.last_skip_reason: str | None = None
+        self.row_offsets: dict[str, int] = {}
+        targets = select_targets(model, self.config.targets)
+        for name, linear in targets.items():
+            if self.config.rank > linear.in_features:
+                raise LoGRAConfigError(
+                    f"rank {self.config.rank} exceeds d_in={linear.in_features} of {name!r}: use rank <= "
+                    f"{min(m.in_features for m in targets.values())} for this model"
+                )
+        if freeze_rest:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        self.matrices: dict[str, MatrixSketch] = {}
+        for name, linear in targets.items():
+            linear.weight.requires_grad_(False)
+            matrix = MatrixSketch(name, linear, self.config.rank)
+            matrix.handle = linear.register_forward_hook(matrix.hook)
+            self.matrices[name] = matrix
+        self.row_stats: dict[str, torch.Tensor] = {
+            name: torch.zeros(m.d_out, 1, dtype=torch.float32, device=m.sketch.device)
+            for name, m in self.matrices.items()
+        }
+        self._pending_row_stats: dict[str, torch.Tensor] | None = None
+        self._install_projections()
+
+    # ----------------------------------------------------------------------------------------------- hooks
+    def detach(self) -> None:
+        """Remove every sketch hook (weights stay frozen)."""
+        for m in self.matrices.values():
+            if m.handle is not None:
+                m.handle.remove()
+                m.handle = None
+
+    def seed_for(self, name: str) -> int:
+        """Projection seed of matrix ``name`` at the current update (index 0 for a fixed basis)."""
+        return projection_seed(self.config.base_seed, self.update_index if self.config.refresh else 0, name)
+
+    def _install_projections(self) -> None:
+        for name, m in self.matrices.items():
+            seed = self.seed_for(name)
+            if seed != m.seed:
+                m.set_projection(make_projection(seed, self.config.rank, m.d_in, self.config.distribution), seed)
+
+    def sketches(self) -> dict[str, torch.Tensor]:
+        """``{name: S}`` — the buffers a data-parallel strategy all-reduces before :meth:`propose`."""
+        return {name: m.sketch for name, m in self.matrices.items()}
+
+    def zero_sketches(self) -> None:
+        """Reset every ``S`` to zero (start of an update)."""
+        for m in self.matrices.values():
+            m.sketch.zero_()
+
+    # ------------------------------------------------------------------------------------------- proposal
+    def weight_sq_norm(self) -> float:
+        """``Σ‖W‖²`` over the selected matrices held by this process (local shards for sharded weights)."""
+        total = 0.0
+        for m in self.matrices.values():
+            w = m.module.weight
+            w = w.to_local() if hasattr(w, "to_local") else w
+            total += float(w.detach().to(torch.float64).square().sum())
+        return total
+
+    def propose(self, grad_scale: float = 1.0, weight_sq_norm: float | None = None) -> Proposal | None:
+        """Form the proposal from the accumulated sketches, or skip the update and return ``None``.
+
+        Arguments:
+            grad_scale: multiplies every ``S`` first (e.g. ``1 / tokens`` for token-mean normalisation).
+            weight_sq_norm: ``Σ‖W‖²`` over all ranks when weights are sharded; defaults to the local sum.
+        """
+        cfg = self.config
+        bad = [name for name, m in self.matrices.items() if not torch.isfinite(m.sketch).all()]
+        if bad:
+            self.skip(f"non-finite sketch in {len(bad)} matrices, e.g. {bad[0]!r}")
+            return None
+        step = self.num_applied + 1
+        directions: dict[str, torch.Tensor] = {}
+        pending: dict[str, torch.Tensor] = {}
+        for name, m in self.matrices.items():
+            s = m.sketch * grad_scale if grad_scale != 1.0 else m.sketch
+            if cfg.update_rule == "rowadam":
+                directions[name], pending[name] = rowadam_direction(s, self.row_stats[name], step, cfg.beta2, cfg.eps)
+            else:
+                directions[name] = sgd_direction(s)
+        lifted = sum(float(lifted_sq_norm(d, self.matrices[n].projection)) for n, d in directions.items())
+        w_sq = self.weight_sq_norm() if weight_sq_norm is None else float(weight_sq_norm)
+        scale = ratio_scale(w_sq, lifted, cfg.update_ratio) if cfg.step_mode == "ratio" else cfg.lr
+        if not (math.isfinite(scale) and math.isfinite(lifted)):
+            self.skip(f"non-finite update scale (scale={scale}, Σ‖DP‖²={lifted})")
+            return None
+        matrices = {
+            name: MatrixProposal(factor=d.mul_(scale), seed=self.matrices[name].seed,
+                                 projection=self.matrices[name].projection)
+            for name, d in directions.items()
+        }
+        self._pending_row_stats = pending
+        return Proposal(
+            matrices=matrices,
+            update_index=self.update_index,
+            base_seed=cfg.base_seed,
+            rank=cfg.rank,
+            distribution=cfg.distribution,
+            refresh=cfg.refresh,
+            factor_dtype=cfg.factor_torch_dtype,
+            scale=scale,
+            stats={"weight_sq_norm": w_sq, "direction_sq_norm": lifted, "scale": scale},
+        )
+
+    def apply(self, proposal: Proposal, alpha: float | None = None) -> Payload | None:
+        """Merge ``proposal`` at multiplier ``alpha`` (default ``proposal.alpha``) and advance to the next update.
+
+        Returns the merged payload (what a rollout engine must receive), or ``None`` if the factors are not
+        finite — then nothing is merged and the skip is counted.
+        """
+        if proposal.update_index != self.update_index:
+            raise ValueError(
+                f"proposal for update {proposal.update_index} applied at update {self.update_index}: "
+                "form a new proposal with propose()"
+            )
+        payload = proposal.to_payload(alpha)
+        if not math.isfinite(payload.alpha) or not all(torch.isfinite(f).all() for f in payload.factors.values()):
+            self.skip(f"non-finite factors at alpha={payload.alpha}")
+            return None
+        weights = {f"{name}.weight": m.module.weight for name, m in self.matrices.items()}
+        apply_payload(payload, weights, row_offsets=self.row_offsets, chunk_rows=self.config.merge_chunk_rows)
+        if self._pending_row_stats:
+            for name, v in self._pending_row_stats.items():
+                self.row_stats[name].copy_(v)
+        self.num_applied += 1
+        self._advance()
+        return payload
+
+    def step(self, grad_scale: float = 1.0, alpha: float | None = None) -> Payload | None:
+        """:meth:`propose` then :meth:`apply`; ``None`` when the update was skipped."""
+        proposal = self.propose(grad_scale)
+        return None if proposal is None else self.apply(proposal, alpha)
+
+    def skip(self, reason: str) -> None:
+        """Drop this update: nothing merged, row statistics unchanged, the event counted, next projections drawn."""
+        self.num_skipped += 1
+        self.last_skip_reason = reason
+        self._advance()
+
+    def _advance(self) -> None:
+        self._pending_row_stats = None
+        self.update_index += 1
+        self.zero_sketches()
+        self._install_projections()
+
+    # ------------------------------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """All LoGRA state: config (base seed included), update index, counters and row statistics."""
+        return {
+            "format": STATE_FORMAT,
+            "config": self.config.to_dict(),
+            "update_index": self.update_index,
+            "num_applied": self.num_applied,
+            "num_skipped": self.num_skipped,
+            "row_stats": {name: v.detach().cpu().clone() for name, v in self.row_stats.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses a checkpoint whose structural config or matrices differ."""
+        if state.get("format") != STATE_FORMAT:
+            raise LoGRAConfigError(f"not a LoGRA sketcher state (format {state.get('format')!r})")
+        diff = self.config.structural_mismatch(state["config"])
+        if diff:
+            detail = "; ".join(f"{k}: checkpoint {a!r} vs current {b!r}" for k, (a, b) in diff.items())
+            raise LoGRAConfigError(
+                f"LoGRA checkpoint was written with a different config ({detail}): resume with the checkpoint's "
+                "values or start a fresh run"
+            )
+        saved = state["row_stats"]
+        if set(saved) != set(self.row_stats):
+            extra, absent = sorted(set(saved) - set(self.row_stats)), sorted(set(self.row_stats) - set(saved))
+            raise LoGRAConfigError(
+                f"LoGRA checkpoint matrices differ from this model's: only in checkpoint {extra[:3]}, "
+                f"only in model {absent[:3]}"
+            )
+        for name, v in saved.items():
+            if tuple(v.shape) != tuple(self.row_stats[name].shape):
+                raise LoGRAConfigError(
+                    f"row statistic of {name!r} has shape {tuple(v.shape)} in the checkpoint but "
+                    f"{tuple(self.row_stats[name].shape)} here: another model?"
+                )
+        for name, v in saved.items():
+            self.row_stats[name].copy_(v)
+        self.update_index = int(state["update_index"])
+        self.num_applied = int(state["num_applied"])
+        self.num_skipped = int(state["num_skipped"])
+        self._pending_row_stats = None
+        self.zero_sketches()
+        self._install_projections()
