@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny real transformers models, built offline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Build models into a per-session cache unless the caller chose one (CI reuses ~/.cache/logra-pl)."""
+    if "LOGRA_PL_CACHE" not in os.environ:
+        os.environ["LOGRA_PL_CACHE"] = str(tmp_path_factory.mktemp("logra-cache"))
+    return Path(os.environ["LOGRA_PL_CACHE"])
+
+
+def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: int) -> Qwen2ForCausalLM:
+    """A random tiny Qwen2 (2 layers, head_dim 64, grouped-query attention) in eval mode (no dropout)."""
+    kwargs = dict(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**kwargs)).to(dtype)
+    return model.eval()
+
+
+@pytest.fixture
+def qwen2_factory():
+    """Build tiny random Qwen2 models: ``qwen2_factory(seed=..., **config_overrides)``."""
+    return tiny_qwen2
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(_cache_dir: Path) -> Path:
+    """The ``tiny`` preset built once per session (tokenizer trained on reasoning-gym text)."""
+    from logra_pl.models import build_tiny_model
+
+    return build_tiny_model("tiny")
