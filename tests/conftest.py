@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
+# Before transformers/huggingface_hub are imported: they read these once, at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
