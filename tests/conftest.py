@@ -9,9 +9,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -84,8 +84,9 @@ class TinyModelSpec:
 # Named sizes for configs and the CLI: ``tiny`` (~0.7M params) for tests and the CPU demo, ``small`` (~5M).
 PRESETS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
-    "small": TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
-                           vocab_size=1024),
+    "small": TinyModelSpec(
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024, vocab_size=1024
+    ),
 }
 
 

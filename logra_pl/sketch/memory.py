@@ -76,9 +76,7 @@ def memory_report(
     report.weights = _storage_bytes(params, seen) + _storage_bytes(module.buffers(), seen)
     report.gradients = _storage_bytes((p.grad for p in params if p.grad is not None), seen)
     if optimizer is not None:
-        state_tensors = [
-            v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
-        ]
+        state_tensors = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         report.optimizer_state = _storage_bytes(state_tensors, seen)
     if sketcher is not None:
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)

@@ -135,8 +135,9 @@ class LoGRASketcher:
             self.skip(f"non-finite update scale (scale={scale}, Σ‖DP‖²={lifted})")
             return None
         matrices = {
-            name: MatrixProposal(factor=d.mul_(scale), seed=self.matrices[name].seed,
-                                 projection=self.matrices[name].projection)
+            name: MatrixProposal(
+                factor=d.mul_(scale), seed=self.matrices[name].seed, projection=self.matrices[name].projection
+            )
             for name, d in directions.items()
         }
         self._pending_row_stats = pending

@@ -54,7 +54,9 @@ def lifted_sq_norm(direction: torch.Tensor, projection: torch.Tensor) -> torch.T
     return ((d64 @ (p64 @ p64.T)) * d64).sum()
 
 
-def ratio_scale(weight_sq_norm: float | torch.Tensor, lifted_sq_norm_total: float | torch.Tensor, ratio: float) -> float:
+def ratio_scale(
+    weight_sq_norm: float | torch.Tensor, lifted_sq_norm_total: float | torch.Tensor, ratio: float
+) -> float:
     """``c = update_ratio · sqrt(Σ‖W‖² / Σ‖D P‖²)`` so that ``‖c·D P‖ = update_ratio·‖W‖`` over all matrices.
 
     A zero total direction (all sketches zero) gives ``c = 0``: no step, never ``0·inf``.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from logra_pl.models import PolicyLoadError, load_policy, resolve_source
+from logra_pl.models import PolicyLoadError, load_policy
 
 
 def test_local_folder_and_tiny_alias(tiny_model_dir: Path) -> None:
@@ -50,8 +50,9 @@ torch.save(model.state_dict(), sys.argv[2])
 def _load_in_child(repo_id: str, home: Path, out: Path) -> subprocess.CompletedProcess:
     """huggingface_hub reads HF_HOME/HF_HUB_OFFLINE at import: a fresh process sees the environment we set."""
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", _HUB_CHILD, repo_id, str(out)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", _HUB_CHILD, repo_id, str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_hub_id_from_local_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -74,7 +75,7 @@ def test_uncached_hub_id_offline_is_a_clear_error(tmp_path: Path) -> None:
 def test_bad_paths(tmp_path: Path) -> None:
     with pytest.raises(PolicyLoadError, match="does not exist"):
         load_policy(tmp_path / "missing.gguf")
-    with pytest.raises(PolicyLoadError, match="no config.json"):
+    with pytest.raises(PolicyLoadError, match=r"no config\.json"):
         load_policy(tmp_path)
     with pytest.raises(PolicyLoadError, match="does not exist"):
         load_policy("./no/such/folder")
@@ -91,8 +92,9 @@ def test_gguf_smollm2() -> None:
     model, tok = load_policy("smollm2")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert next(model.parameters()).dtype == torch.float32
-    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
-                                  return_dict=True, return_tensors="pt")
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
     out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in answer

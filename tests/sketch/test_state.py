@@ -57,8 +57,12 @@ def test_state_holds_everything(qwen2_factory) -> None:
 
 @pytest.mark.parametrize(
     ("change", "word"),
-    [({"rank": 4}, "rank"), ({"base_seed": 1}, "base_seed"), ({"distribution": "gaussian"}, "distribution"),
-     ({"targets": ("q_proj", "v_proj")}, "targets")],
+    [
+        ({"rank": 4}, "rank"),
+        ({"base_seed": 1}, "base_seed"),
+        ({"distribution": "gaussian"}, "distribution"),
+        ({"targets": ("q_proj", "v_proj")}, "targets"),
+    ],
 )
 def test_mismatched_config_is_refused(qwen2_factory, change: dict, word: str) -> None:
     model = qwen2_factory(seed=2)
