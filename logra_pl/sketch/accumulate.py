@@ -41,7 +41,7 @@ class MatrixSketch:
         self.seed = -1
         # A grad-requiring leaf routed into SketchGrad so backward reaches the hook even when nothing
         # below this layer requires grad (frozen embeddings, SPEC §1). It never receives a gradient.
-        self.anchor = torch.zeros((), requires_grad=True)
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.handle: Any = None
 
     def set_projection(self, projection: torch.Tensor, seed: int) -> None:
@@ -90,5 +90,5 @@ class SketchGrad(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, output_tangent: torch.Tensor, *_: Any) -> torch.Tensor:
-        # Forward-mode AD (the KL probe) sees an identity.
-        return output_tangent
+        # Forward-mode AD (the KL probe) sees an identity; forward returned a view, so the tangent is one too.
+        return output_tangent.view_as(output_tangent)

@@ -119,3 +119,21 @@ def test_sketches_add_over_microbatches_and_reset(qwen2_factory) -> None:
     model(input_ids=b, labels=b).loss.backward()
     for name, s in sketcher.sketches().items():
         torch.testing.assert_close(s, one[name] + two[name], rtol=1e-5, atol=1e-7)
+
+
+def test_forward_mode_ad_passes_through() -> None:
+    """A JVP through sketched layers (what the KL probe runs) equals the JVP of the plain layers."""
+    import torch.autograd.forward_ad as fwad
+
+    plain = nn.Sequential()
+    plain.add_module("up_proj", nn.Linear(8, 6))
+    plain.add_module("act", nn.Tanh())
+    plain.add_module("down_proj", nn.Linear(6, 8))
+    sketched = copy.deepcopy(plain)
+    LoGRASketcher(sketched, LoGRAConfig(targets=("up_proj", "down_proj"), rank=4))
+    x, tangent = torch.randn(3, 8), torch.randn(3, 8)
+    with fwad.dual_level():
+        out = sketched(fwad.make_dual(x, tangent))
+        got = fwad.unpack_dual(out).tangent
+    _, expected = torch.func.jvp(plain, (x,), (tangent,))
+    torch.testing.assert_close(got, expected)
