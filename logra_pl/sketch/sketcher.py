@@ -22,6 +22,7 @@ from torch import nn
 
 from logra_pl.sketch.accumulate import MatrixSketch
 from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
+from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.payload import MatrixProposal, Payload, Proposal, apply_payload
 from logra_pl.sketch.projection import make_projection, projection_seed
 from logra_pl.sketch.targets import select_targets
@@ -102,8 +103,7 @@ class LoGRASketcher:
         """``Σ‖W‖²`` over the selected matrices held by this process (local shards for sharded weights)."""
         total = 0.0
         for m in self.matrices.values():
-            w = m.module.weight
-            w = w.to_local() if hasattr(w, "to_local") else w
+            w = local_tensor(m.module.weight)
             total += float(w.detach().to(torch.float64).square().sum())
         return total
 
