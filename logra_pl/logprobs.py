@@ -1,0 +1,76 @@
+"""Trainer-side log-probs of sampled responses: the π_train of the losses and of the mismatch estimate."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedResponses:
+    """Prompt+response rows right-padded into one batch, and where each response token sits.
+
+    ``input_ids``/``attention_mask``/``position_ids``: ``(B, T)``; ``response_mask``: ``(B, R)`` with
+    ``R = max response length``; ``targets``: the response tokens ``(B, R)`` (0 where padded);
+    ``starts[b]``: index in ``input_ids`` of the position whose logits predict response token 0.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    response_mask: torch.Tensor
+    starts: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Response lengths ``(B,)``."""
+        return self.response_mask.sum(dim=1)
+
+    def to(self, device: torch.device | str) -> PackedResponses:
+        """The same batch on ``device``."""
+        return PackedResponses(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def pack_responses(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int
+) -> PackedResponses:
+    """Right-pad ``prompt + response`` rows; positions count from 0 in every row (no left padding)."""
+    rows = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    width = max(len(r) for r in rows)
+    r_width = max(max((len(r) for r in responses), default=0), 1)
+    batch = len(rows)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    targets = torch.zeros((batch, r_width), dtype=torch.long)
+    response_mask = torch.zeros((batch, r_width), dtype=torch.float32)
+    for b, (row, resp) in enumerate(zip(rows, responses, strict=True)):
+        input_ids[b, : len(row)] = torch.tensor(row)
+        attention[b, : len(row)] = 1
+        if resp:
+            targets[b, : len(resp)] = torch.tensor(list(resp))
+            response_mask[b, : len(resp)] = 1.0
+    starts = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
+    positions = torch.arange(width).unsqueeze(0).expand(batch, width).contiguous()
+    return PackedResponses(input_ids, attention, positions, targets, response_mask, starts)
+
+
+def response_logprobs(model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / T)`` of each response token, ``(B, R)``, zero where padded.
+
+    Runs with whatever grad mode the caller set: under ``torch.no_grad`` for the pre-update π_train, with
+    grad for the loss. Only the response positions' logits are gathered, so the ``(B, T, V)`` log-softmax is
+    never materialised beyond the logits the model returns.
+    """
+    out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids)
+    logits = out.logits
+    r_width = packed.targets.shape[1]
+    index = packed.starts.unsqueeze(1) + torch.arange(r_width, device=logits.device).unsqueeze(0)
+    index = index.clamp(max=logits.shape[1] - 1)
+    picked = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    if temperature not in (0.0, 1.0):
+        picked = picked / temperature
+    logp = torch.log_softmax(picked.float(), dim=-1).gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+    return logp * packed.response_mask

@@ -1,0 +1,88 @@
+"""The rollout-engine contract: sample responses with exact log-probs, and receive weight updates."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from logra_pl.sketch.payload import Payload
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled.
+
+    Arguments:
+        n: responses per prompt.
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus mass kept (1.0 keeps the full distribution).
+        max_new_tokens: response length limit; a response that hits it is truncated.
+        seed: seed of this call's sampling generator (the engine derives per-call seeds from it).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"responses per prompt n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Rollout:
+    """Responses of one generate call, one row per response (prompt ``i`` repeated ``n`` times in a row).
+
+    ``logprobs[k][j]`` is the log-probability of ``response_ids[k][j]`` under the distribution the engine
+    actually sampled from (after temperature and top-p); for greedy decoding, under the raw logits.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[FinishReason]
+    prompt_index: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def truncated(self) -> list[bool]:
+        """Responses that hit ``max_new_tokens`` without an EOS."""
+        return [r == "length" for r in self.finish_reasons]
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Tokens generated over all responses."""
+        return sum(len(r) for r in self.response_ids)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine (HF transformers here, vLLM in :mod:`logra_pl.rollout`)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> Rollout:
+        """Sample ``sampling.n`` responses for each tokenized prompt."""
+        ...
+
+    def apply_payload(self, payload: Payload) -> None:
+        """Apply a LoGRA factor payload (``W ← W − F P``) to the engine's weights."""
+        ...
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite the named tensors (full sync) in the engine's weights."""
+        ...
