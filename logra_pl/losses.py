@@ -50,9 +50,7 @@ class RunningBaseline:
         rewards = rewards.to(torch.float64)
         if self.mode == "reward":
             return rewards
-        return torch.where(rewards >= self.success_threshold, self.success_value, self.failure_value).to(
-            torch.float64
-        )
+        return torch.where(rewards >= self.success_threshold, self.success_value, self.failure_value).to(torch.float64)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """``A = outcome − b`` with the current ``b``, then update ``b`` from this batch's mean outcome."""

@@ -25,32 +25,19 @@ import torch
 from logra_pl.models import load_policy
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, apply_payload, memory_report
 from logra_pl.sketch.memory import MiB
+from logra_pl.warm_start import answer_batch
+
+SMALL_CHAIN_SUM = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 
 
-def chain_sum_batches(tokenizer, n: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chat-formatted chain_sum problems with their answers; labels mask everything but the answer tokens."""
-    data = reasoning_gym.create_dataset(
-        "chain_sum", size=n, seed=seed, min_terms=2, max_terms=3, min_digits=1, max_digits=1
-    )
-    rows, labels = [], []
-    for item in data:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": item["question"]}], add_generation_prompt=True, tokenize=False
-        )
-        p_ids = tokenizer(prompt).input_ids
-        a_ids = tokenizer(str(item["answer"]) + tokenizer.eos_token).input_ids
-        rows.append(p_ids + a_ids)
-        labels.append([-100] * len(p_ids) + a_ids)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-    lab = torch.tensor([[-100] * (width - len(r)) + r for r in labels], device=device)
-    return ids, lab
+def chain_sum_batch(tokenizer, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` chat-formatted chain_sum problems with their answers (loss on answer tokens only)."""
+    return answer_batch(tokenizer, reasoning_gym.create_dataset("chain_sum", size=n, seed=seed, **SMALL_CHAIN_SUM))
 
 
-def answer_loss(model, ids: torch.Tensor, labels: torch.Tensor, pad_id: int) -> torch.Tensor:
+def answer_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Token-mean cross-entropy on the answer tokens; left padding is masked out of attention."""
-    return model(input_ids=ids, attention_mask=(ids != pad_id).long(), labels=labels).loss
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,15 +66,15 @@ def main(argv: list[str] | None = None) -> None:
         f"({sketched / 1e6:.2f}M weights) at rank {cfg.rank}, {cfg.update_rule}, {cfg.distribution} projections"
     )
 
-    eval_ids, eval_labels = chain_sum_batches(tok, 256, seed=10_000 + args.seed, device=torch.device("cpu"))
+    eval_batch = chain_sum_batch(tok, 256, seed=10_000 + args.seed)
     with torch.no_grad():
-        loss_before = float(answer_loss(model, eval_ids, eval_labels, tok.pad_token_id))
+        loss_before = float(answer_loss(model, *eval_batch))
 
     shipped = 0
     for update in range(args.updates):
-        ids, labels = chain_sum_batches(tok, args.batch, seed=args.seed * 100_003 + update, device=eval_ids.device)
-        for mb_ids, mb_labels in zip(ids.chunk(args.microbatches), labels.chunk(args.microbatches), strict=True):
-            (answer_loss(model, mb_ids, mb_labels, tok.pad_token_id) / args.microbatches).backward()
+        batch = chain_sum_batch(tok, args.batch, seed=args.seed * 100_003 + update)
+        for mb in zip(*(t.chunk(args.microbatches) for t in batch), strict=True):
+            (answer_loss(model, *mb) / args.microbatches).backward()
         if update == 0:
             mem = memory_report(model, sketcher=sketcher)
         payload = sketcher.step()
@@ -98,11 +85,11 @@ def main(argv: list[str] | None = None) -> None:
         apply_payload(payload, receiver)
         if update % 20 == 0 or update == args.updates - 1:
             with torch.no_grad():
-                loss = float(answer_loss(model, ids, labels, tok.pad_token_id))
+                loss = float(answer_loss(model, *batch))
             print(f"update {update:3d}: train answer loss {loss:.4f}")
 
     with torch.no_grad():
-        loss_after = float(answer_loss(model, eval_ids, eval_labels, tok.pad_token_id))
+        loss_after = float(answer_loss(model, *eval_batch))
     identical = all(
         torch.equal(a, b) for a, b in zip(model.state_dict().values(), receiver.state_dict().values(), strict=True)
     )

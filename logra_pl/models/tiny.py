@@ -20,7 +20,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from logra_pl.models.tokenizer import DEFAULT_CORPUS_TASKS, reasoning_gym_corpus, train_bpe_tokenizer
 
-BUILD_VERSION = 1  # bump when the build procedure changes, so cached folders are rebuilt
+BUILD_VERSION = 2  # bump when the build procedure changes, so cached folders are rebuilt
 
 
 @dataclass(frozen=True)

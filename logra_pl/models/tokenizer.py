@@ -56,7 +56,11 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrain
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for a byte-level BPE, got {vocab_size}")
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits are split one by one (as Llama/Qwen-style tokenizers do): numbers become sequences of digit
+    # tokens, which a tiny model can learn arithmetic on; merged multi-digit tokens it cannot.
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     core.decoder = decoders.ByteLevel()
     core.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(

@@ -66,16 +66,14 @@ class HFEngine:
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy the named tensors (``<module>.weight`` etc., wrapper prefixes ignored) into the engine's model."""
-        own = dict(self.model.named_parameters())
-        own.update(dict(self.model.named_buffers()))
-        by_name = {k: v for k, v in own.items()}
+        by_name = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         canon = weight_tensors(self.model)
         with torch.no_grad():
             for key, value in tensors.items():
                 if key in by_name:
-                    by_name[key].copy_(value)
+                    by_name[key].data.copy_(value)
                 elif key.endswith(".weight") and key[: -len(".weight")] in canon:
-                    canon[key[: -len(".weight")]].copy_(value)
+                    canon[key[: -len(".weight")]].data.copy_(value)
                 else:
                     raise KeyError(f"engine model has no tensor {key!r}")
 
@@ -122,8 +120,9 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
         logits = out.logits[:, -1, :]
         batch = len(rows)
         done = torch.zeros(batch, dtype=torch.bool)
@@ -145,8 +144,13 @@ class HFEngine:
                 break
             tok = torch.where(done.to(device), torch.full_like(tok, self.pad_token_id), tok)
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-            out = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(
+                input_ids=tok.unsqueeze(1),
+                attention_mask=mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         return tokens, lps, reasons

@@ -13,6 +13,7 @@ DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gat
 Distribution = Literal["rademacher", "gaussian"]
 UpdateRule = Literal["rowadam", "sgd"]
 StepMode = Literal["ratio", "lr"]
+RatioScope = Literal["global", "matrix"]
 
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -39,7 +40,10 @@ class LoGRAConfig:
         beta2: RowAdam's EMA factor for the row statistic.
         eps: RowAdam's denominator floor, relative to the mean row root.
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``.
-        update_ratio: relative nominal step size ``‖ΔW‖/‖W‖`` summed over all selected matrices (ratio mode).
+        update_ratio: relative nominal step size ``‖ΔW‖/‖W‖`` (ratio mode).
+        ratio_scope: ``"global"`` (SPEC §4: one scale over all selected matrices together) or ``"matrix"`` (each
+            matrix gets ``‖ΔW_i‖ = update_ratio·‖W_i‖``, a layer-wise trust ratio; it learns markedly faster on
+            the tiny CPU models, where a global scale starves the layers with small gradients).
         lr: learning rate (lr mode only).
         factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
         merge_chunk_rows: rows merged per chunk, bounding the temporary ``rows × d_in`` delta.
@@ -55,6 +59,7 @@ class LoGRAConfig:
     eps: float = 1e-8
     step_mode: StepMode = "ratio"
     update_ratio: float = 6e-5
+    ratio_scope: RatioScope = "global"
     lr: float = 1e-4
     factor_dtype: str = "bfloat16"
     merge_chunk_rows: int = 256
@@ -73,6 +78,8 @@ class LoGRAConfig:
             raise LoGRAConfigError(f"unknown update_rule {self.update_rule!r}: use 'rowadam' or 'sgd'")
         if self.step_mode not in ("ratio", "lr"):
             raise LoGRAConfigError(f"unknown step_mode {self.step_mode!r}: use 'ratio' or 'lr'")
+        if self.ratio_scope not in ("global", "matrix"):
+            raise LoGRAConfigError(f"unknown ratio_scope {self.ratio_scope!r}: use 'global' or 'matrix'")
         if not 0.0 <= self.beta2 < 1.0:
             raise LoGRAConfigError(f"beta2 must lie in [0, 1), got {self.beta2!r}")
         if self.eps < 0:

@@ -45,7 +45,9 @@ class Proposal:
         base_seed, rank, distribution, refresh: what a receiver needs to rebuild every ``P``.
         factor_dtype: dtype ``U·α`` is rounded to in the payload.
         alpha: step multiplier; 1 is the nominal step (SPEC §6 sets it from the predicted KL).
-        scale: the global scale ``c`` already folded into each ``U`` (diagnostics).
+        scale: the global scale ``c`` already folded into each ``U`` (NaN when scales differ per matrix).
+        stats: norms that went into ``scale`` (diagnostics).
+        veto: set by :meth:`skip`: the update is then skipped and counted instead of merged.
     """
 
     matrices: dict[str, MatrixProposal]
@@ -58,6 +60,11 @@ class Proposal:
     alpha: float = 1.0
     scale: float = 1.0
     stats: dict[str, float] = field(default_factory=dict)
+    veto: str | None = None
+
+    def skip(self, reason: str) -> None:
+        """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
+        self.veto = reason
 
     def to_payload(self, alpha: float | None = None) -> Payload:
         """Round ``U·α`` (``alpha`` defaults to ``self.alpha``) to ``factor_dtype``: the exact merged update."""

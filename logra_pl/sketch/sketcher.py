@@ -99,20 +99,19 @@ class LoGRASketcher:
             m.sketch.zero_()
 
     # ------------------------------------------------------------------------------------------- proposal
-    def weight_sq_norm(self) -> float:
-        """``Σ‖W‖²`` over the selected matrices held by this process (local shards for sharded weights)."""
-        total = 0.0
-        for m in self.matrices.values():
-            w = local_tensor(m.module.weight)
-            total += float(w.detach().to(torch.float64).square().sum())
-        return total
+    def weight_sq_norms(self) -> dict[str, float]:
+        """``‖W_i‖²`` of every selected matrix, over the rows this process holds (local shards when sharded)."""
+        return {
+            name: float(local_tensor(m.module.weight).detach().to(torch.float64).square().sum())
+            for name, m in self.matrices.items()
+        }
 
-    def propose(self, grad_scale: float = 1.0, weight_sq_norm: float | None = None) -> Proposal | None:
+    def propose(self, grad_scale: float = 1.0, weight_sq_norms: Mapping[str, float] | None = None) -> Proposal | None:
         """Form the proposal from the accumulated sketches, or skip the update and return ``None``.
 
         Arguments:
             grad_scale: multiplies every ``S`` first (e.g. ``1 / tokens`` for token-mean normalisation).
-            weight_sq_norm: ``Σ‖W‖²`` over all ranks when weights are sharded; defaults to the local sum.
+            weight_sq_norms: ``{name: ‖W_i‖²}`` summed over ranks when weights are sharded; default: local.
         """
         cfg = self.config
         bad = [name for name, m in self.matrices.items() if not torch.isfinite(m.sketch).all()]
@@ -128,19 +127,25 @@ class LoGRASketcher:
                 directions[name], pending[name] = rowadam_direction(s, self.row_stats[name], step, cfg.beta2, cfg.eps)
             else:
                 directions[name] = sgd_direction(s)
-        lifted = sum(float(lifted_sq_norm(d, self.matrices[n].projection)) for n, d in directions.items())
-        w_sq = self.weight_sq_norm() if weight_sq_norm is None else float(weight_sq_norm)
-        scale = ratio_scale(w_sq, lifted, cfg.update_ratio) if cfg.step_mode == "ratio" else cfg.lr
-        if not (math.isfinite(scale) and math.isfinite(lifted)):
-            self.skip(f"non-finite update scale (scale={scale}, Σ‖DP‖²={lifted})")
+        lifted = {n: float(lifted_sq_norm(d, self.matrices[n].projection)) for n, d in directions.items()}
+        w_sq = dict(self.weight_sq_norms() if weight_sq_norms is None else weight_sq_norms)
+        if cfg.step_mode == "lr":
+            scales = dict.fromkeys(directions, cfg.lr)
+        elif cfg.ratio_scope == "global":
+            scales = dict.fromkeys(directions, ratio_scale(sum(w_sq.values()), sum(lifted.values()), cfg.update_ratio))
+        else:
+            scales = {n: ratio_scale(w_sq[n], lifted[n], cfg.update_ratio) for n in directions}
+        if not all(math.isfinite(c) for c in scales.values()) or not all(math.isfinite(v) for v in lifted.values()):
+            self.skip(f"non-finite update scale (Σ‖DP‖²={sum(lifted.values())})")
             return None
         matrices = {
             name: MatrixProposal(
-                factor=d.mul_(scale), seed=self.matrices[name].seed, projection=self.matrices[name].projection
+                factor=d.mul_(scales[name]), seed=self.matrices[name].seed, projection=self.matrices[name].projection
             )
             for name, d in directions.items()
         }
         self._pending_row_stats = pending
+        scale = next(iter(scales.values())) if len(set(scales.values())) == 1 else float("nan")
         return Proposal(
             matrices=matrices,
             update_index=self.update_index,
@@ -150,7 +155,7 @@ class LoGRASketcher:
             refresh=cfg.refresh,
             factor_dtype=cfg.factor_torch_dtype,
             scale=scale,
-            stats={"weight_sq_norm": w_sq, "direction_sq_norm": lifted, "scale": scale},
+            stats={"weight_sq_norm": sum(w_sq.values()), "direction_sq_norm": sum(lifted.values())},
         )
 
     def apply(self, proposal: Proposal, alpha: float | None = None) -> Payload | None:
@@ -164,6 +169,9 @@ class LoGRASketcher:
                 f"proposal for update {proposal.update_index} applied at update {self.update_index}: "
                 "form a new proposal with propose()"
             )
+        if proposal.veto is not None:
+            self.skip(proposal.veto)
+            return None
         payload = proposal.to_payload(alpha)
         if not math.isfinite(payload.alpha) or not all(torch.isfinite(f).all() for f in payload.factors.values()):
             self.skip(f"non-finite factors at alpha={payload.alpha}")

@@ -152,3 +152,14 @@ def test_non_finite_alpha_skips_merge(qwen2_factory) -> None:
     assert sketcher.apply(proposal, alpha=float("nan")) is None
     assert sketcher.num_skipped == 1
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_matrix_ratio_scope_gives_every_matrix_the_same_relative_step(qwen2_factory) -> None:
+    model = qwen2_factory(seed=6)
+    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, update_ratio=1e-3, ratio_scope="matrix"))
+    _fill(sketcher, torch.Generator().manual_seed(6))
+    before = {n: m.module.weight.detach().double().clone() for n, m in sketcher.matrices.items()}
+    assert sketcher.step() is not None
+    for n, m in sketcher.matrices.items():
+        rel = float((m.module.weight.double() - before[n]).norm() / before[n].norm())
+        assert math.isclose(rel, 1e-3, rel_tol=1e-2), n

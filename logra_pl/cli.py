@@ -1,0 +1,48 @@
+"""``logra-pl``: the LightningCLI entry point (``logra-pl fit --config configs/tiny_cpu.yaml``)."""
+
+from __future__ import annotations
+
+import os
+
+from lightning.pytorch.cli import LightningCLI
+
+from logra_pl.data import ReasoningGymDataModule
+from logra_pl.module import LoGRAPolicyModule
+
+TRAINER_DEFAULTS = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "runs", "name": "logra"},
+    },
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 0,
+}
+
+
+class LoGRACLI(LightningCLI):
+    """LightningCLI for :class:`LoGRAPolicyModule` and :class:`ReasoningGymDataModule`.
+
+    TensorBoard logging under ``runs/`` by default; every run saves its resolved ``config.yaml`` next to its
+    event files (LightningCLI's ``SaveConfigCallback``).
+    """
+
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            LoGRAPolicyModule,
+            ReasoningGymDataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+            auto_configure_optimizers=False,
+        )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    LoGRACLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

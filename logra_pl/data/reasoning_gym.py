@@ -1,0 +1,162 @@
+"""``ReasoningGymDataModule``: weighted task mixtures of reasoning-gym problems as chat prompts.
+
+Items are reasoning-gym entries (``question``, ``answer``, ``metadata``) plus ``messages``, the chat the
+policy sees (an optional system prompt, then the question). Eval problems are drawn first, from their own
+seed; training problems exclude every eval question, and each split holds no duplicate question.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import reasoning_gym
+import torch
+from reasoning_gym.factory import DATASETS
+from torch.utils.data import DataLoader
+
+# How many candidates to draw per wanted item before giving up on small problem spaces.
+_OVERDRAW = 4
+
+
+def _task_seed(seed: int, task: str, split: str) -> int:
+    digest = hashlib.blake2b(f"{task}/{split}".encode(), digest_size=4).digest()
+    return (seed * 1_000_003 + int.from_bytes(digest, "little")) % 2**31
+
+
+def _listify(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return items
+
+
+class ReasoningGymDataModule(pl.LightningDataModule):
+    """Prompts from a weighted mixture of reasoning-gym tasks.
+
+    Arguments:
+        tasks: ``{task name: {"weight": w, "config": {...}}}`` (or a list of names, weight 1, default config).
+        train_size: training problems in total, split across tasks by weight.
+        eval_size: evaluation problems in total, split likewise.
+        prompts_per_step: prompts per policy update (the training batch size).
+        eval_batch_size: prompts per validation batch.
+        seed: data seed (problems, split, shuffling).
+        system_prompt: optional system message; a key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` is expanded.
+        num_workers: DataLoader workers (0: in the main process).
+    """
+
+    def __init__(
+        self,
+        tasks: Mapping[str, Mapping[str, Any]] | list[str] = ("chain_sum",),
+        train_size: int = 5000,
+        eval_size: int = 128,
+        prompts_per_step: int = 64,
+        eval_batch_size: int = 128,
+        seed: int = 0,
+        system_prompt: str | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        spec = {t: {} for t in tasks} if isinstance(tasks, list | tuple) else {k: dict(v) for k, v in tasks.items()}
+        unknown = sorted(t for t in spec if t not in DATASETS)
+        if unknown:
+            raise ValueError(f"unknown reasoning-gym task(s) {unknown}; available tasks: {sorted(DATASETS)}")
+        if not spec:
+            raise ValueError("no tasks given: name at least one reasoning-gym task")
+        for name, cfg in spec.items():
+            extra = set(cfg) - {"weight", "config"}
+            if extra:
+                raise ValueError(f"task {name!r}: unknown keys {sorted(extra)}; use 'weight' and 'config'")
+            if float(cfg.get("weight", 1.0)) <= 0:
+                raise ValueError(f"task {name!r}: weight must be > 0, got {cfg.get('weight')}")
+        if train_size < 1 or eval_size < 0 or prompts_per_step < 1 or eval_batch_size < 1:
+            raise ValueError("train_size, prompts_per_step and eval_batch_size must be >= 1, eval_size >= 0")
+        self.tasks = spec
+        self.train_size = train_size
+        self.eval_size = eval_size
+        self.prompts_per_step = prompts_per_step
+        self.eval_batch_size = eval_batch_size
+        self.seed = seed
+        self.system_prompt = reasoning_gym.utils.SYSTEM_PROMPTS.get(system_prompt, system_prompt)
+        self.num_workers = num_workers
+        self.train_items: list[dict[str, Any]] = []
+        self.eval_items: list[dict[str, Any]] = []
+
+    def _quota(self, total: int) -> dict[str, int]:
+        weights = {t: float(c.get("weight", 1.0)) for t, c in self.tasks.items()}
+        norm = sum(weights.values())
+        quota = {t: int(total * w / norm) for t, w in weights.items()}
+        leftover = total - sum(quota.values())
+        for t in sorted(weights, key=lambda k: -weights[k])[:leftover]:
+            quota[t] += 1
+        return quota
+
+    def _draw(self, task: str, want: int, split: str, exclude: set[str]) -> list[dict[str, Any]]:
+        if want == 0:
+            return []
+        config = dict(self.tasks[task].get("config", {}))
+        data = reasoning_gym.create_dataset(
+            task, size=want * _OVERDRAW, seed=_task_seed(self.seed, task, split), **config
+        )
+        out, seen = [], set(exclude)
+        for item in data:
+            if item["question"] in seen:
+                continue
+            seen.add(item["question"])
+            out.append(self.to_item(item))
+            if len(out) == want:
+                break
+        return out
+
+    def to_item(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        """A reasoning-gym entry plus its chat ``messages``."""
+        messages = [] if not self.system_prompt else [{"role": "system", "content": self.system_prompt}]
+        messages.append({"role": "user", "content": entry["question"]})
+        return {**entry, "messages": messages}
+
+    def setup(self, stage: str | None = None) -> None:
+        """Draw both splits (once); eval first so training can exclude its questions."""
+        if self.train_items:
+            return
+        eval_quota, train_quota = self._quota(self.eval_size), self._quota(self.train_size)
+        for task in self.tasks:
+            self.eval_items += self._draw(task, eval_quota[task], "eval", set())
+        eval_questions = {it["question"] for it in self.eval_items}
+        for task in self.tasks:
+            self.train_items += self._draw(task, train_quota[task], "train", eval_questions)
+        if len(self.train_items) < self.prompts_per_step:
+            raise ValueError(
+                f"only {len(self.train_items)} distinct training problems could be drawn from {sorted(self.tasks)} "
+                f"(after removing eval questions), fewer than prompts_per_step={self.prompts_per_step}: widen the "
+                "task configs, lower eval_size or prompts_per_step"
+            )
+
+    @property
+    def eval_questions(self) -> set[str]:
+        """Every evaluation question (kept out of training and of any warm start)."""
+        self.setup()
+        return {it["question"] for it in self.eval_items}
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled prompts, ``prompts_per_step`` per batch; every epoch reshuffles (seeded)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.train_items,
+            batch_size=self.prompts_per_step,
+            shuffle=True,
+            drop_last=True,
+            generator=gen,
+            collate_fn=_listify,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """All eval problems, in order."""
+        if not self.eval_items:
+            raise ValueError("eval_size is 0: there is nothing to validate on; set eval_size or limit_val_batches=0")
+        return DataLoader(
+            self.eval_items,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            collate_fn=_listify,
+            num_workers=self.num_workers,
+        )

@@ -1,0 +1,456 @@
+"""``LoGRAPolicyModule``: one ``training_step`` is one rollout and its policy update(s) (SPEC §8).
+
+Flow of a step: the rollout engine samples responses (token ids + the log-probs of what it sampled) →
+the verifier scores them → the running baseline gives advantages → the trainer's log-probs of the sampled
+tokens (no grad, pre-update) → microbatched loss + ``manual_backward`` → ``opt.step()`` (LoGRA: proposal →
+``on_before_optimizer_step`` callbacks → merge) → the engine receives the update. Callbacks read the step's
+data from :attr:`LoGRAPolicyModule.step_context`, never from each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics import MeanMetric
+
+from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
+from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, reinforce_tis_loss
+from logra_pl.models.load import load_policy
+from logra_pl.optim import AdamWConfig, LoGRAOptimizer
+from logra_pl.rewards import ReasoningGymVerifier
+from logra_pl.rollout.base import Rollout, SamplingConfig
+from logra_pl.rollout.hf import HFEngine
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm
+from logra_pl.warm_start import WarmStart, warm_start_policy
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class RolloutSettings:
+    """Sampling for training and validation.
+
+    Arguments:
+        responses_per_prompt: responses sampled per training prompt (SPEC §8: 1).
+        temperature: training sampling temperature ``T`` (SPEC §10: 1.0); log-probs use the same ``T``.
+        top_p: training nucleus mass (1.0 = full distribution).
+        max_new_tokens: response length limit; longer responses are truncated (and flagged).
+        val_temperature: validation temperature (0 = greedy).
+        val_top_p: validation nucleus mass.
+        val_responses: responses per validation problem (pass@1 averages over them).
+        max_batch: responses per engine forward batch.
+    """
+
+    responses_per_prompt: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    val_temperature: float = 0.7
+    val_top_p: float = 0.95
+    val_responses: int = 1
+    max_batch: int = 256
+
+
+@dataclass
+class LossConfig:
+    """The policy-gradient surrogate.
+
+    Arguments:
+        kind: ``"reinforce_tis"`` (SPEC §8 default) or ``"ppo"`` (clipped surrogate).
+        tis_cap: truncation of the rollout importance ratio (REINFORCE+TIS).
+        clip_eps: PPO ratio clip ``ε``.
+        ppo_epochs: passes over each rollout batch (PPO).
+        ppo_minibatches: updates per pass (PPO); each is one optimizer step.
+        length_reference: reweight each response by ``length_reference / L`` (SPEC §8 uses 1024); None: off.
+    """
+
+    kind: Literal["reinforce_tis", "ppo"] = "reinforce_tis"
+    tis_cap: float = 2.0
+    clip_eps: float = 0.2
+    ppo_epochs: int = 2
+    ppo_minibatches: int = 2
+    length_reference: float | None = None
+
+
+@dataclass
+class StepContext:
+    """What one training step produced, for callbacks (KL control, mismatch, sync) to read.
+
+    ``logp_rollout``/``logp_trainer``/``packed.response_mask`` are ``(N, R)`` over the ``N`` responses;
+    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update.
+    """
+
+    update_index: int
+    items: list[dict[str, Any]]
+    rollout: Rollout
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    packed: PackedResponses
+    logp_rollout: torch.Tensor
+    logp_trainer: torch.Tensor
+    temperature: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def eos_terminated(self) -> torch.Tensor:
+        """``(N,)`` bool: responses that ended with EOS (not truncated)."""
+        return torch.tensor([not t for t in self.rollout.truncated])
+
+
+class LoGRAPolicyModule(pl.LightningModule):
+    """RL post-training of a causal LM with LoGRA (or the dense AdamW baseline).
+
+    Arguments:
+        policy: ``tiny[:preset]``, ``smollm2``, a ``.gguf`` file, a ``save_pretrained`` folder or a hub id.
+        warm_start: optional supervised warm start (cached) before RL; eval questions are excluded.
+        optimizer: ``"logra"`` (sketches, merged updates) or ``"adamw"`` (dense baseline).
+        logra: LoGRA hyper-parameters (``optimizer="logra"``).
+        adamw: AdamW hyper-parameters and schedule (``optimizer="adamw"``).
+        loss: the surrogate.
+        baseline: the running baseline.
+        rollout: sampling settings.
+        microbatch_size: responses per forward/backward pass.
+        answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
+        dtype: parameter dtype of the policy (fp32 master weights by default).
+        seed: seed of sampling (mixed with the update index).
+    """
+
+    def __init__(
+        self,
+        policy: str = "tiny",
+        warm_start: WarmStart | None = None,
+        optimizer: Literal["logra", "adamw"] = "logra",
+        logra: LoGRAConfig | None = None,
+        adamw: AdamWConfig | None = None,
+        loss: LossConfig | None = None,
+        baseline: RunningBaseline | None = None,
+        rollout: RolloutSettings | None = None,
+        microbatch_size: int = 16,
+        answer_format: Literal["auto", "tags", "plain"] = "auto",
+        dtype: Literal["float32", "bfloat16", "float64"] = "float32",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if optimizer not in ("logra", "adamw"):
+            raise ValueError(f"unknown optimizer {optimizer!r}: use 'logra' or 'adamw'")
+        if microbatch_size < 1:
+            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.policy_source = policy
+        self.warm_start = warm_start
+        self.optimizer_name = optimizer
+        self.logra_config = logra or LoGRAConfig()
+        self.adamw_config = adamw or AdamWConfig()
+        self.loss_config = loss or LossConfig()
+        self.baseline = baseline or RunningBaseline()
+        self.rollout_settings = rollout or RolloutSettings()
+        self.microbatch_size = microbatch_size
+        self.verifier = ReasoningGymVerifier(answer_format)
+        self.dtype_name = dtype
+        self.seed = seed
+        self.policy: torch.nn.Module | None = None
+        self.tokenizer: Any = None
+        self.engine: HFEngine | None = None
+        self.sketcher: LoGRASketcher | None = None
+        self.step_context: StepContext | None = None
+        self.val_reward = MeanMetric()
+        self.val_pass1 = MeanMetric()
+
+    # ------------------------------------------------------------------------------------------- setup
+    def configure_model(self) -> None:
+        """Load the policy (after the optional warm start) and give the rollout engine its own copy."""
+        if self.policy is not None:
+            return
+        source = self.policy_source
+        if self.warm_start is not None:
+            dm = self._datamodule()
+            exclude = dm.eval_questions if dm is not None and hasattr(dm, "eval_questions") else set()
+            system = getattr(dm, "system_prompt", None)
+            source = str(warm_start_policy(source, self.warm_start, exclude, system))
+        model, tokenizer = load_policy(source, dtype=_DTYPES[self.dtype_name])
+        if tokenizer.chat_template is None:
+            raise ValueError(
+                f"the tokenizer of policy {source!r} has no chat template: prompts are chats; use an instruct "
+                "model or set tokenizer.chat_template in its folder"
+            )
+        self.policy = model
+        self.tokenizer = tokenizer
+        eos = {tokenizer.eos_token_id}
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
+        self.engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch=self.rollout_settings.max_batch)
+
+    def _datamodule(self) -> Any:
+        trainer = self._trainer
+        return getattr(trainer, "datamodule", None) if trainer is not None else None
+
+    def configure_optimizers(self) -> Any:
+        """LoGRA: attach sketches and wrap them as an optimizer. AdamW: the dense baseline and its schedule."""
+        self.configure_model()
+        if self.optimizer_name == "logra":
+            self.sketcher = LoGRASketcher(self.policy, self.logra_config)
+            return LoGRAOptimizer(self.sketcher)
+        cfg = self.adamw_config
+        if cfg.train_all:
+            params = [p for p in self.policy.parameters()]
+            for p in params:
+                p.requires_grad_(True)
+        else:
+            from logra_pl.sketch import select_targets
+
+            for p in self.policy.parameters():
+                p.requires_grad_(False)
+            params = [m.weight for m in select_targets(self.policy, self.logra_config.targets).values()]
+            for p in params:
+                p.requires_grad_(True)
+        opt, sched = cfg.build(params)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        """The engine samples on the trainer's device, from weights equal to the trainer's."""
+        self.sync_engine(full=True)
+
+    def on_validation_start(self) -> None:
+        """Validation samples from the engine too: make sure it holds the current weights."""
+        if self.engine is not None and next(self.engine.model.parameters()).device != self.device:
+            self.sync_engine(full=True)
+
+    # ----------------------------------------------------------------------------------------- rollout
+    def encode_prompts(self, items: list[dict[str, Any]]) -> list[list[int]]:
+        """Chat-template each item's ``messages`` and tokenize (no extra special tokens)."""
+        texts = [
+            self.tokenizer.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=False)
+            for it in items
+        ]
+        return [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+    def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> torch.Tensor:
+        """Verifier reward of every response, ``(N,)`` float64."""
+        texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        return torch.tensor(
+            [self.verifier(t, items[i]) for t, i in zip(texts, rollout.prompt_index, strict=True)],
+            dtype=torch.float64,
+        )
+
+    def _sampling_seed(self, split: str) -> int:
+        blob = f"{self.seed}/{split}/{self.global_step}".encode()
+        return int.from_bytes(hashlib.blake2b(blob, digest_size=6).digest(), "little")
+
+    @torch.no_grad()
+    def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
+        """The trainer's log-probs of the packed responses, microbatched, without grad."""
+        out = []
+        for rows in self._microbatches(list(range(packed.input_ids.shape[0]))):
+            out.append(response_logprobs(self.policy, _select(packed, rows).to(self.device), temperature))
+        return torch.cat(out).cpu()
+
+    def _microbatches(self, rows: list[int]) -> list[list[int]]:
+        return [rows[i : i + self.microbatch_size] for i in range(0, len(rows), self.microbatch_size)]
+
+    def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
+        """Rollout → rewards → advantages → pre-update trainer log-probs."""
+        rs = self.rollout_settings
+        prompts = self.encode_prompts(items)
+        sampling = SamplingConfig(
+            n=rs.responses_per_prompt,
+            temperature=rs.temperature,
+            top_p=rs.top_p,
+            max_new_tokens=rs.max_new_tokens,
+            seed=self._sampling_seed("train"),
+        )
+        rollout = self.engine.generate(prompts, sampling)
+        rewards = self.score(rollout, items)
+        advantages = self.baseline.advantages(rewards)
+        packed = pack_responses(rollout.prompt_ids, rollout.response_ids, self.tokenizer.pad_token_id)
+        t_logp = rs.temperature if rs.temperature > 0 else 1.0
+        logp_trainer = self.trainer_logprobs(packed, t_logp)
+        logp_rollout = torch.zeros_like(packed.response_mask)
+        for b, lp in enumerate(rollout.logprobs):
+            logp_rollout[b, : len(lp)] = torch.tensor(lp)
+        return StepContext(
+            update_index=self.global_step,
+            items=items,
+            rollout=rollout,
+            rewards=rewards,
+            advantages=advantages,
+            packed=packed,
+            logp_rollout=logp_rollout,
+            logp_trainer=logp_trainer,
+            temperature=t_logp,
+        )
+
+    # ---------------------------------------------------------------------------------------- training
+    def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+        """One rollout and its update(s): one for REINFORCE+TIS, ``epochs × minibatches`` for PPO."""
+        t0 = time.perf_counter()
+        ctx = self.make_step_context(batch)
+        self.step_context = ctx
+        t_rollout = time.perf_counter() - t0
+        rows = list(range(len(ctx.rollout)))
+        cfg = self.loss_config
+        if cfg.kind == "reinforce_tis":
+            plan = [rows]
+        else:
+            gen = torch.Generator().manual_seed(self._sampling_seed("ppo"))
+            plan = []
+            for _ in range(cfg.ppo_epochs):
+                perm = torch.randperm(len(rows), generator=gen).tolist()
+                size = math.ceil(len(rows) / cfg.ppo_minibatches)
+                plan += [perm[i : i + size] for i in range(0, len(perm), size)]
+        t_train = t_update = 0.0
+        losses, norms = [], []
+        for part in plan:
+            loss, dt_train, dt_update, norm = self._update(ctx, part)
+            losses.append(loss)
+            norms.append(norm)
+            t_train += dt_train
+            t_update += dt_update
+        step_s = time.perf_counter() - t0
+        lengths = ctx.packed.lengths
+        metrics = {
+            "train/reward_mean": float(ctx.rewards.mean()),
+            "train/baseline": self.baseline.value,
+            "train/advantage_mean": float(ctx.advantages.mean()),
+            "train/advantage_std": float(ctx.advantages.std()) if len(ctx.advantages) > 1 else 0.0,
+            "train/response_length": float(lengths.float().mean()),
+            "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
+            "train/loss": sum(losses) / len(losses),
+            "train/update_norm": norms[-1],
+            "time/rollout_s": t_rollout,
+            "time/train_s": t_train,
+            "time/update_s": t_update,
+            "time/tokens_per_s": ctx.rollout.num_response_tokens / max(step_s, 1e-9),
+            "time/step_s": step_s,
+            "verifier/errors": float(self.verifier.errors),
+        }
+        if self.sketcher is not None:
+            metrics["logra/skipped_updates"] = float(self.sketcher.num_skipped)
+        ctx.metrics.update(metrics)
+        bs = len(ctx.rollout)
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=bs)
+        self.log("reward", metrics["train/reward_mean"], prog_bar=True, logger=False, batch_size=bs)
+        self.log("step_s", step_s, prog_bar=True, logger=False, batch_size=bs)
+
+    def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
+        """Microbatched loss/backward over ``rows``, then one optimizer step and the engine sync."""
+        cfg = self.loss_config
+        opt = self.optimizers()
+        t0 = time.perf_counter()
+        num_tokens = int(ctx.packed.response_mask[rows].sum().item())
+        total = 0.0
+        for mb in self._microbatches(rows):
+            packed = _select(ctx.packed, mb).to(self.device)
+            logp = response_logprobs(self.policy, packed, ctx.temperature)
+            adv = ctx.advantages[mb].to(self.device)
+            weights = length_weights(packed.lengths, cfg.length_reference)
+            if cfg.kind == "reinforce_tis":
+                loss = reinforce_tis_loss(
+                    logp,
+                    ctx.logp_rollout[mb].to(self.device),
+                    adv,
+                    packed.response_mask,
+                    max(num_tokens, 1),
+                    weights,
+                    cfg.tis_cap,
+                )
+            else:
+                loss = ppo_clip_loss(
+                    logp,
+                    ctx.logp_trainer[mb].to(self.device),
+                    adv,
+                    packed.response_mask,
+                    max(num_tokens, 1),
+                    weights,
+                    cfg.clip_eps,
+                )
+            self.manual_backward(loss)
+            total += float(loss.detach())
+        t1 = time.perf_counter()
+        before = None
+        if self.optimizer_name == "adamw":
+            before = [p.detach().clone() for group in opt.optimizer.param_groups for p in group["params"]]
+        opt.step()
+        if self.optimizer_name == "adamw":
+            opt.zero_grad(set_to_none=True)
+            self.lr_schedulers().step()
+            params = [p for group in opt.optimizer.param_groups for p in group["params"]]
+            norm = math.sqrt(
+                sum(float((p.detach() - b).double().square().sum()) for p, b in zip(params, before, strict=True))
+            )
+        else:
+            norm = self._payload_norm(opt.optimizer)
+        self.sync_engine()
+        return total, t1 - t0, time.perf_counter() - t1, norm
+
+    @staticmethod
+    def _payload_norm(opt: LoGRAOptimizer) -> float:
+        """``‖ΔW‖_F`` of the merged update, from its factors (no dense product)."""
+        payload, proposal = opt.last_payload, opt.last_proposal
+        if payload is None or proposal is None:
+            return 0.0
+        total = sum(
+            float(lifted_sq_norm(f.float(), proposal.matrices[n].projection)) for n, f in payload.factors.items()
+        )
+        return math.sqrt(total)
+
+    def sync_engine(self, full: bool = False) -> None:
+        """Bring the engine to the trainer's weights: the merged payload (LoGRA) or the changed tensors."""
+        if self.engine is None or self.policy is None:
+            return
+        engine_device = next(self.engine.model.parameters()).device
+        if engine_device != self.device:
+            self.engine.model.to(self.device)
+            full = True
+        if full:
+            self.engine.load_weights(dict(self.policy.state_dict()))
+            return
+        if self.optimizer_name == "logra":
+            payload = self.optimizers().optimizer.last_payload
+            if payload is not None:
+                self.engine.apply_payload(payload)
+        else:
+            trained = {n: p.detach() for n, p in self.policy.named_parameters() if p.requires_grad}
+            self.engine.load_weights(trained)
+
+    # -------------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+        """Sample from the engine at the validation settings; accumulate mean reward and pass@1."""
+        rs = self.rollout_settings
+        sampling = SamplingConfig(
+            n=rs.val_responses,
+            temperature=rs.val_temperature,
+            top_p=rs.val_top_p,
+            max_new_tokens=rs.max_new_tokens,
+            seed=self._sampling_seed(f"val{batch_idx}"),
+        )
+        rollout = self.engine.generate(self.encode_prompts(batch), sampling)
+        rewards = self.score(rollout, batch)
+        self.val_reward.update(rewards.float())
+        self.val_pass1.update((rewards >= 1.0).float())
+        self.log("val/reward_mean", self.val_reward, on_step=False, on_epoch=True, batch_size=len(rewards))
+        self.log("val/pass@1", self.val_pass1, on_step=False, on_epoch=True, batch_size=len(rewards), prog_bar=True)
+
+    # -------------------------------------------------------------------------------------- checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Running-baseline value and verifier error count (the rest is in the optimizer state)."""
+        checkpoint["logra_pl"] = {"baseline": self.baseline.state_dict(), "verifier_errors": self.verifier.errors}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore :meth:`on_save_checkpoint`'s state."""
+        state = checkpoint.get("logra_pl")
+        if state:
+            self.baseline.load_state_dict(state["baseline"])
+            self.verifier.errors = int(state.get("verifier_errors", 0))
+
+
+def _select(packed: PackedResponses, rows: list[int]) -> PackedResponses:
+    """Rows of a packed batch (columns kept; all-padding tail columns are harmless)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    return PackedResponses(*(getattr(packed, f)[idx] for f in packed.__dataclass_fields__))

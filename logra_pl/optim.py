@@ -1,0 +1,106 @@
+"""Optimizers the policy module can use: ``LoGRAOptimizer`` (sketch core) and the dense AdamW baseline.
+
+``LoGRAOptimizer`` is a ``torch.optim.Optimizer`` so that Lightning treats it like any other: its ``step``
+forms the proposal *first*, then runs the closure — inside which Lightning fires ``on_before_optimizer_step``,
+so a callback sees (and may rescale or veto) ``optimizer.proposal`` — and only then merges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from logra_pl.sketch import LoGRASketcher, Payload, Proposal
+
+
+class LoGRAOptimizer(torch.optim.Optimizer):
+    """One LoGRA update per ``step()``: propose → closure (hooks) → merge, or skip.
+
+    Arguments:
+        sketcher: the model's :class:`LoGRASketcher` (hooks attached, sketches filled by backward).
+
+    After ``step()``: :attr:`last_payload` is the merged payload (``None`` if skipped) — what a rollout engine
+    must apply — and :attr:`last_proposal` the proposal it came from. ``grad_scale`` multiplies the sketches
+    before RowAdam (e.g. ``1/world_size`` after a sum all-reduce).
+    """
+
+    def __init__(self, sketcher: LoGRASketcher) -> None:
+        params = [m.module.weight for m in sketcher.matrices.values()]
+        super().__init__(params, defaults={})
+        self.sketcher = sketcher
+        self.proposal: Proposal | None = None
+        self.last_proposal: Proposal | None = None
+        self.last_payload: Payload | None = None
+        self.grad_scale = 1.0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Propose, run ``closure`` (Lightning's hooks), then merge the (possibly rescaled) proposal."""
+        self.proposal = self.sketcher.propose(grad_scale=self.grad_scale)
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        proposal, self.proposal = self.proposal, None
+        self.last_proposal = proposal
+        self.last_payload = None
+        if proposal is None:
+            return result
+        self.last_payload = self.sketcher.apply(proposal)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Sketches are reset after every update; nothing else holds gradients."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """All LoGRA state (row statistics, update index, counters, config)."""
+        return {"logra": self.sketcher.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (refuses a mismatched LoGRA config)."""
+        self.sketcher.load_state_dict(state_dict["logra"])
+
+
+@dataclass
+class AdamWConfig:
+    """The dense baseline of SPEC §10: AdamW, linear warmup, then cosine decay to ``min_lr_ratio``.
+
+    Arguments:
+        lr: peak learning rate.
+        betas: Adam's moment factors.
+        eps: Adam's epsilon.
+        weight_decay: decoupled weight decay.
+        warmup_steps: updates of linear warmup from 0.
+        decay_steps: updates (after warmup) of the cosine decay; constant at ``min_lr_ratio·lr`` after.
+        min_lr_ratio: final learning rate as a fraction of ``lr``.
+        train_all: train every parameter (embeddings, norms, head too); False trains the same matrices LoGRA
+            sketches, for a like-for-like comparison of the update rule alone.
+    """
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 9
+    decay_steps: int = 300
+    min_lr_ratio: float = 0.1
+    train_all: bool = False
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` after ``step`` completed updates (``LambdaLR`` semantics)."""
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        progress = min((step - self.warmup_steps) / max(self.decay_steps, 1), 1.0)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def build(self, params: list[torch.nn.Parameter]) -> tuple[torch.optim.AdamW, LambdaLR]:
+        """The optimizer and its per-update schedule."""
+        opt = torch.optim.AdamW(
+            params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
+        )
+        return opt, LambdaLR(opt, self.lr_factor)

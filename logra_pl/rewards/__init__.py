@@ -1,0 +1,5 @@
+"""Verifiers that turn responses into rewards in [0, 1]."""
+
+from logra_pl.rewards.reasoning_gym import ReasoningGymVerifier
+
+__all__ = ["ReasoningGymVerifier"]

@@ -1,0 +1,76 @@
+"""ReasoningGymDataModule: weighted, deduplicated, eval-disjoint chat prompts from real reasoning-gym tasks."""
+
+from __future__ import annotations
+
+import pytest
+
+from logra_pl.data import ReasoningGymDataModule
+
+SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+
+
+def test_mixture_sizes_dedup_and_disjoint_splits() -> None:
+    dm = ReasoningGymDataModule(
+        {"chain_sum": {"weight": 3.0, "config": SMALL}, "leg_counting": {"weight": 1.0}},
+        train_size=400,
+        eval_size=40,
+        prompts_per_step=16,
+        seed=3,
+        system_prompt="simple",
+    )
+    dm.setup()
+    tasks = [it["metadata"]["source_dataset"] for it in dm.train_items]
+    assert tasks.count("chain_sum") == 300 and tasks.count("leg_counting") == 100
+    assert len(dm.eval_items) == 40
+    train_q = [it["question"] for it in dm.train_items]
+    eval_q = [it["question"] for it in dm.eval_items]
+    assert len(set(train_q)) == len(train_q) and len(set(eval_q)) == len(eval_q)
+    assert not set(train_q) & set(eval_q)
+    first = dm.train_items[0]["messages"]
+    assert (first[0]["role"] == "system" and "think" in first[0]["content"].lower()) or first[0]["content"]
+    assert first[-1] == {"role": "user", "content": dm.train_items[0]["question"]}
+    batch = next(iter(dm.train_dataloader()))
+    assert isinstance(batch, list) and len(batch) == 16 and "answer" in batch[0]
+    assert len(next(iter(dm.val_dataloader()))) == 40
+
+
+def test_seeded_and_reproducible() -> None:
+    a = ReasoningGymDataModule(["chain_sum"], train_size=50, eval_size=10, prompts_per_step=8, seed=1)
+    b = ReasoningGymDataModule(["chain_sum"], train_size=50, eval_size=10, prompts_per_step=8, seed=1)
+    c = ReasoningGymDataModule(["chain_sum"], train_size=50, eval_size=10, prompts_per_step=8, seed=2)
+    for dm in (a, b, c):
+        dm.setup()
+    assert [i["question"] for i in a.train_items] == [i["question"] for i in b.train_items]
+    assert [i["question"] for i in a.train_items] != [i["question"] for i in c.train_items]
+    assert [x["question"] for x in next(iter(a.train_dataloader()))] == [
+        x["question"] for x in next(iter(b.train_dataloader()))
+    ]
+
+
+def test_unknown_task_lists_available() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown reasoning-gym task\(s\) \['chain_summ'\]; available tasks: .*chain_sum"
+    ):
+        ReasoningGymDataModule(["chain_summ"])
+
+
+def test_empty_dataset_is_a_clear_error() -> None:
+    # One-digit two-term sums have ~200 distinct questions; asking for more than exist after the eval split
+    # leaves fewer distinct training problems than one step needs.
+    tiny_space = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    dm = ReasoningGymDataModule(
+        {"chain_sum": {"config": tiny_space}}, train_size=500, eval_size=190, prompts_per_step=64
+    )
+    with pytest.raises(ValueError, match=r"only \d+ distinct training problems.*fewer than prompts_per_step=64"):
+        dm.setup()
+
+
+def test_bad_task_entries() -> None:
+    with pytest.raises(ValueError, match="unknown keys \\['wieght'\\]"):
+        ReasoningGymDataModule({"chain_sum": {"wieght": 2}})
+    with pytest.raises(ValueError, match="weight must be > 0"):
+        ReasoningGymDataModule({"chain_sum": {"weight": 0}})
+    with pytest.raises(ValueError, match="nothing to validate"):
+        dm = ReasoningGymDataModule(["chain_sum"], train_size=20, eval_size=0, prompts_per_step=4)
+        dm.setup()
+        dm.val_dataloader()
