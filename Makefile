@@ -6,12 +6,12 @@ TORCH ?= torch==2.13.0
 PIP = $(VENV)/bin/pip
 PY = $(VENV)/bin/python
 
-.PHONY: demo test lint clean
+.PHONY: demo smoke test lint clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
 
-# Core package only: enough for the sketch smoke run.
+# Core package only: enough for the CPU demo and the sketch smoke run.
 $(VENV)/.demo: pyproject.toml | $(VENV)/bin/activate
 	$(PIP) install $(TORCH) -e .
 	touch $@
@@ -24,7 +24,12 @@ $(VENV)/.test: pyproject.toml | $(VENV)/bin/activate
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@ $(VENV)/.demo
 
+# The main job: warm-start a tiny offline Qwen2, then LoGRA RL on reasoning-gym chain_sum (TensorBoard in runs/).
 demo: $(VENV)/.demo
+	$(VENV)/bin/logra-pl fit --config configs/tiny_cpu.yaml
+
+# Twenty seconds of the sketch core alone, with its memory and sync numbers.
+smoke: $(VENV)/.demo
 	$(PY) -m logra_pl.smoke
 
 lint: $(VENV)/.test

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,6 +29,10 @@ from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.hf import HFEngine
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm
 from logra_pl.warm_start import WarmStart, warm_start_policy
+
+# The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
+# or the importance ratios and the mismatch estimate measure dropout noise.
+warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import reasoning_gym
 
 from logra_pl.data import ReasoningGymDataModule
 
@@ -27,7 +28,7 @@ def test_mixture_sizes_dedup_and_disjoint_splits() -> None:
     assert len(set(train_q)) == len(train_q) and len(set(eval_q)) == len(eval_q)
     assert not set(train_q) & set(eval_q)
     first = dm.train_items[0]["messages"]
-    assert (first[0]["role"] == "system" and "think" in first[0]["content"].lower()) or first[0]["content"]
+    assert first[0] == {"role": "system", "content": reasoning_gym.utils.SYSTEM_PROMPTS["simple"]}
     assert first[-1] == {"role": "user", "content": dm.train_items[0]["question"]}
     batch = next(iter(dm.train_dataloader()))
     assert isinstance(batch, list) and len(batch) == 16 and "answer" in batch[0]
