@@ -1,5 +1,14 @@
-"""Lightning callbacks, each usable alone in any Trainer or YAML config."""
+"""Lightning callbacks, each usable alone in any Trainer or YAML config, in any order."""
 
+from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
+from logra_pl.callbacks.mismatch import RolloutMismatch, observed_mismatch
 from logra_pl.callbacks.summary import RunSummary
 
-__all__ = ["RunSummary"]
+__all__ = [
+    "BudgetSchedule",
+    "PredictedKLControl",
+    "RolloutMismatch",
+    "RunSummary",
+    "observed_mismatch",
+    "step_multiplier",
+]

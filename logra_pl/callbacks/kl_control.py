@@ -1,0 +1,245 @@
+"""``PredictedKLControl``: scale every proposal so its predicted KL fits a budget (SPEC §6)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from logra_pl.callbacks.mismatch import RolloutMismatch
+from logra_pl.sketch.probe import ProbeMode, logit_tangent, predicted_kl_terms, realized_kl_terms
+
+
+@dataclass
+class BudgetSchedule:
+    """KL budget per update ``n`` (from 1).
+
+    Arguments:
+        kind: ``cosine`` (δmax → δmin over ``horizon`` updates, then δmin), ``linear`` (likewise, straight),
+            ``constant`` (δmax), or ``none`` (no control: α = 1).
+        delta_max: budget at the first update.
+        delta_min: budget from update ``horizon`` on.
+        horizon: updates of the anneal ``H``.
+    """
+
+    kind: Literal["cosine", "linear", "constant", "none"] = "cosine"
+    delta_max: float = 2e-4
+    delta_min: float = 2e-5
+    horizon: int = 300
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cosine", "linear", "constant", "none"):
+            raise ValueError(f"unknown budget schedule {self.kind!r}: use cosine, linear, constant or none")
+        if self.delta_max <= 0 or self.delta_min <= 0 or self.horizon < 1:
+            raise ValueError("delta_max and delta_min must be > 0 and horizon >= 1")
+
+    def progress(self, n: int) -> float:
+        """``min((n−1)/(H−1), 1)`` (1 from the start when H = 1)."""
+        return 1.0 if self.horizon == 1 else min(max(n - 1, 0) / (self.horizon - 1), 1.0)
+
+    def __call__(self, n: int) -> float | None:
+        """The budget of update ``n``; None for ``kind="none"``."""
+        if self.kind == "none":
+            return None
+        if self.kind == "constant":
+            return self.delta_max
+        prog = self.progress(n)
+        if self.kind == "linear":
+            return self.delta_max + (self.delta_min - self.delta_max) * prog
+        return self.delta_min + 0.5 * (self.delta_max - self.delta_min) * (1.0 + math.cos(math.pi * prog))
+
+
+def step_multiplier(pred: float, budget: float, alpha_max: float) -> float:
+    """``α = min(α_max, sqrt(budget/pred))``; ``pred = 0`` gives 1. A NaN or negative ``pred`` is the caller's error."""
+    if pred == 0.0:
+        return 1.0
+    return min(alpha_max, math.sqrt(budget / pred))
+
+
+class PredictedKLControl(pl.Callback):
+    """Probe each LoGRA proposal before it merges and set its step multiplier α from the predicted KL.
+
+    The probe runs on the first ``probe_responses`` responses of the step (same count on every rank), on
+    generated-token positions only (at most ``max_probe_tokens``), at the sampling temperature. A NaN or
+    negative prediction skips the update (weights untouched) and is counted. With a
+    :class:`RolloutMismatch` in the trainer's callbacks the budget is reduced by its EMA; without one, the
+    budget is used as is. Callback order does not matter.
+
+    Arguments:
+        schedule: the KL budget per update.
+        alpha_max: cap on α.
+        probe_responses: responses probed per update.
+        max_probe_tokens: cap on probed positions.
+        probe: ``jvp`` (forward-mode AD with math attention) or ``fd`` (central finite difference).
+        fd_step: step of the finite difference, in units of the nominal step.
+        calibrate: after the merge, measure the realized KL on the probe contexts from full distributions and
+            log it as ``kl/realized`` next to ``kl/predicted_scaled``.
+    """
+
+    def __init__(
+        self,
+        schedule: BudgetSchedule | None = None,
+        alpha_max: float = 3.0,
+        probe_responses: int = 2,
+        max_probe_tokens: int = 4096,
+        probe: ProbeMode = "jvp",
+        fd_step: float = 1e-3,
+        calibrate: bool = False,
+    ) -> None:
+        if alpha_max <= 0 or probe_responses < 1 or max_probe_tokens < 1:
+            raise ValueError("alpha_max must be > 0, probe_responses and max_probe_tokens >= 1")
+        self.schedule = schedule or BudgetSchedule()
+        self.alpha_max = alpha_max
+        self.probe_responses = probe_responses
+        self.max_probe_tokens = max_probe_tokens
+        self.probe = probe
+        self.fd_step = fd_step
+        self.calibrate = calibrate
+        self.updates = 0
+        self.skipped = 0
+        self.history: list[dict[str, float]] = []
+        self._pending: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------------------------- probe
+    def _probe_inputs(self, ctx: Any, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Model inputs of the probed responses and the flat indices of their generated positions."""
+        packed = ctx.packed
+        rows = list(range(min(self.probe_responses, packed.input_ids.shape[0])))
+        ids = packed.input_ids[rows]
+        lengths = packed.response_mask[rows].sum(dim=1).long().tolist()
+        positions, budget = [], self.max_probe_tokens
+        width = ids.shape[1]
+        for b, n in enumerate(lengths):
+            take = min(n, budget)
+            start = int(packed.starts[rows[b]])
+            positions += [b * width + start + j for j in range(take)]
+            budget -= take
+        inputs = {
+            "input_ids": ids.to(device),
+            "attention_mask": packed.attention_mask[rows].to(device),
+            "position_ids": packed.position_ids[rows].to(device),
+        }
+        return inputs, torch.tensor(positions, dtype=torch.long, device=device)
+
+    def predict(self, pl_module: Any, proposal: Any, ctx: Any) -> tuple[float, dict[str, Any]]:
+        """Mean predicted KL per probed position at α = 1 (averaged over ranks), and what calibration needs."""
+        inputs, flat = self._probe_inputs(ctx, pl_module.device)
+        modules = {name: m.module for name, m in pl_module.sketcher.matrices.items()}
+        logits, tangent = logit_tangent(pl_module.policy, modules, proposal, inputs, self.probe, self.fd_step)
+        vocab = logits.shape[-1]
+        z = logits.reshape(-1, vocab)[flat]
+        t = tangent.reshape(-1, vocab)[flat]
+        terms = predicted_kl_terms(z, t, ctx.temperature)
+        total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
+        trainer = pl_module.trainer
+        if trainer.world_size > 1:
+            total = trainer.strategy.reduce(total, reduce_op="sum")
+        pred = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
+        return pred, {"inputs": inputs, "flat": flat, "logits": z.detach(), "temperature": ctx.temperature}
+
+    # ------------------------------------------------------------------------------------------- hooks
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        proposal = getattr(optimizer, "proposal", None)
+        ctx = getattr(pl_module, "step_context", None)
+        if proposal is None or ctx is None:
+            return
+        self.updates += 1
+        budget = self.schedule(self.updates)
+        if budget is None:
+            return
+        mismatch = next((cb for cb in trainer.callbacks if isinstance(cb, RolloutMismatch)), None)
+        if mismatch is not None:
+            mismatch.observe(ctx, trainer)  # idempotent: the same m whichever callback runs first
+        effective = budget if mismatch is None else mismatch.effective_budget(budget)
+        pred, probe = self.predict(pl_module, proposal, ctx)
+        bs = len(ctx.rollout)
+        log = {"kl/predicted": pred, "kl/budget": budget, "kl/effective_budget": effective}
+        if not math.isfinite(pred) or pred < 0:
+            self.skipped += 1
+            proposal.skip(f"predicted KL is {pred}: update skipped by PredictedKLControl")
+            rank_zero_warn(f"update {self.updates}: predicted KL {pred} — skipping the update, weights untouched")
+            log["kl/skipped_updates"] = float(self.skipped)
+            pl_module.log_dict(log, on_step=True, batch_size=bs)
+            self._pending = None
+            return
+        alpha = step_multiplier(pred, effective, self.alpha_max)
+        proposal.alpha = alpha
+        log.update(
+            {"kl/alpha": alpha, "kl/predicted_scaled": alpha * alpha * pred, "kl/skipped_updates": float(self.skipped)}
+        )
+        pl_module.log_dict(log, on_step=True, batch_size=bs)
+        self._pending = (
+            {
+                **probe,
+                "predicted_scaled": alpha * alpha * pred,
+                "update_index": proposal.update_index,
+                "budget": effective,
+            }
+            if self.calibrate
+            else None
+        )
+        self.history.append({"predicted": pred, "alpha": alpha, "effective_budget": effective})
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Calibration: the realized KL of the merged update on the same probe positions."""
+        pending, self._pending = self._pending, None
+        if pending is None or pl_module.sketcher.update_index <= pending["update_index"]:
+            return
+        if getattr(pl_module.optimizers().optimizer, "last_payload", None) is None:
+            return  # skipped for another reason: nothing merged
+        with torch.no_grad():
+            after = pl_module.policy(**pending["inputs"]).logits
+        after = after.reshape(-1, after.shape[-1])[pending["flat"]]
+        realized = float(realized_kl_terms(pending["logits"], after, pending["temperature"]).mean())
+        if trainer.world_size > 1:
+            realized = float(trainer.strategy.reduce(torch.tensor(realized, dtype=torch.float64), reduce_op="mean"))
+        pl_module.log("kl/realized", realized, on_step=True, batch_size=1)
+        if self.history:
+            self.history[-1]["realized"] = realized
+            self.history[-1]["predicted_scaled"] = pending["predicted_scaled"]
+
+    def calibration(self) -> dict[str, float]:
+        """Over calibrated updates: median ``|realized − α²·pred| / realized`` and mean realized / mean budget."""
+        rows = [h for h in self.history if "realized" in h and h["realized"] > 0]
+        if not rows:
+            return {}
+        errors = sorted(abs(h["realized"] - h["predicted_scaled"]) / h["realized"] for h in rows)
+        mid = len(errors) // 2
+        median = errors[mid] if len(errors) % 2 else 0.5 * (errors[mid - 1] + errors[mid])
+        mean_realized = sum(h["realized"] for h in rows) / len(rows)
+        mean_budget = sum(h["effective_budget"] for h in rows) / len(rows)
+        return {
+            "updates": float(len(rows)),
+            "median_rel_error": median,
+            "mean_realized": mean_realized,
+            "mean_effective_budget": mean_budget,
+            "realized_over_budget": mean_realized / mean_budget,
+        }
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        cal = self.calibration()
+        if cal:
+            rank_zero_info(
+                f"KL calibration over {int(cal['updates'])} updates: median |realized − α²·pred|/realized "
+                f"{cal['median_rel_error']:.2%}; mean realized KL {cal['mean_realized']:.3g} vs mean effective "
+                f"budget {cal['mean_effective_budget']:.3g} ({cal['realized_over_budget']:.2f}x)"
+            )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"updates": self.updates, "skipped": self.skipped}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.updates = int(state_dict["updates"])
+        self.skipped = int(state_dict["skipped"])

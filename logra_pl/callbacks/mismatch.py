@@ -1,0 +1,89 @@
+"""``RolloutMismatch``: how far the rollout engine's log-probs sit above the trainer's (SPEC §7)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+
+def observed_mismatch(
+    logp_rollout: torch.Tensor, logp_trainer: torch.Tensor, mask: torch.Tensor, eos_terminated: torch.Tensor
+) -> tuple[float, int]:
+    """``(Σ (logp_rollout − logp_trainer), token count)`` over valid tokens of EOS-terminated responses."""
+    keep = mask * eos_terminated.to(mask.dtype).unsqueeze(1)
+    diff = (logp_rollout.to(torch.float64) - logp_trainer.to(torch.float64)) * keep
+    return float(diff.sum()), int(keep.sum())
+
+
+class RolloutMismatch(pl.Callback):
+    """EMA of the observed rollout/trainer log-prob gap, read by step controllers through the step context.
+
+    Per update, over responses that ended with EOS (truncated ones are excluded) and their valid tokens:
+    ``observed = mean(logp_rollout − logp_trainer)`` (summed over ranks, clamped ≥ 0), then
+    ``m ← (1 − ema)·m + ema·observed`` (the first valid observation sets ``m``'s EMA from 0). An update
+    without a valid measurement leaves ``m`` unchanged. The step controller uses
+    ``max(budget − m, floor·budget)``.
+
+    Arguments:
+        ema: weight of the new observation (0.3).
+        floor: lower bound of the effective budget as a fraction of the budget (0.5).
+    """
+
+    def __init__(self, ema: float = 0.3, floor: float = 0.5) -> None:
+        if not 0.0 < ema <= 1.0:
+            raise ValueError(f"ema must lie in (0, 1], got {ema}")
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"floor must lie in [0, 1], got {floor}")
+        self.ema = ema
+        self.floor = floor
+        self.value = 0.0
+        self.last_observed: float | None = None
+        self._seen_update: int | None = None
+
+    def observe(self, ctx: Any, trainer: pl.Trainer | None = None) -> float:
+        """Fold this step's observation into ``m`` once per update index; return ``m``. Idempotent."""
+        if self._seen_update == ctx.update_index:
+            return self.value
+        self._seen_update = ctx.update_index
+        total, count = observed_mismatch(
+            ctx.logp_rollout, ctx.logp_trainer, ctx.packed.response_mask, ctx.eos_terminated
+        )
+        if trainer is not None and trainer.world_size > 1:
+            summed = trainer.strategy.reduce(torch.tensor([total, float(count)], dtype=torch.float64), reduce_op="sum")
+            total, count = float(summed[0]), int(summed[1])
+        if count == 0:
+            self.last_observed = None
+            return self.value
+        observed = max(total / count, 0.0)
+        self.last_observed = observed
+        self.value = (1.0 - self.ema) * self.value + self.ema * observed
+        return self.value
+
+    def effective_budget(self, budget: float) -> float:
+        """``max(budget − m, floor·budget)``."""
+        return max(budget - self.value, self.floor * budget)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        ctx = getattr(pl_module, "step_context", None)
+        if ctx is None:
+            return
+        fresh = self._seen_update != ctx.update_index
+        self.observe(ctx, trainer)
+        if fresh:
+            bs = len(ctx.rollout)
+            if self.last_observed is not None:
+                pl_module.log("mismatch/observed", self.last_observed, on_step=True, batch_size=bs)
+            pl_module.log("mismatch/ema", self.value, on_step=True, batch_size=bs)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "last_observed": self.last_observed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.value = float(state_dict["value"])
+        self.last_observed = state_dict.get("last_observed")

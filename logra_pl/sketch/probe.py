@@ -1,0 +1,129 @@
+"""How a proposal changes the policy (SPEC §6): logit tangents along the step, predicted and realized KL.
+
+Along ``W(α) = W − α U P`` each selected layer's output moves by ``−α (X Pᵀ) Uᵀ``. The logit tangent
+``t = dz/dα`` at ``α = 0`` comes from one forward-mode pass (JVP) in which every selected layer adds
+``−(X Pᵀ) Uᵀ`` to its output's tangent, or from a central finite difference that adds ``∓h (X Pᵀ) Uᵀ`` to the
+layer outputs (the model with weights ``W ∓ h U P``, weights untouched). With ``p = softmax(z/T)`` and
+``t' = t/T``, the KL of a step of size α is ``≈ α² · ½ Σ_v p_v (t'_v − Σ_u p_u t'_u)²`` per position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Literal
+
+import torch
+import torch.autograd.forward_ad as fwad
+from torch import nn
+
+from logra_pl.sketch.payload import Proposal
+
+ProbeMode = Literal["jvp", "fd"]
+
+
+def _layer_delta(x: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """``−(X Pᵀ) Uᵀ``: the change of a layer's output per unit α, in the output's dtype."""
+    x = fwad.unpack_dual(x).primal
+    z = torch.matmul(x, projection.to(x.dtype).T)
+    return -torch.matmul(z, factor.to(x.dtype).T)
+
+
+@contextlib.contextmanager
+def _output_hooks(modules: Mapping[str, nn.Module], hook_for) -> Iterator[None]:
+    handles = [module.register_forward_hook(hook_for(name)) for name, module in modules.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _math_attention(model: nn.Module) -> Iterator[None]:
+    """Route attention through the eager (math) implementation, which supports forward-mode AD."""
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    if previous is None or previous == "eager":
+        yield
+        return
+    config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def logit_tangent(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    proposal: Proposal,
+    model_inputs: Mapping[str, torch.Tensor],
+    mode: ProbeMode = "jvp",
+    fd_step: float = 1e-3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, dz/dα)``: logits at α=0 and their rate of change along the proposal, both ``(B, T, V)``.
+
+    Arguments:
+        model: the policy (weights untouched).
+        modules: ``{name: nn.Linear}`` of the selected matrices (the proposal's keys).
+        proposal: per-matrix ``U`` (fp32, at α=1) and ``P``.
+        model_inputs: keyword inputs of the forward (``input_ids``, ``attention_mask``, ``position_ids``).
+        mode: ``"jvp"`` (one forward-mode pass, eager attention) or ``"fd"`` (two perturbed passes).
+        fd_step: ``h`` of the central difference, in units of the nominal step.
+    """
+    missing = [n for n in proposal.matrices if n not in modules]
+    if missing:
+        raise KeyError(f"proposal matrices {missing[:3]} are not among the probed modules")
+    mats = proposal.matrices
+    with torch.no_grad():
+        if mode == "jvp":
+
+            def hook_for(name):
+                def hook(module, args, output):
+                    delta = _layer_delta(args[0], mats[name].factor, mats[name].projection)
+                    primal, tangent = fwad.unpack_dual(output)
+                    return fwad.make_dual(primal, delta if tangent is None else tangent + delta)
+
+                return hook
+
+            with _math_attention(model), fwad.dual_level(), _output_hooks(modules, hook_for):
+                out = model(**model_inputs).logits
+                primal, tangent = fwad.unpack_dual(out)
+                primal, tangent = primal.clone(), (torch.zeros_like(primal) if tangent is None else tangent.clone())
+            return primal, tangent
+        if mode != "fd":
+            raise ValueError(f"unknown probe mode {mode!r}: use 'jvp' or 'fd'")
+        logits = {}
+        for sign in (1.0, -1.0, 0.0):
+
+            def hook_for(name, sign=sign):
+                def hook(module, args, output):
+                    if sign == 0.0:
+                        return None
+                    return output + (sign * fd_step) * _layer_delta(args[0], mats[name].factor, mats[name].projection)
+
+                return hook
+
+            with _output_hooks(modules, hook_for):
+                logits[sign] = model(**model_inputs).logits
+        tangent = (logits[1.0].double() - logits[-1.0].double()) / (2 * fd_step)
+        return logits[0.0], tangent.to(logits[0.0].dtype)
+
+
+def predicted_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per position ``½ Σ_v p_v (t'_v − Σ_u p_u t'_u)²`` in float64 (``logits``/``tangent``: ``(N, V)``)."""
+    z = logits.to(torch.float64) / temperature
+    t = tangent.to(torch.float64) / temperature
+    p = torch.softmax(z, dim=-1)
+    mean = (p * t).sum(dim=-1, keepdim=True)
+    return 0.5 * (p * (t - mean).square()).sum(dim=-1)
+
+
+def realized_kl_terms(
+    logits_before: torch.Tensor, logits_after: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per position ``KL(p_before ‖ p_after)`` from full distributions, in float64."""
+    lp = torch.log_softmax(logits_before.to(torch.float64) / temperature, dim=-1)
+    lq = torch.log_softmax(logits_after.to(torch.float64) / temperature, dim=-1)
+    return (lp.exp() * (lp - lq)).sum(dim=-1)
