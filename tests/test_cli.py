@@ -38,6 +38,17 @@ SCALARS = [
     "val/reward_mean",
     "val/pass@1",
 ]
+# tiny_cpu.yaml also carries PredictedKLControl (calibrating) and RolloutMismatch.
+KL_SCALARS = [
+    "kl/predicted",
+    "kl/alpha",
+    "kl/budget",
+    "kl/effective_budget",
+    "kl/realized",
+    "kl/predicted_scaled",
+    "mismatch/observed",
+    "mismatch/ema",
+]
 
 
 def _scalars(save_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -55,7 +66,8 @@ def test_three_updates_end_to_end(tmp_path: Path, optimizer: str) -> None:
     module = cli.model
     assert cli.trainer.global_step == 3
     scalars = _scalars(tmp_path)
-    missing = [s for s in SCALARS if s not in scalars]
+    wanted = SCALARS + (KL_SCALARS if optimizer == "logra" else [])
+    missing = [s for s in wanted if s not in scalars]
     assert not missing, f"missing scalars {missing}; logged {sorted(scalars)}"
     assert [step for step, _ in scalars["train/reward_mean"]] == [0, 1, 2]
     assert all(v > 0 for _, v in scalars["train/update_norm"])
@@ -67,6 +79,11 @@ def test_three_updates_end_to_end(tmp_path: Path, optimizer: str) -> None:
     assert glob.glob(str(tmp_path / "**" / "config.yaml"), recursive=True)
     if optimizer == "logra":
         assert module.sketcher.num_applied == 3
+        assert [step for step, _ in scalars["kl/alpha"]] == [0, 1, 2]
+        for (_, pred), (_, alpha), (_, scaled) in zip(
+            scalars["kl/predicted"], scalars["kl/alpha"], scalars["kl/predicted_scaled"], strict=True
+        ):
+            assert scaled == pytest.approx(alpha**2 * pred, rel=1e-4)
 
 
 def test_config_typo_is_lightningclis_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,6 +42,7 @@ class RolloutMismatch(pl.Callback):
         self.value = 0.0
         self.last_observed: float | None = None
         self._seen_update: int | None = None
+        self._logged_update: int | None = None
 
     def observe(self, ctx: Any, trainer: pl.Trainer | None = None) -> float:
         """Fold this step's observation into ``m`` once per update index; return ``m``. Idempotent."""
@@ -71,9 +72,9 @@ class RolloutMismatch(pl.Callback):
         ctx = getattr(pl_module, "step_context", None)
         if ctx is None:
             return
-        fresh = self._seen_update != ctx.update_index
-        self.observe(ctx, trainer)
-        if fresh:
+        self.observe(ctx, trainer)  # a step controller may already have folded this update in
+        if self._logged_update != ctx.update_index:
+            self._logged_update = ctx.update_index
             bs = len(ctx.rollout)
             if self.last_observed is not None:
                 pl_module.log("mismatch/observed", self.last_observed, on_step=True, batch_size=bs)

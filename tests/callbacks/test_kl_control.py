@@ -43,12 +43,25 @@ def test_step_multiplier() -> None:
 
 def _run(callbacks, steps: int = 3, seed: int = 0, prompts: int = 8):
     pl.seed_everything(seed)
-    module = LoGRAPolicyModule(policy="tiny", logra=LoGRAConfig(rank=16, update_ratio=1e-2),
-                               rollout=RolloutSettings(max_new_tokens=6), microbatch_size=8)
-    data = ReasoningGymDataModule({"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8,
-                                  prompts_per_step=prompts)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, limit_val_batches=0, callbacks=callbacks)
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16, update_ratio=1e-2),
+        rollout=RolloutSettings(max_new_tokens=6),
+        microbatch_size=8,
+    )
+    data = ReasoningGymDataModule(
+        {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=prompts
+    )
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     trainer.fit(module, datamodule=data)
     return module, trainer
 
@@ -59,15 +72,14 @@ def _weights(module) -> dict[str, torch.Tensor]:
 
 def test_alpha_scales_proposal_to_budget() -> None:
     kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True)
-    module, trainer = _run([kl])
+    _, trainer = _run([kl])
     assert kl.updates == 3 and len(kl.history) == 3
     for h in kl.history:
         assert h["alpha"] == pytest.approx(min(3.0, math.sqrt(1e-4 / h["predicted"])))
         assert h["predicted_scaled"] == pytest.approx(min(h["alpha"] ** 2 * h["predicted"], 1e-4))
         assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.05
     logged = trainer.logged_metrics
-    for name in ("kl/predicted", "kl/alpha", "kl/budget", "kl/effective_budget", "kl/predicted_scaled",
-                 "kl/realized"):
+    for name in ("kl/predicted", "kl/alpha", "kl/budget", "kl/effective_budget", "kl/predicted_scaled", "kl/realized"):
         assert name in logged, name
 
 
@@ -75,7 +87,9 @@ def test_callbacks_in_either_order_and_alone() -> None:
     def both(order):
         kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4))
         mm = RolloutMismatch()
-        module, _ = _run([kl, mm] if order else [mm, kl])
+        module, trainer = _run([kl, mm] if order else [mm, kl])
+        for name in ("mismatch/ema", "kl/alpha"):
+            assert name in trainer.logged_metrics, (order, name)
         return _weights(module), [h["alpha"] for h in kl.history], [h["effective_budget"] for h in kl.history], mm
 
     w1, a1, b1, m1 = both(True)
@@ -89,11 +103,12 @@ def test_callbacks_in_either_order_and_alone() -> None:
     mm_alone = RolloutMismatch()
     module_m, _ = _run([mm_alone])
     module_plain, _ = _run([])
-    assert all(torch.equal(a, b) for a, b in zip(_weights(module_m).values(), _weights(module_plain).values(),
-                                                  strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(module_m).values(), _weights(module_plain).values(), strict=True)
+    )
     # KL alone: the budget is used as is.
     kl_alone = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4))
-    module_k, _ = _run([kl_alone])
+    _run([kl_alone])
     assert [h["effective_budget"] for h in kl_alone.history] == [1e-4] * 3
     assert [h["alpha"] for h in kl_alone.history] == pytest.approx(a1, rel=1e-3)
 

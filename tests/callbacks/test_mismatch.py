@@ -84,6 +84,5 @@ def test_no_valid_measurement_leaves_m() -> None:
 
 def test_observed_counts_only_valid_tokens() -> None:
     ctx = _ctx(0, 0.5)
-    total, count = observed_mismatch(ctx.logp_rollout, ctx.logp_trainer, ctx.packed.response_mask,
-                                     ctx.eos_terminated)
+    total, count = observed_mismatch(ctx.logp_rollout, ctx.logp_trainer, ctx.packed.response_mask, ctx.eos_terminated)
     assert count == 3 + 5 and total == pytest.approx(0.5 * 8)

@@ -75,6 +75,5 @@ def test_zero_proposal_has_zero_tangent(qwen2_factory) -> None:
     sketcher = LoGRASketcher(model, LoGRAConfig(rank=8))
     proposal = sketcher.propose()  # nothing accumulated: U = 0
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
-    _, tangent = logit_tangent(model, {n: m.module for n, m in sketcher.matrices.items()}, proposal,
-                               {"input_ids": ids})
+    _, tangent = logit_tangent(model, {n: m.module for n, m in sketcher.matrices.items()}, proposal, {"input_ids": ids})
     assert float(tangent.abs().max()) == 0.0
