@@ -8,6 +8,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.module import LoGRAPolicyModule
+from logra_pl.strategy import LoGRAStrategy  # noqa: F401  (registers `--trainer.strategy logra_fsdp`)
 
 TRAINER_DEFAULTS = {
     "logger": {

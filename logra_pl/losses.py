@@ -7,6 +7,7 @@ count of the whole update — so that summing microbatch losses gives the update
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,12 +53,21 @@ class RunningBaseline:
             return rewards
         return torch.where(rewards >= self.success_threshold, self.success_value, self.failure_value).to(torch.float64)
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """``A = outcome − b`` with the current ``b``, then update ``b`` from this batch's mean outcome."""
+    def advantages(
+        self, rewards: torch.Tensor, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """``A = outcome − b`` with the current ``b``, then update ``b`` from this batch's mean outcome.
+
+        ``all_reduce_sum`` sums ``[Σ outcome, count]`` over data-parallel ranks, so every rank moves ``b`` by
+        the global batch mean and the baseline stays identical everywhere.
+        """
         outcome = self.outcomes(rewards)
         adv = outcome - self.value
-        if outcome.numel():
-            self.value = self.momentum * self.value + (1.0 - self.momentum) * float(outcome.mean())
+        stats = torch.tensor([float(outcome.sum()), float(outcome.numel())], dtype=torch.float64)
+        if all_reduce_sum is not None:
+            stats = all_reduce_sum(stats)
+        if float(stats[1]) > 0:
+            self.value = self.momentum * self.value + (1.0 - self.momentum) * float(stats[0] / stats[1])
         return adv
 
     def state_dict(self) -> dict[str, Any]:

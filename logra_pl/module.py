@@ -218,8 +218,12 @@ class LoGRAPolicyModule(pl.LightningModule):
         opt, sched = cfg.build(params)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def on_fit_start(self) -> None:
-        """The engine samples on the trainer's device, from weights equal to the trainer's."""
+    def on_train_start(self) -> None:
+        """The engine samples on the trainer's device, from weights equal to the trainer's.
+
+        ``on_train_start`` runs after a checkpoint is restored, so a resumed run's engine holds the restored
+        weights (``on_fit_start`` would be too early).
+        """
         self.sync_engine(full=True)
 
     def on_validation_start(self) -> None:
@@ -244,9 +248,16 @@ class LoGRAPolicyModule(pl.LightningModule):
             dtype=torch.float64,
         )
 
-    def _sampling_seed(self, split: str) -> int:
-        blob = f"{self.seed}/{split}/{self.global_step}".encode()
+    def _sampling_seed(self, split: str, key: str = "") -> int:
+        blob = f"{self.seed}/{split}/{self.global_step}/{key}".encode()
         return int.from_bytes(hashlib.blake2b(blob, digest_size=6).digest(), "little")
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks (identity in one process)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size <= 1:
+            return t
+        return trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu()
 
     @torch.no_grad()
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
@@ -270,9 +281,11 @@ class LoGRAPolicyModule(pl.LightningModule):
             max_new_tokens=rs.max_new_tokens,
             seed=self._sampling_seed("train"),
         )
-        rollout = self.engine.generate(prompts, sampling)
+        # One seed per prompt (from its question): a prompt's responses do not depend on batch or rank layout.
+        seeds = [self._sampling_seed("train", it["question"]) for it in items]
+        rollout = self.engine.generate(prompts, sampling, prompt_seeds=seeds)
         rewards = self.score(rollout, items)
-        advantages = self.baseline.advantages(rewards)
+        advantages = self.baseline.advantages(rewards, self._all_reduce_sum)
         packed = pack_responses(rollout.prompt_ids, rollout.response_ids, self.tokenizer.pad_token_id)
         t_logp = rs.temperature if rs.temperature > 0 else 1.0
         logp_trainer = self.trainer_logprobs(packed, t_logp)
@@ -348,7 +361,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         cfg = self.loss_config
         opt = self.optimizers()
         t0 = time.perf_counter()
-        num_tokens = int(ctx.packed.response_mask[rows].sum().item())
+        # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
+        num_tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
         total = 0.0
         for mb in self._microbatches(rows):
             packed = _select(ctx.packed, mb).to(self.device)
@@ -414,14 +428,21 @@ class LoGRAPolicyModule(pl.LightningModule):
             self.engine.model.to(self.device)
             full = True
         if full:
-            self.engine.load_weights(dict(self.policy.state_dict()))
+            state = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()
+            }
+            self.engine.load_weights(state)
             return
         if self.optimizer_name == "logra":
             payload = self.optimizers().optimizer.last_payload
             if payload is not None:
                 self.engine.apply_payload(payload)
         else:
-            trained = {n: p.detach() for n, p in self.policy.named_parameters() if p.requires_grad}
+            trained = {
+                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                for n, p in self.policy.named_parameters()
+                if p.requires_grad
+            }
             self.engine.load_weights(trained)
 
     # -------------------------------------------------------------------------------------- validation

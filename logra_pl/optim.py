@@ -37,11 +37,17 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.last_proposal: Proposal | None = None
         self.last_payload: Payload | None = None
         self.grad_scale = 1.0
+        # Set by a data-parallel strategy: all-reduce the sketches, and sum ‖W_i‖² over row shards.
+        self.before_propose: Callable[[LoGRAOptimizer], None] | None = None
+        self.weight_sq_norms: Callable[[LoGRAOptimizer], dict[str, float]] | None = None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Propose, run ``closure`` (Lightning's hooks), then merge the (possibly rescaled) proposal."""
-        self.proposal = self.sketcher.propose(grad_scale=self.grad_scale)
+        if self.before_propose is not None:
+            self.before_propose(self)
+        norms = self.weight_sq_norms(self) if self.weight_sq_norms is not None else None
+        self.proposal = self.sketcher.propose(grad_scale=self.grad_scale, weight_sq_norms=norms)
         result = None
         if closure is not None:
             with torch.enable_grad():

@@ -8,14 +8,13 @@ seed; training problems exclude every eval question, and each split holds no dup
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import reasoning_gym
-import torch
 from reasoning_gym.factory import DATASETS
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 # How many candidates to draw per wanted item before giving up on small problem spaces.
 _OVERDRAW = 4
@@ -28,6 +27,33 @@ def _task_seed(seed: int, task: str, split: str) -> int:
 
 def _listify(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return items
+
+
+class PromptSampler(DistributedSampler):
+    """A seeded shuffle shared by all ranks (rank ``r`` takes every ``world``-th prompt) that can resume mid-epoch.
+
+    One global order per epoch, whatever the number of ranks: a 2-rank run trains on exactly the prompts of a
+    1-rank run. ``batches_done()`` is read when an epoch's iteration starts: a resumed run skips the batches
+    of the epoch it already trained on, so resuming from a checkpoint continues the same prompt stream.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        num_replicas: int,
+        rank: int,
+        seed: int,
+        batch_size: int,
+        batches_done: Callable[[], int] | None = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.batch_size = batch_size
+        self.batches_done = batches_done
+
+    def __iter__(self):  # type: ignore[override]
+        indices = list(super().__iter__())
+        skip = int(self.batches_done()) * self.batch_size if self.batches_done is not None else 0
+        return iter(indices[skip:])
 
 
 class ReasoningGymDataModule(pl.LightningDataModule):
@@ -136,15 +162,39 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         self.setup()
         return {it["question"] for it in self.eval_items}
 
+    def _world_size(self) -> int:
+        trainer = self.trainer
+        return int(trainer.world_size) if trainer is not None else 1
+
     def train_dataloader(self) -> DataLoader:
-        """Shuffled prompts, ``prompts_per_step`` per batch; every epoch reshuffles (seeded)."""
-        gen = torch.Generator().manual_seed(self.seed)
+        """Shuffled prompts (seeded), ``prompts_per_step`` per update over all ranks: each rank takes its share."""
+        world = self._world_size()
+        if self.prompts_per_step % world:
+            raise ValueError(
+                f"prompts_per_step={self.prompts_per_step} is not divisible by the {world} data-parallel ranks: "
+                "make it a multiple of the number of devices"
+            )
+        trainer = self.trainer
+        rank = int(trainer.global_rank) if trainer is not None else 0
+        per_rank = self.prompts_per_step // world
+
+        def batches_done() -> int:
+            # Batches of the current epoch already trained on: non-zero only when a resumed run starts mid-epoch.
+            return trainer.fit_loop.epoch_loop.batch_progress.current.completed
+
+        sampler = PromptSampler(
+            self.train_items,
+            world,
+            rank,
+            self.seed,
+            per_rank,
+            batches_done=batches_done if trainer is not None else None,
+        )
         return DataLoader(
             self.train_items,
-            batch_size=self.prompts_per_step,
-            shuffle=True,
+            batch_size=per_rank,
+            sampler=sampler,
             drop_last=True,
-            generator=gen,
             collate_fn=_listify,
             num_workers=self.num_workers,
         )

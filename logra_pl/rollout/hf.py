@@ -79,8 +79,15 @@ class HFEngine:
 
     # ------------------------------------------------------------------------------------------ sampling
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> Rollout:
-        """Sample ``sampling.n`` responses per prompt; rows are grouped by prompt (prompt 0 × n, prompt 1 × n...)."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, prompt_seeds: Sequence[int] | None = None
+    ) -> Rollout:
+        """Sample ``sampling.n`` responses per prompt; rows are grouped by prompt (prompt 0 × n, prompt 1 × n...).
+
+        With ``prompt_seeds`` each response draws from its own generator, seeded by its prompt's seed and its
+        index among the prompt's ``n`` responses: a prompt gets the same responses whatever batch, rank or
+        process layout it is sampled in (data-parallel runs then equal single-process ones).
+        """
         start = time.perf_counter()
         too_long = [i for i, p in enumerate(prompts) if len(p) + sampling.max_new_tokens > self.context_limit]
         if too_long:
@@ -93,11 +100,22 @@ class HFEngine:
             raise ValueError("empty prompt: every prompt needs at least one token")
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
         index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
-        gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
+            raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(prompts)} prompts")
+        gens: list[torch.Generator] | torch.Generator
+        if prompt_seeds is None:
+            gens = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        else:
+            gens = [
+                torch.Generator(device="cpu").manual_seed((int(seed) * 1_000_003 + k) % 2**63)
+                for seed in prompt_seeds
+                for k in range(sampling.n)
+            ]
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[FinishReason] = []
         for lo in range(0, len(rows), self.max_batch):
+            gen = gens if isinstance(gens, torch.Generator) else gens[lo : lo + self.max_batch]
             r, lp, fr = self._generate_batch(rows[lo : lo + self.max_batch], sampling, gen)
             responses += r
             logprobs += lp
@@ -112,7 +130,7 @@ class HFEngine:
         )
 
     def _generate_batch(
-        self, rows: list[list[int]], sampling: SamplingConfig, gen: torch.Generator
+        self, rows: list[list[int]], sampling: SamplingConfig, gen: torch.Generator | list[torch.Generator]
     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         device = next(self.model.parameters()).device
         width = max(len(r) for r in rows)
@@ -157,18 +175,24 @@ class HFEngine:
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
+    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; return it and its log-prob under the distribution it was drawn from.
 
-    Greedy (``temperature == 0``) takes the argmax and reports its log-prob under the raw logits.
+    ``gen`` is one generator for the batch, or one per row. Greedy (``temperature == 0``) takes the argmax and
+    reports its log-prob under the raw logits.
     """
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     logp = torch.log_softmax(top_p_filter(logits / temperature, top_p), dim=-1)
-    tok = torch.multinomial(logp.exp().cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+    probs = logp.exp().cpu()
+    if isinstance(gen, torch.Generator):
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    else:
+        tok = torch.cat([torch.multinomial(probs[i : i + 1], 1, generator=g).squeeze(-1) for i, g in enumerate(gen)])
+    tok = tok.to(logits.device)
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 

@@ -94,3 +94,19 @@ def test_prompt_longer_than_context_is_a_clear_error(policy) -> None:
         engine.generate([[1, 2], [5] * limit], SamplingConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([[]], SamplingConfig(max_new_tokens=4))
+
+
+def test_prompt_seeds_make_sampling_layout_independent(policy) -> None:
+    """The same prompt with the same seed gets the same responses alone, in a batch, or split across calls."""
+    model, tok = policy
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=2)
+    prompts = _prompts(tok)
+    seeds = [101, 202, 303]
+    cfg = SamplingConfig(n=2, temperature=1.0, max_new_tokens=8, seed=0)
+    together = engine.generate(prompts, cfg, prompt_seeds=seeds)
+    split = [engine.generate([p], cfg, prompt_seeds=[s]) for p, s in zip(prompts, seeds, strict=True)]
+    assert together.response_ids == [r for part in split for r in part.response_ids]
+    reordered = engine.generate(prompts[::-1], cfg, prompt_seeds=seeds[::-1])
+    assert reordered.response_ids[:2] == together.response_ids[4:]
+    with pytest.raises(ValueError, match="2 prompt seeds for 3 prompts"):
+        engine.generate(prompts, cfg, prompt_seeds=[1, 2])

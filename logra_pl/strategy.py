@@ -1,0 +1,211 @@
+"""``LoGRAStrategy`` (``logra_fsdp``): FSDP2 data parallelism that owns LoGRA's distributed steps.
+
+It shards every decoder layer and then the root with ``fully_shard`` on the data-parallel mesh (the module
+does not need to know), and wires the sketch core to the process group:
+
+- before each proposal, every sketch ``S`` is all-reduced (sum — the loss is already normalised by the
+  token count of all ranks, so the sum is the gradient sketch of the global token-mean loss);
+- ``Σ‖W_i‖²`` is summed over the ranks' row shards, so RowAdam and the global scale see whole matrices and
+  every rank forms the identical proposal;
+- each rank merges only its local row shard, at the shard's global row offset (dim-0 sharding).
+
+World size 1 runs through the same code, so a config does not change between a laptop and a node.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch import nn
+from typing_extensions import override
+
+from logra_pl.optim import LoGRAOptimizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one (``_no_split_modules`` of a transformers model)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} declares no decoder layers (`_no_split_modules`): LoGRAStrategy shards "
+            "transformers decoder-only causal LMs"
+        )
+    return layers
+
+
+def row_offset(weight: torch.Tensor) -> int:
+    """Global index of the first row this rank holds of a dim-0-sharded DTensor (0 for a plain tensor)."""
+    if not hasattr(weight, "device_mesh"):
+        return 0
+    mesh = weight.device_mesh
+    rank = mesh.get_local_rank()
+    rows = weight.shape[0]
+    chunk = -(-rows // mesh.size())  # torch.chunk sizes: ceil(rows / world)
+    return min(rank * chunk, rows)
+
+
+class LoGRAStrategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) data parallelism with LoGRA sketch all-reduce and shard-local merges.
+
+    Arguments:
+        data_parallel_size: ranks that shard the model (``"auto"``: all devices).
+        tensor_parallel_size: must be 1 (tensor parallelism is not supported yet).
+        activation_checkpointing: non-reentrant checkpointing of every decoder layer.
+        param_dtype: compute dtype of the sharded parameters during forward/backward (``"bfloat16"`` on GPU);
+            None keeps the storage dtype (fp32 master weights are always kept).
+        save_distributed_checkpoint: save one shard per rank instead of one full checkpoint.
+    """
+
+    strategy_name = "logra_fsdp"
+
+    def __init__(
+        self,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = 1,
+        activation_checkpointing: bool = False,
+        param_dtype: str | None = None,
+        save_distributed_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if tensor_parallel_size not in (1, "1"):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size!r}: LoGRAStrategy supports data parallelism only "
+                "(tensor parallelism is not supported yet); use tensor_parallel_size=1"
+            )
+        if param_dtype is not None and param_dtype not in _DTYPES:
+            raise ValueError(f"unknown param_dtype {param_dtype!r}: use one of {sorted(_DTYPES)} or None")
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
+        self.activation_checkpointing = activation_checkpointing
+        self.param_dtype = param_dtype
+        self.stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------- setup
+    @override
+    def setup_environment(self) -> None:
+        # Every process is a data-parallel rank ("auto" in ModelParallelStrategy means one rank per node).
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def shard(self, policy: nn.Module) -> None:
+        """``fully_shard`` every decoder layer, then the root, on the data-parallel mesh."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        layers = decoder_layers(policy)
+        if self.activation_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mesh = self.device_mesh["data_parallel"]
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if self.param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=_DTYPES[self.param_dtype], reduce_dtype=torch.float32
+            )
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(policy, **kwargs)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        policy = getattr(module, "policy", None)
+        if policy is None:
+            raise TypeError("LoGRAStrategy trains a LoGRAPolicyModule (a module with a `policy` causal LM)")
+        if not getattr(module, "_logra_sharded", False):
+            self.shard(policy)
+            module._logra_sharded = True
+        super().setup(trainer)
+        self._wire_optimizers()
+
+    def _wire_optimizers(self) -> None:
+        for opt in self.optimizers:
+            inner = getattr(opt, "optimizer", opt)
+            if isinstance(inner, LoGRAOptimizer):
+                inner.before_propose = self.reduce_sketches
+                inner.weight_sq_norms = self.weight_sq_norms
+                sketcher = inner.sketcher
+                sketcher.row_offsets = {n: row_offset(m.module.weight) for n, m in sketcher.matrices.items()}
+
+    # ------------------------------------------------------------------------------- LoGRA collectives
+    def reduce_sketches(self, optimizer: LoGRAOptimizer) -> None:
+        """All-reduce (sum) every sketch in one flat buffer; record bytes and seconds."""
+        start = time.perf_counter()
+        sketches = list(optimizer.sketcher.sketches().values())
+        nbytes = sum(s.numel() * s.element_size() for s in sketches)
+        if self.world_size > 1:
+            flat = torch.cat([s.reshape(-1) for s in sketches])
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+            offset = 0
+            for s in sketches:
+                s.copy_(flat[offset : offset + s.numel()].view_as(s))
+                offset += s.numel()
+        self.stats["logra/sketch_allreduce_bytes"] = float(nbytes if self.world_size > 1 else 0)
+        self.stats["logra/sketch_allreduce_s"] = time.perf_counter() - start
+
+    def weight_sq_norms(self, optimizer: LoGRAOptimizer) -> dict[str, float]:
+        """``‖W_i‖²`` of whole matrices: local shard sums, summed over ranks."""
+        local = optimizer.sketcher.weight_sq_norms()
+        if self.world_size <= 1:
+            return local
+        names = list(local)
+        t = torch.tensor([local[n] for n in names], dtype=torch.float64, device=self.root_device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return {n: float(v) for n, v in zip(names, t.tolist(), strict=True)}
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))
+        if isinstance(inner, LoGRAOptimizer):
+            return inner.state_dict()  # replicated: identical on every rank
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a full (single-file) checkpoint into the sharded model and the replicated LoGRA state."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            if any(isinstance(getattr(o, "optimizer", o), LoGRAOptimizer) for o in self.optimizers):
+                raise NotImplementedError(
+                    f"{path} is a distributed (sharded) checkpoint; LoGRAStrategy resumes LoGRA runs from full "
+                    "checkpoints: save with save_distributed_checkpoint=False"
+                )
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        assert self.lightning_module is not None
+        set_model_state_dict(
+            self.lightning_module,
+            checkpoint.pop("state_dict"),
+            options=StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading),
+        )
+        states = checkpoint.pop("optimizer_states", [])
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"checkpoint has {len(states)} optimizer states, the run has {len(self.optimizers)}")
+        for opt, state in zip(self.optimizers, states, strict=True):
+            inner = getattr(opt, "optimizer", opt)
+            if isinstance(inner, LoGRAOptimizer):
+                inner.load_state_dict(state)
+            else:
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+                set_optimizer_state_dict(
+                    self.lightning_module, inner, state, options=StateDictOptions(full_state_dict=True)
+                )
+        return checkpoint
+
+
+StrategyRegistry.register(LoGRAStrategy.strategy_name, LoGRAStrategy, description="FSDP2 + LoGRA sketch all-reduce")

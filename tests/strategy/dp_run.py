@@ -1,0 +1,93 @@
+"""A LoGRA run under LoGRAStrategy, launched as its own script (Lightning re-launches it once per rank).
+
+    python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH]
+
+Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from logra_pl.data import ReasoningGymDataModule
+from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.sketch import LoGRAConfig
+from logra_pl.strategy import LoGRAStrategy
+
+SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+
+
+class Record(pl.Callback):
+    """What each rank trained on: (update, question, response ids) per response."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, str, list[int]]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        ctx = pl_module.step_context
+        for i, resp in zip(ctx.rollout.prompt_index, ctx.rollout.response_ids, strict=True):
+            self.rows.append((ctx.update_index, ctx.items[i]["question"], resp))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("devices", type=int)
+    parser.add_argument("steps", type=int)
+    parser.add_argument("out")
+    parser.add_argument("--ckpt-dir", default=None, help="save a checkpoint every 3 updates (ModelCheckpoint)")
+    parser.add_argument("--ckpt-resume", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16, update_ratio=1e-3),
+        rollout=RolloutSettings(max_new_tokens=6),
+        microbatch_size=4,
+    )
+    data = ReasoningGymDataModule({"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8)
+    callbacks: list[pl.Callback] = [record := Record()]
+    if args.ckpt_dir:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+        )
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=LoGRAStrategy(),
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_resume)
+    state = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rows = [None] * trainer.world_size
+    torch.distributed.all_gather_object(rows, record.rows)
+    if trainer.global_rank == 0:
+        torch.save(
+            {
+                "policy": state,
+                "logra": module.sketcher.state_dict(),
+                "rows": sorted(r for part in rows for r in part),
+                "engine": module.engine.model.state_dict(),
+                "stats": trainer.strategy.stats,
+            },
+            args.out,
+        )
+
+
+if __name__ == "__main__":
+    main()
