@@ -27,7 +27,7 @@ from logra_pl.optim import AdamWConfig, LoGRAOptimizer
 from logra_pl.rewards import ReasoningGymVerifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.hf import HFEngine
-from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm, memory_report
 from logra_pl.warm_start import WarmStart, warm_start_policy
 
 # The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
@@ -350,6 +350,12 @@ class LoGRAPolicyModule(pl.LightningModule):
         }
         if self.sketcher is not None:
             metrics["logra/skipped_updates"] = float(self.sketcher.num_skipped)
+            metrics["logra/merge_s"] = self.optimizers().optimizer.last_merge_s
+        metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
+        optimizer = self.optimizers().optimizer if self.optimizer_name == "adamw" else None
+        metrics["memory/persistent_state_bytes"] = float(
+            memory_report(self.policy, optimizer=optimizer, sketcher=self.sketcher).persistent
+        )
         ctx.metrics.update(metrics)
         bs = len(ctx.rollout)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=bs)

@@ -8,6 +8,7 @@ so a callback sees (and may rescale or veto) ``optimizer.proposal`` — and only
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.last_proposal: Proposal | None = None
         self.last_payload: Payload | None = None
         self.grad_scale = 1.0
+        self.last_merge_s = 0.0
         # Set by a data-parallel strategy: all-reduce the sketches, and sum ‖W_i‖² over row shards.
         self.before_propose: Callable[[LoGRAOptimizer], None] | None = None
         self.weight_sq_norms: Callable[[LoGRAOptimizer], dict[str, float]] | None = None
@@ -57,7 +59,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.last_payload = None
         if proposal is None:
             return result
+        start = time.perf_counter()
         self.last_payload = self.sketcher.apply(proposal)
+        self.last_merge_s = time.perf_counter() - start
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

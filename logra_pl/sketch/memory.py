@@ -36,6 +36,14 @@ class MemoryReport:
         """Bytes actually held (the dense-gradient equivalent is a counterfactual, not included)."""
         return sum(getattr(self, f.name) for f in fields(self) if f.name != "dense_gradient_equivalent")
 
+    @property
+    def persistent(self) -> int:
+        """Bytes that live across updates: weights, gradients, optimizer state, row statistics.
+
+        Sketches and projections are per-update working buffers (reset every update), so they are not counted.
+        """
+        return self.weights + self.gradients + self.optimizer_state + self.row_statistics
+
     def as_mib(self) -> dict[str, float]:
         """Every field and the total in MiB."""
         out = {f.name: getattr(self, f.name) / MiB for f in fields(self)}

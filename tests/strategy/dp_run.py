@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-from logra_pl.sketch import LoGRAConfig
+from logra_pl.sketch import LoGRAConfig, memory_report
 from logra_pl.strategy import LoGRAStrategy
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
@@ -84,6 +84,7 @@ def main() -> None:
                 "rows": sorted(r for part in rows for r in part),
                 "engine": module.engine.model.state_dict(),
                 "stats": trainer.strategy.stats,
+                "persistent_bytes": memory_report(module.policy, sketcher=module.sketcher).persistent,
             },
             args.out,
         )
