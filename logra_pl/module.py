@@ -14,6 +14,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -22,7 +23,7 @@ from torchmetrics import MeanMetric
 
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, reinforce_tis_loss
-from logra_pl.models.load import load_policy
+from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer
 from logra_pl.rewards import ReasoningGymVerifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
@@ -173,12 +174,17 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Load the policy (after the optional warm start) and give the rollout engine its own copy."""
         if self.policy is not None:
             return
-        source = self.policy_source
-        if self.warm_start is not None:
-            dm = self._datamodule()
-            exclude = dm.eval_questions if dm is not None and hasattr(dm, "eval_questions") else set()
-            system = getattr(dm, "system_prompt", None)
-            source = str(warm_start_policy(source, self.warm_start, exclude, system))
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:
+            # Rank 0 builds what is cached on disk (tiny model, warm start) first; the others then read it.
+            # (transformers' save_pretrained writes nothing on non-zero ranks of an initialised process group.)
+            if trainer.global_rank == 0:
+                source = self._resolve_source()
+            trainer.strategy.barrier("logra_pl.configure_model")
+            if trainer.global_rank != 0:
+                source = self._resolve_source()
+        else:
+            source = self._resolve_source()
         model, tokenizer = load_policy(source, dtype=_DTYPES[self.dtype_name])
         if tokenizer.chat_template is None:
             raise ValueError(
@@ -191,6 +197,17 @@ class LoGRAPolicyModule(pl.LightningModule):
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
         self.engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch=self.rollout_settings.max_batch)
+
+    def _resolve_source(self) -> str:
+        """The policy folder to load: the tiny build or warm-start output (built and cached on first use)."""
+        source = self.policy_source
+        if self.warm_start is not None:
+            dm = self._datamodule()
+            exclude = dm.eval_questions if dm is not None and hasattr(dm, "eval_questions") else set()
+            system = getattr(dm, "system_prompt", None)
+            source = str(warm_start_policy(source, self.warm_start, exclude, system))
+        resolve_source(source)  # builds a tiny model if named; load_policy resolves it again from the cache
+        return source
 
     def _datamodule(self) -> Any:
         trainer = self._trainer
