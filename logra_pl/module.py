@@ -14,7 +14,6 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
