@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.optim import AdamWConfig
 from logra_pl.sketch import LoGRAConfig, memory_report
 from logra_pl.strategy import LoGRAStrategy
 
@@ -45,11 +46,15 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--ckpt-dir", default=None, help="save a checkpoint every 3 updates (ModelCheckpoint)")
     parser.add_argument("--ckpt-resume", default=None)
+    parser.add_argument("--optimizer", default="logra", choices=["logra", "adamw"])
+    parser.add_argument("--activation-checkpointing", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
     module = LoGRAPolicyModule(
         policy="tiny",
+        optimizer=args.optimizer,
+        adamw=AdamWConfig(lr=1e-3, warmup_steps=0),
         logra=LoGRAConfig(rank=16, update_ratio=1e-3),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
@@ -64,7 +69,7 @@ def main() -> None:
         max_steps=args.steps,
         accelerator="cpu",
         devices=args.devices,
-        strategy=LoGRAStrategy(),
+        strategy=LoGRAStrategy(activation_checkpointing=args.activation_checkpointing),
         logger=False,
         enable_checkpointing=bool(args.ckpt_dir),
         enable_progress_bar=False,
@@ -80,11 +85,13 @@ def main() -> None:
         torch.save(
             {
                 "policy": state,
-                "logra": module.sketcher.state_dict(),
+                "logra": module.sketcher.state_dict() if module.sketcher is not None else None,
                 "rows": sorted(r for part in rows for r in part),
                 "engine": module.engine.model.state_dict(),
                 "stats": trainer.strategy.stats,
-                "persistent_bytes": memory_report(module.policy, sketcher=module.sketcher).persistent,
+                "persistent_bytes": memory_report(
+                    module.policy, optimizer=module.optimizers().optimizer, sketcher=module.sketcher
+                ).persistent,
             },
             args.out,
         )

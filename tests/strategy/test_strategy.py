@@ -34,12 +34,16 @@ def _run(tmp: Path, devices: int, steps: int, name: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir) -> dict:
     tmp = tmp_path_factory.mktemp("dp")
-    ckpt = tmp / "ckpt"
+    ckpt, ckpt1 = tmp / "ckpt", tmp / "ckpt1"
     return {
         "one": _run(tmp, 1, 3, "one"),
         "two": _run(tmp, 2, 3, "two"),
+        "two_ac": _run(tmp, 2, 3, "two_ac", "--activation-checkpointing"),
         "two6": _run(tmp, 2, 6, "two6", "--ckpt-dir", str(ckpt)),
         "resumed6": _run(tmp, 2, 6, "resumed6", "--ckpt-resume", str(ckpt / "step=3.ckpt")),
+        "one6": _run(tmp, 1, 6, "one6", "--ckpt-dir", str(ckpt1)),
+        "one_resumed6": _run(tmp, 1, 6, "one_resumed6", "--ckpt-resume", str(ckpt1 / "step=3.ckpt")),
+        "adamw": _run(tmp, 2, 2, "adamw", "--optimizer", "adamw"),
     }
 
 
@@ -62,14 +66,32 @@ def test_sketch_allreduce_bytes(runs) -> None:
     assert runs["one"]["stats"]["logra/sketch_allreduce_bytes"] == 0
 
 
-def test_resume_is_bitwise(runs) -> None:
-    straight, resumed = runs["two6"], runs["resumed6"]
+@pytest.mark.parametrize("ranks", ["two", "one"])
+def test_resume_is_bitwise(runs, ranks: str) -> None:
+    straight, resumed = runs[f"{ranks}6"], runs[f"{ranks}_resumed6" if ranks == "one" else "resumed6"]
     assert resumed["logra"]["update_index"] == 6
     assert resumed["rows"] == [r for r in straight["rows"] if r[0] >= 3]
     for key, value in straight["policy"].items():
         assert torch.equal(value, resumed["policy"][key]), key
     for key, value in straight["logra"]["row_stats"].items():
         assert torch.equal(value, resumed["logra"]["row_stats"][key]), key
+
+
+def test_activation_checkpointing_changes_nothing(runs) -> None:
+    assert runs["two_ac"]["rows"] == runs["two"]["rows"]
+    for key, value in runs["two"]["policy"].items():
+        assert torch.equal(value, runs["two_ac"]["policy"][key]), key
+
+
+def test_dense_adamw_under_the_same_strategy(runs, tiny_model_dir) -> None:
+    from logra_pl.models import load_policy
+
+    adamw = runs["adamw"]
+    initial = load_policy(tiny_model_dir)[0].state_dict()
+    assert adamw["logra"] is None
+    assert all(torch.equal(adamw["engine"][k], adamw["policy"][k]) for k in adamw["policy"])
+    moved = {k for k, v in adamw["policy"].items() if not torch.equal(v, initial[k])}
+    assert moved and all(k.endswith("proj.weight") for k in moved)  # only the trained matrices changed
 
 
 def test_persistent_state_halves(runs) -> None:
