@@ -61,7 +61,7 @@ class LoGRAStrategy(ModelParallelStrategy):
         activation_checkpointing: non-reentrant checkpointing of every decoder layer.
         param_dtype: compute dtype of the sharded parameters during forward/backward (``"bfloat16"`` on GPU);
             None keeps the storage dtype (fp32 master weights are always kept).
-        save_distributed_checkpoint: save one shard per rank instead of one full checkpoint.
+        save_distributed_checkpoint: save one shard per rank instead of one full checkpoint (both resume).
     """
 
     strategy_name = "logra_fsdp"
@@ -172,19 +172,43 @@ class LoGRAStrategy(ModelParallelStrategy):
             return inner.state_dict()  # replicated: identical on every rank
         return super().optimizer_state(optimizer)
 
+    def _load_distributed_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Load a sharded checkpoint: each rank reads its model shard; the LoGRA state is replicated."""
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.lightning_module
+        assert module is not None
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        inners = [getattr(o, "optimizer", o) for o in self.optimizers]
+        for idx, inner in enumerate(inners):
+            if isinstance(inner, LoGRAOptimizer):
+                state[f"optimizer_{idx}"] = inner.state_dict()  # the template DCP fills in place
+            else:
+                state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, inner)
+        dcp_load(state, checkpoint_id=path)
+        set_model_state_dict(module, state["state_dict"])
+        for idx, inner in enumerate(inners):
+            if isinstance(inner, LoGRAOptimizer):
+                inner.load_state_dict(state[f"optimizer_{idx}"])
+            else:
+                set_optimizer_state_dict(module, inner, state[f"optimizer_{idx}"])
+        return torch.load(path / _METADATA_FILENAME, weights_only=False)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a full (single-file) checkpoint into the sharded model and the replicated LoGRA state."""
+        """Load a full (single-file) or distributed (one shard per rank) checkpoint, LoGRA state included."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_dir():
-            if any(isinstance(getattr(o, "optimizer", o), LoGRAOptimizer) for o in self.optimizers):
-                raise NotImplementedError(
-                    f"{path} is a distributed (sharded) checkpoint; LoGRAStrategy resumes LoGRA runs from full "
-                    "checkpoints: save with save_distributed_checkpoint=False"
-                )
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            return self._load_distributed_checkpoint(path, weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         assert self.lightning_module is not None
         set_model_state_dict(

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--ckpt-resume", default=None)
     parser.add_argument("--optimizer", default="logra", choices=["logra", "adamw"])
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--distributed-ckpt", action="store_true", help="save sharded checkpoints")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -69,7 +70,9 @@ def main() -> None:
         max_steps=args.steps,
         accelerator="cpu",
         devices=args.devices,
-        strategy=LoGRAStrategy(activation_checkpointing=args.activation_checkpointing),
+        strategy=LoGRAStrategy(
+            activation_checkpointing=args.activation_checkpointing, save_distributed_checkpoint=args.distributed_ckpt
+        ),
         logger=False,
         enable_checkpointing=bool(args.ckpt_dir),
         enable_progress_bar=False,

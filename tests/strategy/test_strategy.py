@@ -34,7 +34,7 @@ def _run(tmp: Path, devices: int, steps: int, name: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir) -> dict:
     tmp = tmp_path_factory.mktemp("dp")
-    ckpt, ckpt1 = tmp / "ckpt", tmp / "ckpt1"
+    ckpt, ckpt1, dckpt = tmp / "ckpt", tmp / "ckpt1", tmp / "dckpt"
     return {
         "one": _run(tmp, 1, 3, "one"),
         "two": _run(tmp, 2, 3, "two"),
@@ -44,6 +44,10 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
         "one6": _run(tmp, 1, 6, "one6", "--ckpt-dir", str(ckpt1)),
         "one_resumed6": _run(tmp, 1, 6, "one_resumed6", "--ckpt-resume", str(ckpt1 / "step=3.ckpt")),
         "adamw": _run(tmp, 2, 2, "adamw", "--optimizer", "adamw"),
+        "dist6": _run(tmp, 2, 6, "dist6", "--ckpt-dir", str(dckpt), "--distributed-ckpt"),
+        "dist_resumed6": _run(
+            tmp, 2, 6, "dist_resumed6", "--ckpt-resume", str(dckpt / "step=3.ckpt"), "--distributed-ckpt"
+        ),
     }
 
 
@@ -66,9 +70,13 @@ def test_sketch_allreduce_bytes(runs) -> None:
     assert runs["one"]["stats"]["logra/sketch_allreduce_bytes"] == 0
 
 
-@pytest.mark.parametrize("ranks", ["two", "one"])
-def test_resume_is_bitwise(runs, ranks: str) -> None:
-    straight, resumed = runs[f"{ranks}6"], runs[f"{ranks}_resumed6" if ranks == "one" else "resumed6"]
+@pytest.mark.parametrize(
+    ("straight_key", "resumed_key"),
+    [("two6", "resumed6"), ("one6", "one_resumed6"), ("dist6", "dist_resumed6")],
+    ids=["2-ranks-full-ckpt", "1-rank-full-ckpt", "2-ranks-sharded-ckpt"],
+)
+def test_resume_is_bitwise(runs, straight_key: str, resumed_key: str) -> None:
+    straight, resumed = runs[straight_key], runs[resumed_key]
     assert resumed["logra"]["update_index"] == 6
     assert resumed["rows"] == [r for r in straight["rows"] if r[0] >= 3]
     for key, value in straight["policy"].items():
