@@ -27,7 +27,7 @@ from logra_pl.optim import AdamWConfig, LoGRAOptimizer
 from logra_pl.rewards import ReasoningGymVerifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.hf import HFEngine
-from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm, memory_report
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm, memory_report, select_targets
 from logra_pl.warm_start import WarmStart, warm_start_policy
 
 # The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
@@ -224,8 +224,6 @@ class LoGRAPolicyModule(pl.LightningModule):
             for p in params:
                 p.requires_grad_(True)
         else:
-            from logra_pl.sketch import select_targets
-
             for p in self.policy.parameters():
                 p.requires_grad_(False)
             params = [m.weight for m in select_targets(self.policy, self.logra_config.targets).values()]
