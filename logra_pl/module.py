@@ -383,32 +383,19 @@ class LoGRAPolicyModule(pl.LightningModule):
         t0 = time.perf_counter()
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
         num_tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
+        # REINFORCE+TIS weighs by π/π_rollout (capped); PPO by π/π_old with π_old the pre-update trainer.
+        if cfg.kind == "reinforce_tis":
+            loss_fn, reference, knob = reinforce_tis_loss, ctx.logp_rollout, cfg.tis_cap
+        else:
+            loss_fn, reference, knob = ppo_clip_loss, ctx.logp_trainer, cfg.clip_eps
         total = 0.0
         for mb in self._microbatches(rows):
             packed = _select(ctx.packed, mb).to(self.device)
             logp = response_logprobs(self.policy, packed, ctx.temperature)
             adv = ctx.advantages[mb].to(self.device)
             weights = length_weights(packed.lengths, cfg.length_reference)
-            if cfg.kind == "reinforce_tis":
-                loss = reinforce_tis_loss(
-                    logp,
-                    ctx.logp_rollout[mb].to(self.device),
-                    adv,
-                    packed.response_mask,
-                    max(num_tokens, 1),
-                    weights,
-                    cfg.tis_cap,
-                )
-            else:
-                loss = ppo_clip_loss(
-                    logp,
-                    ctx.logp_trainer[mb].to(self.device),
-                    adv,
-                    packed.response_mask,
-                    max(num_tokens, 1),
-                    weights,
-                    cfg.clip_eps,
-                )
+            ref = reference[mb].to(self.device)
+            loss = loss_fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights, knob)
             self.manual_backward(loss)
             total += float(loss.detach())
         t1 = time.perf_counter()

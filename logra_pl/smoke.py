@@ -1,4 +1,4 @@
-"""A two-minute look at the LoGRA sketch core on a tiny offline Qwen2: ``python -m logra_pl.smoke``.
+"""A twenty-second look at the LoGRA sketch core on a tiny offline Qwen2: ``python -m logra_pl.smoke``.
 
 It trains only through sketches — no dense gradient ever exists for the 14 attention/MLP matrices — on
 reasoning-gym ``chain_sum`` answers (supervised, answer tokens only), and prints:
@@ -8,7 +8,7 @@ reasoning-gym ``chain_sum`` answers (supervised, answer tokens only), and prints
 - bytes shipped per update as factor payloads against full bf16 tensors;
 - that a receiver applying only the payloads to its own copy ends bit-identical to the trainer.
 
-This is the project's run command until the RL demo arrives; every number it prints is measured here.
+``make smoke`` runs it; the RL demo is ``make demo``. Every number it prints is measured here.
 """
 
 from __future__ import annotations

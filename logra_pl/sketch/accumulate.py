@@ -62,13 +62,6 @@ class MatrixSketch:
         dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
         self.sketch.addmm_(dy.T, z)
 
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held by this matrix's sketch buffer and projection."""
-        return {
-            "sketches": self.sketch.numel() * self.sketch.element_size(),
-            "projections": self.projection.numel() * self.projection.element_size(),
-        }
-
 
 class SketchGrad(torch.autograd.Function):
     """Identity on the layer output whose backward accumulates ``dYᵀ Z`` into the matrix's sketch.
