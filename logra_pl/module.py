@@ -14,6 +14,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,11 +24,14 @@ from torchmetrics import MeanMetric
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, reinforce_tis_loss
 from logra_pl.models.load import load_policy, resolve_source
+from logra_pl.models.tiny import cache_root
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer
 from logra_pl.rewards import ReasoningGymVerifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.hf import HFEngine
+from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm, memory_report, select_targets
+from logra_pl.sketch.payload import Payload
 from logra_pl.warm_start import WarmStart, warm_start_policy
 
 # The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
@@ -101,6 +105,7 @@ class StepContext:
     logp_trainer: torch.Tensor
     temperature: float
     metrics: dict[str, float] = field(default_factory=dict)
+    payloads: list[Payload] = field(default_factory=list)  # merged LoGRA updates of this step, in order
 
     @property
     def eos_terminated(self) -> torch.Tensor:
@@ -124,6 +129,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
+        engine: rollout engine: ``"hf"`` (transformers, a private copy of the policy) or ``"vllm"``.
+        vllm: vLLM engine settings (``engine="vllm"``).
     """
 
     def __init__(
@@ -140,12 +147,16 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: Literal["auto", "tags", "plain"] = "auto",
         dtype: Literal["float32", "bfloat16", "float64"] = "float32",
         seed: int = 0,
+        engine: Literal["hf", "vllm"] = "hf",
+        vllm: VLLMSettings | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("logra", "adamw"):
             raise ValueError(f"unknown optimizer {optimizer!r}: use 'logra' or 'adamw'")
         if microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+        if engine not in ("hf", "vllm"):
+            raise ValueError(f"unknown rollout engine {engine!r}: use 'hf' or 'vllm'")
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy_source = policy
@@ -160,9 +171,12 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.verifier = ReasoningGymVerifier(answer_format)
         self.dtype_name = dtype
         self.seed = seed
+        self.engine_kind = engine
+        self.vllm_settings = vllm or VLLMSettings()
+        self.external_sync = False  # set by a PolicySync callback, which then owns engine updates
         self.policy: torch.nn.Module | None = None
         self.tokenizer: Any = None
-        self.engine: HFEngine | None = None
+        self.engine: HFEngine | VLLMEngine | None = None
         self.sketcher: LoGRASketcher | None = None
         self.step_context: StepContext | None = None
         self.val_reward = MeanMetric()
@@ -195,7 +209,31 @@ class LoGRAPolicyModule(pl.LightningModule):
         eos = {tokenizer.eos_token_id}
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
-        self.engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch=self.rollout_settings.max_batch)
+        if self.engine_kind == "vllm":
+            self.engine = self._build_vllm_engine(source, model, tokenizer, sorted(eos))
+        else:
+            self.engine = HFEngine(
+                model, sorted(eos), tokenizer.pad_token_id, max_batch=self.rollout_settings.max_batch
+            )
+
+    def _build_vllm_engine(self, source: str, model: torch.nn.Module, tokenizer: Any, eos: list[int]) -> VLLMEngine:
+        """A vLLM engine on the policy's folder (saved to the cache first when the policy is not a folder)."""
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:
+            raise ValueError(
+                "engine='vllm' runs one vLLM engine in the trainer process, so it needs one training process "
+                f"(got {trainer.world_size}); use engine='hf' with several ranks, or train on one rank"
+            )
+        resolved = resolve_source(source)
+        folder = Path(resolved.location)
+        if resolved.gguf_file is not None or resolved.is_hub_id or not any(folder.glob("*.safetensors")):
+            # vLLM (and the worker's master copy) read safetensors folders: write one once, cached by source.
+            digest = hashlib.blake2b(f"{source}/{self.dtype_name}".encode(), digest_size=8).hexdigest()
+            folder = cache_root() / "engine" / digest
+            if not (folder / "config.json").exists():
+                model.save_pretrained(folder, safe_serialization=True)
+                tokenizer.save_pretrained(folder)
+        return VLLMEngine(folder, eos, self.vllm_settings, trainer_dtype=self.dtype_name)
 
     def _resolve_source(self) -> str:
         """The policy folder to load: the tiny build or warm-start output (built and cached on first use)."""
@@ -242,7 +280,7 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def on_validation_start(self) -> None:
         """Validation samples from the engine too: make sure it holds the current weights."""
-        if self.engine is not None and next(self.engine.model.parameters()).device != self.device:
+        if isinstance(self.engine, HFEngine) and next(self.engine.model.parameters()).device != self.device:
             self.sync_engine(full=True)
 
     # ----------------------------------------------------------------------------------------- rollout
@@ -412,7 +450,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             )
         else:
             norm = self._payload_norm(opt.optimizer)
-        self.sync_engine()
+            if opt.optimizer.last_payload is not None:
+                ctx.payloads.append(opt.optimizer.last_payload)
+        if not self.external_sync:
+            self.sync_engine()
         return total, t1 - t0, time.perf_counter() - t1, norm
 
     @staticmethod
@@ -430,27 +471,31 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Bring the engine to the trainer's weights: the merged payload (LoGRA) or the changed tensors."""
         if self.engine is None or self.policy is None:
             return
-        engine_device = next(self.engine.model.parameters()).device
-        if engine_device != self.device:
+        if isinstance(self.engine, HFEngine) and next(self.engine.model.parameters()).device != self.device:
             self.engine.model.to(self.device)
             full = True
         if full:
-            state = {
-                k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()
-            }
-            self.engine.load_weights(state)
+            self.engine.load_weights(self.full_state())
             return
         if self.optimizer_name == "logra":
             payload = self.optimizers().optimizer.last_payload
             if payload is not None:
                 self.engine.apply_payload(payload)
         else:
-            trained = {
-                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-                for n, p in self.policy.named_parameters()
-                if p.requires_grad
-            }
-            self.engine.load_weights(trained)
+            self.engine.load_weights(self.trained_tensors())
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the policy, gathered whole (FSDP shards are all-gathered)."""
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()}
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors an update changes: LoGRA's target matrices, or the dense optimizer's parameters."""
+        if self.optimizer_name == "logra":
+            targets = select_targets(self.policy, self.logra_config.targets)
+            params = {f"{n}.weight": m.weight for n, m in targets.items()}
+        else:
+            params = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
 
     # -------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:

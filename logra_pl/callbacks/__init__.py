@@ -3,9 +3,11 @@
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
 from logra_pl.callbacks.mismatch import RolloutMismatch, observed_mismatch
 from logra_pl.callbacks.summary import RunSummary
+from logra_pl.callbacks.sync import PolicySync
 
 __all__ = [
     "BudgetSchedule",
+    "PolicySync",
     "PredictedKLControl",
     "RolloutMismatch",
     "RunSummary",

@@ -1,0 +1,196 @@
+"""``PolicySync``: ship each update to the rollout engine, measure it, and verify it (SPEC §9).
+
+``factors`` sends what LoGRA merged — per matrix the bf16 ``U·α`` and a seed, ``O(d_out·r)`` bytes — and the
+engine rebuilds ``P`` and applies the same merge. ``full`` sends every changed tensor, as dense RL frameworks do.
+Sync bugs are silent (an engine that keeps old weights, a stale prefix cache still samples fluent text), so every
+``verify_every`` updates the callback compares the engine's greedy log-probs with the trainer's on a fixed probe
+whose prompts are longer than one KV block; beyond ``tolerance`` it resyncs the full weights and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from logra_pl.logprobs import pack_responses
+from logra_pl.rollout.base import SamplingConfig
+from logra_pl.sketch import select_targets
+
+
+class PolicySync(pl.Callback):
+    """Owns the engine's weight updates for a :class:`~logra_pl.module.LoGRAPolicyModule` run.
+
+    Logged per update: ``sync/payload_bytes`` (bytes sent), ``sync/full_bytes`` (what sending the changed
+    matrices in bf16 would take — the dense frameworks' cost, for comparison), ``sync/seconds``, and on
+    verification ``sync/max_logprob_diff`` and ``sync/full_resyncs`` (running count).
+
+    Arguments:
+        mode: ``"factors"`` (LoGRA payloads; needs ``optimizer="logra"``) or ``"full"`` (changed tensors).
+        verify_every: verify after every N updates; 0 never.
+        tolerance: largest accepted |engine − trainer| log-prob on the probe; fp32 engines agree to ~1e-5,
+            bf16 engines need a looser value (~0.1).
+        probe_lengths: token lengths of the probe prompts (keep some above the engine's KV block size).
+        probe_new_tokens: greedy tokens generated and compared per probe prompt.
+        resync_on_mismatch: do a full resync when verification fails (else only log and warn).
+    """
+
+    def __init__(
+        self,
+        mode: Literal["factors", "full"] = "factors",
+        verify_every: int = 50,
+        tolerance: float = 1e-3,
+        probe_lengths: tuple[int, ...] | list[int] = (48, 160, 320),
+        probe_new_tokens: int = 8,
+        resync_on_mismatch: bool = True,
+    ) -> None:
+        if mode not in ("factors", "full"):
+            raise ValueError(f"unknown sync mode {mode!r}: use 'factors' or 'full'")
+        if verify_every < 0:
+            raise ValueError(f"verify_every must be >= 0, got {verify_every}")
+        if tolerance <= 0:
+            raise ValueError(f"tolerance must be > 0, got {tolerance}")
+        if not probe_lengths or min(probe_lengths) < 1:
+            raise ValueError(f"probe_lengths must be positive token counts, got {probe_lengths}")
+        self.mode = mode
+        self.verify_every = verify_every
+        self.tolerance = tolerance
+        self.probe_lengths = [int(n) for n in probe_lengths]
+        self.probe_new_tokens = probe_new_tokens
+        self.resync_on_mismatch = resync_on_mismatch
+        self.probe: list[list[int]] | None = None
+        self.full_resyncs = 0
+        self.syncs = 0
+        self.last_diff: float | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not hasattr(pl_module, "external_sync"):
+            raise TypeError("PolicySync works with LoGRAPolicyModule (a module with a rollout engine)")
+        if self.mode == "factors" and getattr(pl_module, "optimizer_name", "logra") != "logra":
+            raise ValueError(
+                "PolicySync(mode='factors') ships LoGRA factor payloads, but the module trains with a dense "
+                f"optimizer ({pl_module.optimizer_name!r}): use mode='full'"
+            )
+        pl_module.external_sync = True
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pl_module.external_sync = False
+
+    # ----------------------------------------------------------------------------------------------- sync
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        ctx = pl_module.step_context
+        if ctx is None or pl_module.engine is None:
+            return
+        if self.probe is None:
+            self.probe = self.build_probe(pl_module, ctx.items)
+        engine = pl_module.engine
+        start = time.perf_counter()
+        sent = 0.0
+        if self.mode == "factors":
+            for payload in ctx.payloads:
+                engine.apply_payload(payload)
+                sent += _sent_bytes(engine, lambda p=payload: len(p.to_bytes()))
+        else:
+            tensors = pl_module.trained_tensors()
+            engine.load_weights(tensors)
+            sent += _sent_bytes(engine, lambda: sum(t.numel() * t.element_size() for t in tensors.values()))
+        seconds = time.perf_counter() - start
+        self.syncs += 1
+        metrics = {
+            "sync/payload_bytes": sent,
+            "sync/full_bytes": float(self.full_bf16_bytes(pl_module)),
+            "sync/seconds": seconds,
+        }
+        if self.verify_every and self.syncs % self.verify_every == 0:
+            metrics.update(self.verify_and_repair(pl_module))
+        bs = len(ctx.rollout)
+        for key, value in metrics.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=bs)
+        ctx.metrics.update(metrics)
+
+    def verify_and_repair(self, pl_module: Any) -> dict[str, float]:
+        """Compare engine and trainer on the probe; on a mismatch beyond tolerance, full resync and re-check."""
+        diff = self.max_logprob_diff(pl_module)
+        out = {"sync/max_logprob_diff": diff}
+        if diff > self.tolerance:
+            if self.resync_on_mismatch:
+                pl_module.sync_engine(full=True)
+                self.full_resyncs += 1
+                after = self.max_logprob_diff(pl_module)
+                rank_zero_warn(
+                    f"PolicySync: engine and trainer log-probs differed by {diff:.3g} (> {self.tolerance:g}) at "
+                    f"update {pl_module.global_step}; full weights resent, now {after:.3g}"
+                )
+                out["sync/max_logprob_diff_after_resync"] = after
+            else:
+                rank_zero_warn(f"PolicySync: engine and trainer log-probs differ by {diff:.3g} (> {self.tolerance:g})")
+        out["sync/full_resyncs"] = float(self.full_resyncs)
+        self.last_diff = diff
+        return out
+
+    # ---------------------------------------------------------------------------------------------- probe
+    def build_probe(self, pl_module: Any, items: list[dict[str, Any]]) -> list[list[int]]:
+        """Fixed probe prompts: this run's first prompts, concatenated and cut to ``probe_lengths`` tokens."""
+        stream: list[int] = []
+        for ids in pl_module.encode_prompts(items):
+            stream += ids
+        if not stream:
+            raise ValueError("PolicySync needs non-empty prompts to build its probe")
+        limit = int(getattr(pl_module.engine, "context_limit", 1 << 30)) - self.probe_new_tokens
+        probe = []
+        for k, n in enumerate(self.probe_lengths):
+            n = min(n, limit)
+            reps = -(-(n + k) // len(stream))
+            probe.append((stream * (reps + 1))[k : k + n])  # different starts, so prompts share no prefix
+        return probe
+
+    @torch.no_grad()
+    def max_logprob_diff(self, pl_module: Any) -> float:
+        """Max |engine − trainer| log-prob over the probe's greedy response tokens."""
+        if self.probe is None:
+            raise RuntimeError("the probe is built at the first training batch; verify after it")
+        rollout = pl_module.engine.generate(
+            self.probe, SamplingConfig(temperature=0.0, max_new_tokens=self.probe_new_tokens)
+        )
+        packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pl_module.tokenizer.pad_token_id)
+        trainer_lp = pl_module.trainer_logprobs(packed, 1.0).to(torch.float64)
+        engine_lp = torch.zeros_like(trainer_lp)
+        for b, lp in enumerate(rollout.logprobs):
+            engine_lp[b, : len(lp)] = torch.tensor(lp, dtype=torch.float64)
+        mask = packed.response_mask.to(torch.bool)
+        return float((engine_lp - trainer_lp).abs()[mask].max())
+
+    @staticmethod
+    def full_bf16_bytes(pl_module: Any) -> int:
+        """Bytes of the tensors an update changes, in bf16 (global shapes; nothing is gathered)."""
+        if pl_module.optimizer_name == "logra":
+            tensors = [m.weight for m in select_targets(pl_module.policy, pl_module.logra_config.targets).values()]
+        else:
+            tensors = [p for p in pl_module.policy.parameters() if p.requires_grad]
+        return 2 * sum(t.numel() for t in tensors)
+
+    # ---------------------------------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"full_resyncs": self.full_resyncs, "syncs": self.syncs, "probe": self.probe}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.full_resyncs = int(state_dict.get("full_resyncs", 0))
+        self.syncs = int(state_dict.get("syncs", 0))
+        self.probe = state_dict.get("probe")
+
+
+def _sent_bytes(engine: Any, fallback: Any) -> float:
+    """Bytes the engine reports for its last sync (vLLM: serialized size), else ``fallback()``."""
+    last = getattr(engine, "last_sync", None)
+    return float(last["bytes"]) if last else float(fallback())

