@@ -105,17 +105,24 @@ class PolicySync(pl.Callback):
             sent += _sent_bytes(engine, lambda: sum(t.numel() * t.element_size() for t in tensors.values()))
         seconds = time.perf_counter() - start
         self.syncs += 1
+        checks: dict[str, float] = {}
+        if self.verify_every and self.syncs % self.verify_every == 0:
+            checks = self.verify_and_repair(pl_module)
         metrics = {
             "sync/payload_bytes": sent,
             "sync/full_bytes": float(self.full_bf16_bytes(pl_module)),
             "sync/seconds": seconds,
+            "sync/full_resyncs": float(self.full_resyncs),
         }
-        if self.verify_every and self.syncs % self.verify_every == 0:
-            metrics.update(self.verify_and_repair(pl_module))
         bs = len(ctx.rollout)
         for key, value in metrics.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=bs)
-        ctx.metrics.update(metrics)
+        # Verification runs every N updates: write it to the loggers at this step only (a value logged through
+        # ``self.log`` would be repeated at every following step of the epoch).
+        if checks and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(checks, step=trainer.global_step)
+        ctx.metrics.update(metrics | checks)
 
     def verify_and_repair(self, pl_module: Any) -> dict[str, float]:
         """Compare engine and trainer on the probe; on a mismatch beyond tolerance, full resync and re-check."""
@@ -133,7 +140,6 @@ class PolicySync(pl.Callback):
                 out["sync/max_logprob_diff_after_resync"] = after
             else:
                 rank_zero_warn(f"PolicySync: engine and trainer log-probs differ by {diff:.3g} (> {self.tolerance:g})")
-        out["sync/full_resyncs"] = float(self.full_resyncs)
         self.last_diff = diff
         return out
 

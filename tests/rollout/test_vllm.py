@@ -126,3 +126,20 @@ def test_separate_engine_process_prefix_cache_and_full_load(engine_report: tuple
     hf_orig = _hf_logprobs(build_tiny_model("tiny"), prompts, back["responses"])
     assert _max_diff(hf_orig, back["logprobs"]) <= TOL
     assert all(-30 < v <= 0 for lp in report["sampled"] for v in lp)
+
+
+def test_vllm_config_runs_through_the_cli(tmp_path: Path) -> None:
+    """configs/tiny_cpu_vllm.yaml parses and trains (3 updates, no warm start) with vLLM rollouts and factor sync."""
+    config = Path(__file__).parents[2] / "configs" / "tiny_cpu_vllm.yaml"
+    args = ["--config", str(config), "--trainer.max_steps", "3", "--trainer.val_check_interval", "3"]
+    args += ["--model.warm_start", "null", "--data.train_size", "256", "--data.eval_size", "16"]
+    args += ["--data.eval_batch_size", "16", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    code = "import sys; from logra_pl.cli import main; main(['fit', *sys.argv[1:]])"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = proc.stderr + proc.stdout
+    assert "`Trainer.fit` stopped: `max_steps=3` reached" in text
+    assert "train/reward_mean: first 3 updates" in text and "val @ update 3" in text
