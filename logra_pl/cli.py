@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -40,8 +41,14 @@ class LoGRACLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point: LightningCLI subcommands (``fit``, ``validate``) and ``plan`` (memory planner)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["plan"]:
+        from logra_pl.memory import main as plan_main
+
+        plan_main(argv[1:])
+        return
     LoGRACLI(args=args)
 
 

@@ -1,12 +1,14 @@
 """Lightning callbacks, each usable alone in any Trainer or YAML config, in any order."""
 
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
+from logra_pl.callbacks.memory import MemoryMonitor
 from logra_pl.callbacks.mismatch import RolloutMismatch, observed_mismatch
 from logra_pl.callbacks.summary import RunSummary
 from logra_pl.callbacks.sync import PolicySync
 
 __all__ = [
     "BudgetSchedule",
+    "MemoryMonitor",
     "PolicySync",
     "PredictedKLControl",
     "RolloutMismatch",

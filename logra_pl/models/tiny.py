@@ -81,11 +81,15 @@ class TinyModelSpec:
         )
 
 
-# Named sizes for configs and the CLI: ``tiny`` (~0.7M params) for tests and the CPU demo, ``small`` (~5M).
+# Named sizes for configs and the CLI: ``tiny`` (~0.7M params) for tests and the CPU demo, ``small`` (~5M),
+# ``medium`` (~50M, the memory/speed benchmark's model: large enough that training state dominates the process).
 PRESETS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
     "small": TinyModelSpec(
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024, vocab_size=1024
+    ),
+    "medium": TinyModelSpec(
+        hidden_size=640, num_layers=10, num_heads=10, num_kv_heads=2, intermediate_size=2048, vocab_size=2048
     ),
 }
 

@@ -1,0 +1,166 @@
+"""Plan training-state memory before running: per-rank bytes for dense AdamW vs LoGRA, from a config alone.
+
+``plan(config, ranks=4, rank_r=256)`` builds the model on the meta device (shapes only, no weights), selects the
+LoGRA target matrices and counts, per rank, what :func:`logra_pl.sketch.memory.memory_report` measures on a live
+run: ``weights`` (FSDP shards every parameter by rows, padded to equal shards), ``gradients`` and
+``optimizer_state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` and a ``step`` scalar per trained parameter, sharded
+like it), and for LoGRA ``sketches`` (``d_out × r`` fp32 per matrix), ``projections`` (``r × d_in`` fp32) and
+``row_statistics`` (``d_out`` fp32) — all three whole on every rank, since each rank sketches the full matrix
+and the sketches are all-reduced. Activations and the rollout engine are not training state and not included.
+
+    logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --ranks 4 --rank 256     # a config.json, folder, hub id or tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from logra_pl.sketch import DEFAULT_TARGETS, select_targets
+from logra_pl.sketch.memory import MemoryReport
+
+GiB = 1024**3
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class PlanRow:
+    """Predicted per-rank state of one optimizer, by kind (the fields of :class:`MemoryReport`)."""
+
+    optimizer: str
+    ranks: int
+    report: MemoryReport
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able: the kinds in bytes, the total and the persistent part."""
+        out = {f.name: getattr(self.report, f.name) for f in fields(self.report)}
+        out |= {"optimizer": self.optimizer, "ranks": self.ranks, "total": self.report.total}
+        out["persistent"] = self.report.persistent
+        return out
+
+
+def load_config(source: str | Path | PretrainedConfig | dict[str, Any]) -> PretrainedConfig:
+    """A transformers config from a config object, a dict (``model_type`` required), a ``config.json``, a folder,
+    ``tiny[:preset]`` or a hub id (read from the local cache when offline)."""
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, dict):
+        data = dict(source)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a config dict needs 'model_type' (e.g. 'qwen2')")
+        return AutoConfig.for_model(model_type, **data)
+    text = str(source)
+    if text == "tiny" or text.startswith("tiny:"):
+        from logra_pl.models.tiny import build_tiny_model
+
+        return AutoConfig.from_pretrained(build_tiny_model(text.partition(":")[2] or "tiny"))
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return load_config(json.loads(path.read_text()))
+    return AutoConfig.from_pretrained(text)
+
+
+def _shard_bytes(t: torch.Tensor, ranks: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one rank's dim-0 shard, padded to ``ceil(rows / ranks)`` rows (as FSDP2 allocates it)."""
+    rows = t.shape[0] if t.dim() > 0 else 1
+    per_row = t[0].numel() if t.dim() > 0 else 1
+    size = (dtype or t.dtype).itemsize
+    return math.ceil(rows / ranks) * per_row * size
+
+
+def plan(
+    config: str | Path | PretrainedConfig | dict[str, Any],
+    ranks: int = 1,
+    rank_r: int = 64,
+    optimizers: Sequence[str] = ("adamw", "logra"),
+    weight_dtype: str = "float32",
+    targets: Sequence[str] = DEFAULT_TARGETS,
+    train_all: bool = False,
+) -> dict[str, PlanRow]:
+    """Predict per-rank training-state bytes for each optimizer.
+
+    Arguments:
+        config: the model (see :func:`load_config`).
+        ranks: data-parallel ranks the parameters (and dense optimizer state) are sharded over.
+        rank_r: LoGRA sketch rank ``r``.
+        optimizers: which to plan: ``"adamw"`` (dense baseline) and/or ``"logra"``.
+        weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
+        targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
+        train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    unknown = set(optimizers) - {"adamw", "logra"}
+    if unknown:
+        raise ValueError(f"unknown optimizers {sorted(unknown)}: plan 'adamw' and/or 'logra'")
+    cfg = load_config(config)
+    dtype = _DTYPES[weight_dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    matrices = select_targets(model, targets)
+    if not matrices:
+        raise ValueError(f"no target matrices {list(targets)} in this {type(model).__name__}")
+    for name, linear in matrices.items():
+        if rank_r > linear.in_features:
+            raise ValueError(f"rank {rank_r} exceeds d_in={linear.in_features} of {name!r}")
+    params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
+    weights = sum(_shard_bytes(p, ranks) for p in params) + sum(b.numel() * b.element_size() for b in model.buffers())
+    out: dict[str, PlanRow] = {}
+    if "adamw" in optimizers:
+        trained = params if train_all else [m.weight for m in matrices.values()]
+        grads = sum(_shard_bytes(p, ranks) for p in trained)
+        state = sum(2 * _shard_bytes(p, ranks, torch.float32) + 4 for p in trained)  # exp_avg, exp_avg_sq, step
+        out["adamw"] = PlanRow("adamw", ranks, MemoryReport(weights=weights, gradients=grads, optimizer_state=state))
+    if "logra" in optimizers:
+        report = MemoryReport(weights=weights)
+        for linear in matrices.values():
+            report.sketches += linear.out_features * rank_r * 4
+            report.projections += rank_r * linear.in_features * 4
+            report.row_statistics += linear.out_features * 4
+            report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
+        out["logra"] = PlanRow("logra", ranks, report)
+    return out
+
+
+def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
+    """A table in GiB, one column per optimizer, and the LoGRA/AdamW ratio of the totals."""
+    kinds = ["weights", "gradients", "optimizer_state", "sketches", "projections", "row_statistics"]
+    names = list(rows)
+    lines = [title] if title else []
+    lines.append(f"{'per rank (GiB)':<18}" + "".join(f"{n:>12}" for n in names))
+    for kind in kinds:
+        lines.append(f"{kind:<18}" + "".join(f"{getattr(rows[n].report, kind) / GiB:>12.3f}" for n in names))
+    lines.append(f"{'total':<18}" + "".join(f"{rows[n].report.total / GiB:>12.3f}" for n in names))
+    if "adamw" in rows and "logra" in rows:
+        lines.append(f"logra / adamw total: {rows['logra'].report.total / rows['adamw'].report.total:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``logra-pl plan``: print the predicted per-rank state of AdamW and LoGRA (and optionally write JSON)."""
+    parser = argparse.ArgumentParser(prog="logra-pl plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="config.json, save_pretrained folder, hub id or tiny[:preset]")
+    parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (FSDP shards); default 1")
+    parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank r; default 64")
+    parser.add_argument("--weight-dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
+    parser.add_argument("--train-all", action="store_true", help="dense baseline trains every parameter")
+    parser.add_argument("--json", help="write the plan here too")
+    args = parser.parse_args(argv)
+    rows = plan(args.model, args.ranks, args.rank, weight_dtype=args.weight_dtype, train_all=args.train_all)
+    title = f"{args.model}: {args.ranks} rank(s), r={args.rank}, {args.weight_dtype} weights"
+    print(format_plan(rows, title))
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

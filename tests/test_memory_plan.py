@@ -1,0 +1,83 @@
+"""The memory planner predicts the state bytes a real model, sketcher and optimizer hold (no weights needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from logra_pl.cli import main as cli_main
+from logra_pl.memory import plan
+from logra_pl.models.tiny import PRESETS
+from logra_pl.sketch import DEFAULT_TARGETS, LoGRAConfig, LoGRASketcher, memory_report, select_targets
+
+# Qwen2.5-7B-Instruct's config.json (the fields that shape the weights), as published.
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+}
+
+
+def _measured(preset: str, rank: int) -> tuple[int, int, object]:
+    """Real models: LoGRA state after attaching the sketcher; AdamW state after one real step."""
+    spec = PRESETS[preset]
+    config = spec.qwen2_config(spec.vocab_size, 0, 1)
+    model = AutoModelForCausalLM.from_config(config)
+    logra = memory_report(model, sketcher=LoGRASketcher(model, LoGRAConfig(rank=rank))).total
+    dense = AutoModelForCausalLM.from_config(config)
+    for p in dense.parameters():
+        p.requires_grad_(False)
+    params = [m.weight.requires_grad_(True) for m in select_targets(dense, DEFAULT_TARGETS).values()]
+    opt = torch.optim.AdamW(params)
+    dense(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    return logra, memory_report(dense, optimizer=opt).total, config
+
+
+@pytest.mark.parametrize(("preset", "rank"), [("tiny", 64), ("medium", 64), ("medium", 16)])
+def test_plan_matches_measured_state(preset: str, rank: int) -> None:
+    logra, adamw, config = _measured(preset, rank)
+    rows = plan(config, ranks=1, rank_r=rank)
+    assert abs(rows["logra"].report.total - logra) <= 0.05 * logra
+    assert abs(rows["adamw"].report.total - adamw) <= 0.05 * adamw
+
+
+def test_plan_shards_over_ranks_and_prints_the_7b_shape(tmp_path, capsys) -> None:
+    one, four = plan(QWEN25_7B, ranks=1, rank_r=256), plan(QWEN25_7B, ranks=4, rank_r=256)
+    # Independent count of the 7B's 196 target matrices: rows per layer and the d_in of each.
+    h, ff, kv, layers = 3584, 18944, 4 * 128, 28
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (ff, h), (ff, h), (h, ff)] * layers
+    assert four["logra"].report.sketches == sum(d_out * 256 * 4 for d_out, _ in shapes)
+    assert four["logra"].report.projections == sum(256 * d_in * 4 for _, d_in in shapes)
+    assert four["adamw"].report.gradients == sum(-(-d_out // 4) * d_in * 4 for d_out, d_in in shapes)
+    # Weights and dense state shard 4 ways; sketches, projections and row statistics do not.
+    assert four["adamw"].report.optimizer_state < 0.26 * one["adamw"].report.optimizer_state
+    assert four["logra"].report.sketches == one["logra"].report.sketches
+    assert four["logra"].report.total < 0.5 * four["adamw"].report.total
+    path = tmp_path / "qwen2.5-7b.json"
+    path.write_text(json.dumps(QWEN25_7B))
+    cli_main(["plan", "--model", str(path), "--ranks", "4", "--rank", "256", "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert "4 rank(s), r=256" in out and "optimizer_state" in out and "logra / adamw total" in out
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["logra"]["total"] == four["logra"].report.total
+
+
+def test_plan_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="model_type"):
+        plan({"hidden_size": 8})
+    with pytest.raises(ValueError, match="rank 512 exceeds d_in"):
+        plan(PRESETS["tiny"].qwen2_config(512, 0, 1), rank_r=512)
+    with pytest.raises(ValueError, match="unknown optimizers"):
+        plan(QWEN25_7B, optimizers=["sgd"])
