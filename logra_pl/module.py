@@ -25,7 +25,7 @@ from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, reinforce_tis_loss
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.models.tiny import cache_root
-from logra_pl.optim import AdamWConfig, LoGRAOptimizer
+from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_update_norm
 from logra_pl.rewards import ReasoningGymVerifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.hf import HFEngine
@@ -437,17 +437,11 @@ class LoGRAPolicyModule(pl.LightningModule):
             self.manual_backward(loss)
             total += float(loss.detach())
         t1 = time.perf_counter()
-        before = None
-        if self.optimizer_name == "adamw":
-            before = [p.detach().clone() for group in opt.optimizer.param_groups for p in group["params"]]
         opt.step()
         if self.optimizer_name == "adamw":
             opt.zero_grad(set_to_none=True)
+            norm = adamw_update_norm(opt.optimizer)  # from the optimizer state: no copy of the weights
             self.lr_schedulers().step()
-            params = [p for group in opt.optimizer.param_groups for p in group["params"]]
-            norm = math.sqrt(
-                sum(float((p.detach() - b).double().square().sum()) for p, b in zip(params, before, strict=True))
-            )
         else:
             norm = self._payload_norm(opt.optimizer)
             if opt.optimizer.last_payload is not None:

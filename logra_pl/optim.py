@@ -114,3 +114,34 @@ class AdamWConfig:
             params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
         )
         return opt, LambdaLR(opt, self.lr_factor)
+
+
+@torch.no_grad()
+def adamw_update_norm(optimizer: torch.optim.AdamW) -> float:
+    """``‖ΔW‖_F`` of the AdamW step just taken, recomputed from the optimizer's state (no copy of the weights).
+
+    ``torch.optim.AdamW`` (not amsgrad) does ``W ← W(1 − lr·wd) − lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps)``, so
+    ``ΔW = −lr·wd·W_old − lr/bc1 · m/denom`` with ``W_old = (W + lr/bc1 · m/denom) / (1 − lr·wd)``. Call it after
+    ``step()`` and before the scheduler changes ``lr``. One parameter at a time: the only temporaries are the size
+    of the largest parameter, where a before/after copy would hold every trained weight twice.
+    """
+    total = 0.0
+    for group in optimizer.param_groups:
+        if group.get("amsgrad", False):
+            raise ValueError("adamw_update_norm does not handle amsgrad")
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            step = float(state["step"])
+            step_size = lr / (1 - beta1**step)
+            denom = (state["exp_avg_sq"].double().sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+            move = state["exp_avg"].double().div_(denom).mul_(step_size)
+            delta = move.neg_()
+            if wd:
+                old = (p.detach().double() - delta) / (1 - lr * wd)
+                delta.sub_(old.mul_(lr * wd))
+            total += float(delta.square().sum())
+    return math.sqrt(total)
