@@ -9,6 +9,8 @@ chunked or sharded, nor on the BLAS kernel. ``W`` is rounded once, from float64 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from logra_pl.sketch.projection import make_projection
@@ -63,12 +65,17 @@ def merge_rows_(
             f"projection {tuple(operand.shape)}"
         )
     operand = operand.to(weight_rows.device)
+    if scale != 1.0 and math.frexp(scale)[0] == 0.5:
+        # A power-of-two scale (r = 4, 16, 64, 256...) commutes exactly with the exact sums: fold it into ±1.
+        operand, scale = operand * scale, 1.0
     with torch.no_grad():
+        buffer = torch.empty(min(chunk_rows, n), operand.shape[1], dtype=torch.float64, device=weight_rows.device)
         for start in range(0, n, chunk_rows):
             stop = min(start + chunk_rows, n)
             f = factor[row_offset + start : row_offset + stop].to(device=weight_rows.device, dtype=torch.float64)
-            delta = f @ operand
+            delta = torch.mm(f, operand, out=buffer[: stop - start])
             if scale != 1.0:
                 delta.mul_(scale)
             rows = weight_rows[start:stop]
-            rows.copy_((rows.to(torch.float64) - delta).to(rows.dtype))
+            torch.sub(rows, delta, out=delta)  # float64(W) − ΔW, one rounding, into the same buffer
+            rows.copy_(delta)  # rounded once to W's dtype
