@@ -6,8 +6,12 @@ Each run is its own fresh process (peaks do not mix), the order alternates betwe
 logra, adamw, ...), and both optimizers see the same prompts, sampling seeds, microbatching and rollout engine.
 Per run: training state by kind (``memory_report``) and the planner's prediction of it, the process's peak RSS
 during updates (and CUDA peaks on GPUs), the medians of step / rollout / train / update seconds, and the bytes
-each update sends to the rollout engine (LoGRA: factor payloads; AdamW: the changed tensors). The first
-``--warmup`` updates of each run are left out of the time medians.
+an update sends to a remote rollout engine (LoGRA: the serialized factor payload; AdamW: the changed tensors in
+bf16). The first ``--warmup`` updates of each run are left out of the time medians.
+
+By default the HF rollout engine generates with the trainer's own weights (``rollout.share_weights``), as the
+training process holds no engine copy when vLLM runs on other devices (the paper's setup);
+``--engine-copy`` gives the engine a private copy (then each update is synced to it: factors or full tensors).
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ def run_worker(args: argparse.Namespace) -> None:
         optimizer=args.worker,
         logra=LoGRAConfig(rank=args.rank, update_ratio=1e-3),
         adamw=AdamWConfig(lr=1e-5),
-        rollout=RolloutSettings(max_new_tokens=args.max_new_tokens, max_batch=args.prompts),
+        rollout=RolloutSettings(
+            max_new_tokens=args.max_new_tokens, max_batch=args.prompts, share_weights=not args.engine_copy
+        ),
         microbatch_size=args.microbatch,
         seed=0,
     )
@@ -59,13 +65,20 @@ def run_worker(args: argparse.Namespace) -> None:
         TASK, train_size=512, eval_size=16, prompts_per_step=args.prompts, eval_batch_size=16, seed=0
     )
     monitor = MemoryMonitor(image_every=0)
-    sync = PolicySync(mode="factors" if args.worker == "logra" else "full", verify_every=0)
+    callbacks: list[pl.Callback] = []
+    if args.engine_copy:
+        callbacks.append(PolicySync(mode="factors" if args.worker == "logra" else "full", verify_every=0))
     rows: list[dict[str, float]] = []
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             row = {k: float(v) for k, v in pl_module.step_context.metrics.items()}
+            row.setdefault("sync/seconds", 0.0)
             row["cycle_s"] = row["time/step_s"] + row["sync/seconds"]  # rollout + train + step + engine sync
+            if args.worker == "logra":  # what a remote engine receives: the serialized factor payload
+                row["wire_bytes"] = float(len(pl_module.optimizers().optimizer.last_payload.to_bytes()))
+            else:  # the changed tensors in bf16
+                row["wire_bytes"] = float(2 * sum(p.numel() for p in pl_module.policy.parameters() if p.requires_grad))
             rows.append(row)
 
     trainer = pl.Trainer(
@@ -77,7 +90,7 @@ def run_worker(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[sync, monitor, Record()],
+        callbacks=[*callbacks, monitor, Record()],
     )
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
@@ -104,7 +117,8 @@ def run_worker(args: argparse.Namespace) -> None:
         "train_seconds_median": median("time/train_s"),
         "update_seconds_median": median("time/update_s"),
         "sync_seconds_median": median("sync/seconds"),
-        "sync_payload_bytes": median("sync/payload_bytes"),
+        "sync_payload_bytes": median("wire_bytes"),
+        "engine_copy": bool(args.engine_copy),
         "wall_seconds": time.perf_counter() - start,
     }
     if "memory/cuda_peak_allocated_bytes" in last:
@@ -132,7 +146,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per optimizer, order alternating; default 1")
     parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank; default 64")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per update; default 16")
-    parser.add_argument("--microbatch", type=int, default=8, help="responses per backward; default 8")
+    parser.add_argument("--microbatch", type=int, default=2, help="responses per backward; default 2")
+    parser.add_argument("--engine-copy", action="store_true", help="give the HF engine its own copy of the weights")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="response limit; default 16")
     parser.add_argument("--worker", choices=OPTIMIZERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -146,7 +161,7 @@ def main() -> None:
     resolve_source(f"tiny:{args.model_size}")  # build and cache the model once, outside the timed runs
     shared = ["--model-size", args.model_size, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     shared += ["--rank", str(args.rank), "--prompts", str(args.prompts), "--microbatch", str(args.microbatch)]
-    shared += ["--max-new-tokens", str(args.max_new_tokens)]
+    shared += ["--max-new-tokens", str(args.max_new_tokens)] + (["--engine-copy"] if args.engine_copy else [])
     results: dict[str, list[dict]] = {name: [] for name in OPTIMIZERS}
     order: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -54,6 +54,8 @@ class RolloutSettings:
         val_top_p: validation nucleus mass.
         val_responses: responses per validation problem (pass@1 averages over them).
         max_batch: responses per engine forward batch.
+        share_weights: the HF engine generates with the trainer's own weights instead of a private copy (one
+            process only): saves one model copy — as when the rollout engine runs elsewhere — and nothing is synced.
     """
 
     responses_per_prompt: int = 1
@@ -64,6 +66,7 @@ class RolloutSettings:
     val_top_p: float = 0.95
     val_responses: int = 1
     max_batch: int = 256
+    share_weights: bool = False
 
 
 @dataclass
@@ -210,10 +213,18 @@ class LoGRAPolicyModule(pl.LightningModule):
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
         if self.engine_kind == "vllm":
+            if self.rollout_settings.share_weights:
+                raise ValueError("rollout.share_weights applies to the HF engine; vLLM holds its own weights")
             self.engine = self._build_vllm_engine(source, model, tokenizer, sorted(eos))
         else:
+            share = self.rollout_settings.share_weights
+            if share and trainer is not None and trainer.world_size > 1:
+                raise ValueError(
+                    "rollout.share_weights generates with the trainer's weights, which are sharded over "
+                    f"{trainer.world_size} ranks: set it to false for data-parallel runs"
+                )
             self.engine = HFEngine(
-                model, sorted(eos), tokenizer.pad_token_id, max_batch=self.rollout_settings.max_batch
+                model, sorted(eos), tokenizer.pad_token_id, max_batch=self.rollout_settings.max_batch, copy=not share
             )
 
     def _build_vllm_engine(self, source: str, model: torch.nn.Module, tokenizer: Any, eos: list[int]) -> VLLMEngine:
@@ -465,6 +476,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Bring the engine to the trainer's weights: the merged payload (LoGRA) or the changed tensors."""
         if self.engine is None or self.policy is None:
             return
+        if isinstance(self.engine, HFEngine) and self.engine.shares_weights:
+            return  # the engine generates with the trainer's weights: always current
         if isinstance(self.engine, HFEngine) and next(self.engine.model.parameters()).device != self.device:
             self.engine.model.to(self.device)
             full = True

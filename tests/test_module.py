@@ -93,3 +93,37 @@ def test_validate_subcommand(tmp_path) -> None:
     metrics = cli.trainer.callback_metrics
     assert "val/pass@1" in metrics and "val/reward_mean" in metrics
     assert 0.0 <= float(metrics["val/pass@1"]) <= 1.0
+
+
+@pytest.mark.parametrize("optimizer", ["logra", "adamw"])
+def test_shared_engine_weights_train_without_a_copy(tmp_path, optimizer: str) -> None:
+    from logra_pl.callbacks import PolicySync
+
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        optimizer=optimizer,
+        logra=LoGRAConfig(rank=16, update_ratio=1e-2),
+        rollout=RolloutSettings(max_new_tokens=4, share_weights=True),
+        microbatch_size=4,
+    )
+    module.configure_model()
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=_data())
+    assert module.engine.model is module.policy  # one copy of the weights
+    changed = [k for k, v in module.policy.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) == 14  # both optimizers trained the 14 target matrices (the engine froze nothing)
+    again = LoGRAPolicyModule(policy="tiny", rollout=RolloutSettings(share_weights=True))
+    with pytest.raises(ValueError, match="PolicySync has nothing to send"):
+        pl.Trainer(max_steps=1, logger=False, enable_progress_bar=False, callbacks=[PolicySync()]).fit(
+            again, datamodule=_data()
+        )

@@ -76,6 +76,11 @@ class PolicySync(pl.Callback):
                 "PolicySync(mode='factors') ships LoGRA factor payloads, but the module trains with a dense "
                 f"optimizer ({pl_module.optimizer_name!r}): use mode='full'"
             )
+        if getattr(getattr(pl_module, "rollout_settings", None), "share_weights", False):
+            raise ValueError(
+                "PolicySync has nothing to send: rollout.share_weights makes the engine generate with the trainer's "
+                "weights; remove PolicySync or set share_weights to false"
+            )
         pl_module.external_sync = True
 
     @override

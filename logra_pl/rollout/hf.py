@@ -39,7 +39,8 @@ class HFEngine:
         eos_token_id: token (or tokens) that end a response.
         pad_token_id: token used to left-pad prompts.
         max_batch: responses generated per forward batch (bounds memory).
-        copy: deep-copy ``model`` so the engine's weights are its own.
+        copy: deep-copy ``model`` so the engine's weights are its own. ``False`` generates with ``model`` itself
+            (under ``no_grad``, where sketch hooks do nothing): one copy of the weights less, nothing to sync.
     """
 
     def __init__(
@@ -51,9 +52,11 @@ class HFEngine:
         copy: bool = True,
     ) -> None:
         self.model = _private_copy(model) if copy else model
+        self.shares_weights = not copy
         self.model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        if copy:  # an adopted model may be the trainer's: its trainable flags are not ours to change
+            for p in self.model.parameters():
+                p.requires_grad_(False)
         self.eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
