@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--model-size", default="medium", choices=["tiny", "small", "medium"])
     parser.add_argument("--steps", type=int, default=6, help="timed updates per run; default 6")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first updates per run; default 2")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per optimizer, order alternating; default 1")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per optimizer, order alternating; default 2")
     parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank; default 64")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per update; default 16")
     parser.add_argument("--microbatch", type=int, default=2, help="responses per backward; default 2")

@@ -14,7 +14,20 @@ SCRIPT = Path(__file__).parents[2] / "benchmarks" / "compare.py"
 def test_compare_writes_runs_and_ratios(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, str(SCRIPT), "--json", str(out), "--model-size", "tiny", "--steps", "2", "--warmup", "1"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--json",
+        str(out),
+        "--model-size",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
