@@ -3,9 +3,9 @@
 ``plan(config, ranks=4, rank_r=256)`` builds the model on the meta device (shapes only, no weights), selects the
 LoGRA target matrices and counts, per rank, what :func:`logra_pl.sketch.memory.memory_report` measures on a live
 run: ``weights`` (FSDP shards every parameter by rows, padded to equal shards), ``gradients`` and
-``optimizer_state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` and a ``step`` scalar per trained parameter, sharded
-like it), and for LoGRA ``sketches`` (``d_out × r`` fp32 per matrix), ``projections`` (``r × d_in`` fp32) and
-``row_statistics`` (``d_out`` fp32) — all three whole on every rank, since each rank sketches the full matrix
+``optimizer_state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` in the parameter's dtype and a ``step`` scalar per
+trained parameter, sharded like it), and for LoGRA ``sketches`` (``d_out × r`` fp32 per matrix), ``projections``
+(``r × d_in`` fp32) and ``row_statistics`` (``d_out`` fp32) — all three whole on every rank, since each rank sketches the full matrix
 and the sketches are all-reduced. Activations and the rollout engine are not training state and not included.
 
     logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --ranks 4 --rank 256     # a config.json, folder, hub id or tiny
@@ -118,7 +118,8 @@ def plan(
     if "adamw" in optimizers:
         trained = params if train_all else [m.weight for m in matrices.values()]
         grads = sum(_shard_bytes(p, ranks) for p in trained)
-        state = sum(2 * _shard_bytes(p, ranks, torch.float32) + 4 for p in trained)  # exp_avg, exp_avg_sq, step
+        # torch's AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype, plus a float32 step scalar.
+        state = sum(2 * _shard_bytes(p, ranks) + 4 for p in trained)
         out["adamw"] = PlanRow("adamw", ranks, MemoryReport(weights=weights, gradients=grads, optimizer_state=state))
     if "logra" in optimizers:
         report = MemoryReport(weights=weights)

@@ -105,6 +105,12 @@ def test_dense_adamw_under_the_same_strategy(runs, tiny_model_dir) -> None:
 def test_persistent_state_halves(runs) -> None:
     one, two = runs["one"]["persistent_bytes"], runs["two"]["persistent_bytes"]
     assert abs(two / one - 0.5) <= 0.05, (one, two)
+    # The planner, from the config alone, predicts what each FSDP rank measured.
+    from logra_pl.memory import plan
+
+    for ranks, measured in ((1, one), (2, two)):
+        predicted = plan("tiny", ranks=ranks, rank_r=16, optimizers=["logra"])["logra"].report.persistent
+        assert abs(predicted - measured) <= 0.05 * measured, (ranks, predicted, measured)
 
 
 def test_bad_input() -> None:
