@@ -5,8 +5,9 @@ LoGRA target matrices and counts, per rank, what :func:`logra_pl.sketch.memory.m
 run: ``weights`` (FSDP shards every parameter by rows, padded to equal shards), ``gradients`` and
 ``optimizer_state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` in the parameter's dtype and a ``step`` scalar per
 trained parameter, sharded like it), and for LoGRA ``sketches`` (``d_out × r`` fp32 per matrix), ``projections``
-(``r × d_in`` fp32) and ``row_statistics`` (``d_out`` fp32) — all three whole on every rank, since each rank sketches the full matrix
-and the sketches are all-reduced. Activations and the rollout engine are not training state and not included.
+(``r × d_in`` fp32) and ``row_statistics`` (``d_out`` fp32) — all three whole on every rank, since each rank
+sketches the full matrix and the sketches are all-reduced. Activations and the rollout engine are not training
+state and not included.
 
     logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --ranks 4 --rank 256     # a config.json, folder, hub id or tiny
 """
