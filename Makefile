@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PIP = $(VENV)/bin/pip
 PY = $(VENV)/bin/python
 
-.PHONY: demo smoke test lint clean
+.PHONY: demo smoke bench test lint clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: $(VENV)/.demo
 # Twenty seconds of the sketch core alone, with its memory and sync numbers.
 smoke: $(VENV)/.demo
 	$(PY) -m logra_pl.smoke
+
+# LoGRA vs dense AdamW on the 50M `tiny:medium` model: state, peak RSS and step time side by side (~3 min).
+bench: $(VENV)/.demo
+	$(PY) benchmarks/compare.py --json runs/compare.json --model-size medium
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

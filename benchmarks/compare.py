@@ -191,6 +191,7 @@ def main() -> None:
     report = {"runs": runs, "ratios": ratios, "order": order, "settings": vars(args) | {"worker": None}}
     print(table(report))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
 
 
