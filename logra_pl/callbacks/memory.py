@@ -63,9 +63,14 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """Peak RSS since the last :func:`reset_peak_rss` (``VmHWM``), or the lifetime peak off Linux."""
+    """Peak RSS since the last :func:`reset_peak_rss` (``VmHWM``), or the lifetime peak off Linux.
+
+    The kernel updates ``VmHWM`` lazily, so it is combined with the current RSS read at the same moment.
+    """
     kib = _status_kib("VmHWM")
-    return kib * 1024 if kib is not None else peak_rss_lifetime_bytes()
+    if kib is None:
+        return peak_rss_lifetime_bytes()
+    return max(kib * 1024, rss_bytes())
 
 
 class MemoryMonitor(pl.Callback):
@@ -127,8 +132,9 @@ class MemoryMonitor(pl.Callback):
             torch.cuda.synchronize(pl_module.device)
             out["memory/cuda_peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(pl_module.device))
             out["memory/cuda_peak_reserved_bytes"] = float(torch.cuda.max_memory_reserved(pl_module.device))
-        out["memory/peak_rss_bytes"] = float(peak_rss_bytes() if self._resettable else peak_rss_lifetime_bytes())
         out["memory/rss_bytes"] = float(rss_bytes())
+        peak = peak_rss_bytes() if self._resettable else peak_rss_lifetime_bytes()
+        out["memory/peak_rss_bytes"] = float(max(peak, out["memory/rss_bytes"]))
         out["memory/rss_at_start_bytes"] = float(self._start_rss)
         out["memory/peak_rss_is_lifetime"] = 0.0 if self._resettable else 1.0
         return out

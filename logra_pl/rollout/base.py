@@ -86,3 +86,34 @@ class RolloutEngine(Protocol):
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the named tensors (full sync) in the engine's weights."""
         ...
+
+
+def expand_prompts(
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    context_limit: int,
+    prompt_seeds: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[int], list[int] | None]:
+    """Check a generate call's prompts and lay out its rows: ``(rows, prompt index per row, seed per row)``.
+
+    Rows repeat each prompt ``n`` times in a row. With ``prompt_seeds``, response ``k`` of a prompt gets the seed
+    ``(prompt_seed · 1_000_003 + k) mod 2⁶³``, so a prompt's responses do not depend on the batch, rank or engine
+    call it is sampled in; without them the third element is None. Errors name the prompt and the fix.
+    """
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every prompt needs at least one token")
+    too_long = [i for i, p in enumerate(prompts) if len(p) + sampling.max_new_tokens > context_limit]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"prompt {i} has {len(prompts[i])} tokens; with max_new_tokens={sampling.max_new_tokens} it exceeds "
+            f"the engine's context of {context_limit}: shorten prompts or lower max_new_tokens"
+        )
+    if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
+        raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(prompts)} prompts")
+    rows = [list(p) for p in prompts for _ in range(sampling.n)]
+    index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
+    seeds = None
+    if prompt_seeds is not None:
+        seeds = [(int(s) * 1_000_003 + k) % 2**63 for s in prompt_seeds for k in range(sampling.n)]
+    return rows, index, seeds

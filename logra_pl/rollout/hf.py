@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig
+from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
 from logra_pl.sketch.payload import Payload, apply_payload, weight_tensors
 
 
@@ -92,28 +92,12 @@ class HFEngine:
         process layout it is sampled in (data-parallel runs then equal single-process ones).
         """
         start = time.perf_counter()
-        too_long = [i for i, p in enumerate(prompts) if len(p) + sampling.max_new_tokens > self.context_limit]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"prompt {i} has {len(prompts[i])} tokens; with max_new_tokens={sampling.max_new_tokens} it exceeds "
-                f"the model's context of {self.context_limit}: shorten prompts or lower max_new_tokens"
-            )
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        rows = [list(p) for p in prompts for _ in range(sampling.n)]
-        index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
-        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
-            raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(prompts)} prompts")
+        rows, index, seeds = expand_prompts(prompts, sampling, self.context_limit, prompt_seeds)
         gens: list[torch.Generator] | torch.Generator
-        if prompt_seeds is None:
+        if seeds is None:
             gens = torch.Generator(device="cpu").manual_seed(sampling.seed)
         else:
-            gens = [
-                torch.Generator(device="cpu").manual_seed((int(seed) * 1_000_003 + k) % 2**63)
-                for seed in prompt_seeds
-                for k in range(sampling.n)
-            ]
+            gens = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[FinishReason] = []

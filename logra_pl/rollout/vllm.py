@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
-from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig
+from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
 from logra_pl.rollout.vllm_worker import tensors_to_bytes
 from logra_pl.sketch.payload import Payload
 
@@ -192,23 +192,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        too_long = [i for i, p in enumerate(prompts) if len(p) + sampling.max_new_tokens > self.context_limit]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"prompt {i} has {len(prompts[i])} tokens; with max_new_tokens={sampling.max_new_tokens} it exceeds "
-                f"the engine's max_model_len of {self.context_limit}: shorten prompts or lower max_new_tokens"
-            )
-        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
-            raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(prompts)} prompts")
-        rows = [list(p) for p in prompts for _ in range(sampling.n)]
-        index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
-        if prompt_seeds is None:
-            seeds = [(sampling.seed * 1_000_003 + k) % 2**62 for k in range(len(rows))]
-        else:
-            seeds = [(int(s) * 1_000_003 + k) % 2**62 for s in prompt_seeds for k in range(sampling.n)]
+        rows, index, seeds = expand_prompts(prompts, sampling, self.context_limit, prompt_seeds)
+        if seeds is None:
+            seeds = [(sampling.seed * 1_000_003 + k) % 2**63 for k in range(len(rows))]
         params = [
             SamplingParams(
                 n=1,

@@ -90,7 +90,7 @@ def test_prompt_longer_than_context_is_a_clear_error(policy) -> None:
     model, tok = policy
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
     limit = model.config.max_position_embeddings
-    with pytest.raises(ValueError, match=rf"prompt 1 has {limit} tokens.*exceeds the model's context of {limit}"):
+    with pytest.raises(ValueError, match=rf"prompt 1 has {limit} tokens.*exceeds the engine's context of {limit}"):
         engine.generate([[1, 2], [5] * limit], SamplingConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([[]], SamplingConfig(max_new_tokens=4))
