@@ -67,7 +67,13 @@ def load_config(source: str | Path | PretrainedConfig | dict[str, Any]) -> Pretr
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".json":
         return load_config(json.loads(path.read_text()))
-    return AutoConfig.from_pretrained(text)
+    try:
+        return AutoConfig.from_pretrained(text)
+    except OSError as err:
+        raise ValueError(
+            f"no model config for {text!r} here ({err.__class__.__name__}): pass a config.json, a save_pretrained "
+            "folder, tiny[:preset], or a hub id that is in the local Hugging Face cache"
+        ) from err
 
 
 def _shard_bytes(t: torch.Tensor, ranks: int, dtype: torch.dtype | None = None) -> int:

@@ -81,3 +81,5 @@ def test_plan_errors_name_the_problem() -> None:
         plan(PRESETS["tiny"].qwen2_config(512, 0, 1), rank_r=512)
     with pytest.raises(ValueError, match="unknown optimizers"):
         plan(QWEN25_7B, optimizers=["sgd"])
+    with pytest.raises(ValueError, match=r"no model config for 'nobody/no-such-model'.*local Hugging Face cache"):
+        plan("nobody/no-such-model")  # offline in tests: not in the cache
