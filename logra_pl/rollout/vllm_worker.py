@@ -58,7 +58,10 @@ def engine_slices(model: torch.nn.Module) -> dict[str, EngineSlice]:
     for name, module in model.named_modules():
         param = f"{name}.weight"
         prefix, _, leaf = name.rpartition(".")
-        qualify = lambda part, p=prefix: f"{p}.{part}" if p else part  # noqa: E731
+
+        def qualify(part: str, prefix: str = prefix) -> str:
+            return f"{prefix}.{part}" if prefix else part
+
         if isinstance(module, QKVParallelLinear):
             q, k, v = packed.get(leaf, ["q_proj", "k_proj", "v_proj"])
             reps = module.num_kv_head_replicas
@@ -152,7 +155,6 @@ class LoGRAWorkerExtension:
         """Overwrite named tensors (checkpoint names, trainer wrappers stripped) with the serialized values."""
         start = time.perf_counter()
         tensors = {_checkpoint_key(k): v for k, v in st_load(data).items()}
-        model = self.model_runner.get_model()
         if self._logra_mode == "shadow":
             tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
             unknown = [k for k in tensors if k not in self._logra_shadow and not (tied and k == "lm_head.weight")]
@@ -163,7 +165,7 @@ class LoGRAWorkerExtension:
                     self._logra_shadow[key].copy_(value)
             self._logra_reload()
         else:
-            model.load_weights(weights=iter(tensors.items()))
+            self.model_runner.get_model().load_weights(weights=iter(tensors.items()))
         return {"tensors": float(len(tensors)), "seconds": time.perf_counter() - start}
 
     def logra_get_weights(self, names: list[str]) -> bytes:
