@@ -79,8 +79,9 @@ class MemoryMonitor(pl.Callback):
     Scalars: ``memory/state/<kind>`` and ``memory/state_bytes`` (their sum); on CPU ``memory/peak_rss_bytes``
     (peak during the update) and ``memory/rss_bytes`` (at its end); on CUDA ``memory/cuda_peak_allocated_bytes``
     and ``memory/cuda_peak_reserved_bytes``. The last update's values stay in :attr:`last`, every update's in
-    :attr:`history`; :attr:`peaks_within_update` holds the update's starting RSS and the peak read before each
-    optimizer step and at its end (CPU: RSS; CUDA: allocated bytes).
+    :attr:`history`; :attr:`peaks_within_update` holds the update's starting value and the peak so far read
+    before each optimizer step and at its end (CPU: RSS; CUDA: allocated bytes). A peak is never below an
+    earlier reading: the kernel keeps its peak-RSS mark lazily.
 
     Arguments:
         image_every: add the state-by-kind image to TensorBoard every N updates; 0 never.
@@ -108,9 +109,10 @@ class MemoryMonitor(pl.Callback):
         if self._cuda:
             torch.cuda.synchronize(pl_module.device)
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        self._start_rss = rss_bytes()
         self._resettable = reset_peak_rss()
-        self.peaks_within_update = [float(self._start_rss)]
+        self._start_rss = rss_bytes()  # after the reset: the mark starts at (about) this value
+        start = torch.cuda.memory_allocated(pl_module.device) if self._cuda else self._start_rss
+        self.peaks_within_update = [float(start)]
         self._state = None
 
     @override
@@ -121,9 +123,12 @@ class MemoryMonitor(pl.Callback):
         self._state = self.state(pl_module)
 
     def _peak(self, pl_module: pl.LightningModule) -> float:
+        """The peak so far in this update: never below an earlier reading (the kernel's mark is kept lazily)."""
         if self._cuda:
-            return float(torch.cuda.max_memory_allocated(pl_module.device))
-        return float(peak_rss_bytes() if self._resettable else peak_rss_lifetime_bytes())
+            now = float(torch.cuda.max_memory_allocated(pl_module.device))
+        else:
+            now = float(peak_rss_bytes() if self._resettable else peak_rss_lifetime_bytes())
+        return max([now, *self.peaks_within_update])
 
     def sample(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """The memory numbers right now (peaks since the update started)."""
@@ -134,7 +139,8 @@ class MemoryMonitor(pl.Callback):
             out["memory/cuda_peak_reserved_bytes"] = float(torch.cuda.max_memory_reserved(pl_module.device))
         out["memory/rss_bytes"] = float(rss_bytes())
         peak = peak_rss_bytes() if self._resettable else peak_rss_lifetime_bytes()
-        out["memory/peak_rss_bytes"] = float(max(peak, out["memory/rss_bytes"]))
+        earlier = [] if self._cuda else self.peaks_within_update  # on CUDA these track allocated bytes
+        out["memory/peak_rss_bytes"] = float(max(peak, out["memory/rss_bytes"], *earlier))
         out["memory/rss_at_start_bytes"] = float(self._start_rss)
         out["memory/peak_rss_is_lifetime"] = 0.0 if self._resettable else 1.0
         return out
