@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import torch
 
+from logra_pl.errors import check_choice, check_range
+
 OutcomeMode = Literal["outcome", "reward"]
 
 
@@ -41,10 +43,10 @@ class RunningBaseline:
     value: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("outcome", "reward"):
-            raise ValueError(f"unknown baseline mode {self.mode!r}: use 'outcome' or 'reward'")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"baseline momentum must lie in [0, 1), got {self.momentum}")
+        check_choice("baseline.mode", self.mode, ("outcome", "reward"))
+        check_range("baseline.momentum", self.momentum, 0.0, 1.0, high_open=True)
+        for name in ("success_threshold", "success_value", "failure_value", "value"):
+            check_range(f"baseline.{name}", getattr(self, name))
 
     def outcomes(self, rewards: torch.Tensor) -> torch.Tensor:
         """Map verifier rewards to outcomes."""

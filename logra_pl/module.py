@@ -10,6 +10,7 @@ data from :attr:`LoGRAPolicyModule.step_context`, never from each other.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 import warnings
@@ -21,22 +22,26 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import MeanMetric
 
+from logra_pl.errors import PolicyDivergedError, check_choice, check_int, check_range
+from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, reinforce_tis_loss
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.models.tiny import cache_root
-from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_update_norm
+from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
 from logra_pl.rewards import ReasoningGymVerifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.hf import HFEngine
 from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
-from logra_pl.sketch import LoGRAConfig, LoGRASketcher, lifted_sq_norm, memory_report, select_targets
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher, memory_report, select_targets
 from logra_pl.sketch.payload import Payload
 from logra_pl.warm_start import WarmStart, warm_start_policy
 
 # The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
 # or the importance ratios and the mismatch estimate measure dropout noise.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -68,6 +73,21 @@ class RolloutSettings:
     max_batch: int = 256
     share_weights: bool = False
 
+    def __post_init__(self) -> None:
+        check_int("rollout.responses_per_prompt", self.responses_per_prompt, 1)
+        check_range("rollout.temperature", self.temperature, 0.0, hint="0 is greedy; 1.0 samples the policy as is")
+        check_range("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_int("rollout.max_new_tokens", self.max_new_tokens, 1)
+        check_range("rollout.val_temperature", self.val_temperature, 0.0)
+        check_range("rollout.val_top_p", self.val_top_p, 0.0, 1.0, low_open=True)
+        check_int("rollout.val_responses", self.val_responses, 1)
+        check_int("rollout.max_batch", self.max_batch, 1)
+        if self.temperature == 0:
+            log.warning(
+                "rollout.temperature is 0: training samples greedily, so every response to a prompt is the same and "
+                "the policy gradient has no exploration; RL normally samples at 1.0"
+            )
+
 
 @dataclass
 class LossConfig:
@@ -88,6 +108,21 @@ class LossConfig:
     ppo_epochs: int = 2
     ppo_minibatches: int = 2
     length_reference: float | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("loss.kind", self.kind, ("reinforce_tis", "ppo"))
+        check_range(
+            "loss.tis_cap",
+            self.tis_cap,
+            0.0,
+            low_open=True,
+            hint="a cap of 0 zeroes every token's weight",
+        )
+        check_range("loss.clip_eps", self.clip_eps, 0.0, 1.0, low_open=True, high_open=True)
+        check_int("loss.ppo_epochs", self.ppo_epochs, 1)
+        check_int("loss.ppo_minibatches", self.ppo_minibatches, 1)
+        if self.length_reference is not None:
+            check_range("loss.length_reference", self.length_reference, 0.0, low_open=True)
 
 
 @dataclass
@@ -134,6 +169,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         seed: seed of sampling (mixed with the update index).
         engine: rollout engine: ``"hf"`` (transformers, a private copy of the policy) or ``"vllm"``.
         vllm: vLLM engine settings (``engine="vllm"``).
+        guard: the divergence guard: updates too large or non-finite are rejected before they touch the weights,
+            and too many in a row stop the run.
     """
 
     def __init__(
@@ -152,6 +189,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         seed: int = 0,
         engine: Literal["hf", "vllm"] = "hf",
         vllm: VLLMSettings | None = None,
+        guard: DivergenceGuard | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("logra", "adamw"):
@@ -176,6 +214,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.seed = seed
         self.engine_kind = engine
         self.vllm_settings = vllm or VLLMSettings()
+        self.guard = guard or DivergenceGuard()
+        self.rejected_updates = 0  # updates not applied (guard rejections and LoGRA skips), over the whole run
+        self.rejected_in_a_row = 0
+        self.last_relative_update = 0.0
         self.external_sync = False  # set by a PolicySync callback, which then owns engine updates
         self.policy: torch.nn.Module | None = None
         self.tokenizer: Any = None
@@ -346,7 +388,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         )
         # One seed per prompt (from its question): a prompt's responses do not depend on batch or rank layout.
         seeds = [self._sampling_seed("train", it["question"]) for it in items]
-        rollout = self.engine.generate(prompts, sampling, prompt_seeds=seeds)
+        try:
+            rollout = self.engine.generate(prompts, sampling, prompt_seeds=seeds)
+        except PolicyDivergedError as err:
+            raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
         rewards = self.score(rollout, items)
         advantages = self.baseline.advantages(rewards, self._all_reduce_sum)
         packed = pack_responses(rollout.prompt_ids, rollout.response_ids, self.tokenizer.pad_token_id)
@@ -411,6 +456,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             "time/step_s": step_s,
             "verifier/errors": float(self.verifier.errors),
         }
+        metrics["guard/rejected_updates"] = float(self.rejected_updates)
+        metrics["guard/relative_update"] = (
+            self.sketcher.last_relative_update if self.sketcher is not None else self.last_relative_update
+        )
         if self.sketcher is not None:
             metrics["logra/skipped_updates"] = float(self.sketcher.num_skipped)
             metrics["logra/merge_s"] = self.optimizers().optimizer.last_merge_s
@@ -448,29 +497,70 @@ class LoGRAPolicyModule(pl.LightningModule):
             self.manual_backward(loss)
             total += float(loss.detach())
         t1 = time.perf_counter()
-        opt.step()
         if self.optimizer_name == "adamw":
+            rejected = self._guard_adamw(opt.optimizer)
+            opt.step()
             opt.zero_grad(set_to_none=True)
-            norm = adamw_update_norm(opt.optimizer)  # from the optimizer state: no copy of the weights
+            norm = 0.0 if rejected else adamw_update_norm(opt.optimizer)  # from the state: no copy of the weights
             self.lr_schedulers().step()
         else:
-            norm = self._payload_norm(opt.optimizer)
-            if opt.optimizer.last_payload is not None:
-                ctx.payloads.append(opt.optimizer.last_payload)
+            inner = opt.optimizer
+            inner.max_relative_update = self.guard.max_update_ratio if self.guard.enabled else None
+            opt.step()
+            rejected = self.sketcher.last_skip_reason if inner.last_payload is None else None
+            norm = 0.0 if rejected else math.sqrt(self.sketcher.last_update_sq_norm)
+            if inner.last_payload is not None:
+                ctx.payloads.append(inner.last_payload)
+        self._after_update(rejected)
         if not self.external_sync:
             self.sync_engine()
         return total, t1 - t0, time.perf_counter() - t1, norm
 
-    @staticmethod
-    def _payload_norm(opt: LoGRAOptimizer) -> float:
-        """``‖ΔW‖_F`` of the merged update, from its factors (no dense product)."""
-        payload, proposal = opt.last_payload, opt.last_proposal
-        if payload is None or proposal is None:
-            return 0.0
-        total = sum(
-            float(lifted_sq_norm(f.float(), proposal.matrices[n].projection)) for n, f in payload.factors.items()
-        )
-        return math.sqrt(total)
+    def _guard_adamw(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Preview the AdamW step; if the guard rejects it, drop the gradients so ``step()`` changes nothing."""
+        if not self.guard.enabled:
+            return None
+        upd, w, bad = self._all_reduce_sum(torch.tensor(adamw_step_preview(optimizer), dtype=torch.float64)).tolist()
+        self.last_relative_update = math.sqrt(upd / w) if w > 0 else (0.0 if upd == 0 else math.inf)
+        if bad:
+            reason = f"the step would make {int(bad)} weights non-finite"
+        elif not math.isfinite(self.last_relative_update):
+            reason = "non-finite update (the gradients hold inf/NaN)"
+        elif self.last_relative_update > self.guard.max_update_ratio:
+            reason = (
+                f"update size ‖ΔW‖/‖W‖ = {self.last_relative_update:.3g} exceeds the guard's max_update_ratio "
+                f"{self.guard.max_update_ratio:g}"
+            )
+        else:
+            return None
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # torch's AdamW leaves parameters without a gradient (and their state) untouched
+        return reason
+
+    def _after_update(self, rejected: str | None) -> None:
+        """Count an update that was not applied, say so on the console, and stop a run that keeps diverging."""
+        if rejected is None:
+            self.rejected_in_a_row = 0
+            return
+        self.rejected_updates += 1
+        self.rejected_in_a_row += 1
+        update = self.global_step  # the optimizer step has run: this update's 1-based index
+        limit = self.guard.max_consecutive
+        if self.trainer.is_global_zero:
+            log.warning(
+                "update %d not applied (weights unchanged): %s [%d in a row; the run stops at %d]",
+                update,
+                rejected,
+                self.rejected_in_a_row,
+                limit,
+            )
+        if self.rejected_in_a_row >= limit:
+            knob = "lr" if self.optimizer_name == "adamw" or self.logra_config.step_mode == "lr" else "update_ratio"
+            raise PolicyDivergedError(
+                f"policy diverged at update {update}: {limit} updates in a row were not applied (last: {rejected}). "
+                f"Lower {knob} or enable PredictedKLControl; the last checkpoint holds the last good weights"
+            )
 
     def sync_engine(self, full: bool = False) -> None:
         """Bring the engine to the trainer's weights: the merged payload (LoGRA) or the changed tensors."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.sketch import LoGRASketcher, Payload, Proposal
 
 
@@ -39,6 +40,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.last_payload: Payload | None = None
         self.grad_scale = 1.0
         self.last_merge_s = 0.0
+        # Divergence guard: an update larger than this fraction of the weights is rejected (None: no bound).
+        self.max_relative_update: float | None = None
         # Set by a data-parallel strategy: all-reduce the sketches, and sum ‖W_i‖² over row shards.
         self.before_propose: Callable[[LoGRAOptimizer], None] | None = None
         self.weight_sq_norms: Callable[[LoGRAOptimizer], dict[str, float]] | None = None
@@ -60,7 +63,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if proposal is None:
             return result
         start = time.perf_counter()
-        self.last_payload = self.sketcher.apply(proposal)
+        self.last_payload = self.sketcher.apply(proposal, max_relative_update=self.max_relative_update)
         self.last_merge_s = time.perf_counter() - start
         return result
 
@@ -100,6 +103,18 @@ class AdamWConfig:
     decay_steps: int = 300
     min_lr_ratio: float = 0.1
     train_all: bool = False
+
+    def __post_init__(self) -> None:
+        check_range("adamw.lr", self.lr, 0.0, low_open=True)
+        if len(self.betas) != 2:
+            raise ConfigError(f"adamw.betas must be two numbers, got {self.betas!r}")
+        for k, beta in enumerate(self.betas):
+            check_range(f"adamw.betas[{k}]", beta, 0.0, 1.0, high_open=True)
+        check_range("adamw.eps", self.eps, 0.0)
+        check_range("adamw.weight_decay", self.weight_decay, 0.0)
+        check_int("adamw.warmup_steps", self.warmup_steps, 0)
+        check_int("adamw.decay_steps", self.decay_steps, 0)
+        check_range("adamw.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` after ``step`` completed updates (``LambdaLR`` semantics)."""
@@ -145,3 +160,50 @@ def adamw_update_norm(optimizer: torch.optim.AdamW) -> float:
                 delta.sub_(old.mul_(lr * wd))
             total += float(delta.square().sum())
     return math.sqrt(total)
+
+
+@torch.no_grad()
+def adamw_step_preview(optimizer: torch.optim.AdamW) -> tuple[float, float, int]:
+    """What the next ``optimizer.step()`` would do, computed without doing it: ``(Σ‖ΔW‖², Σ‖W‖², #non-finite)``.
+
+    For every parameter with a gradient, AdamW's update is formed as torch does it (no amsgrad/maximize)::
+
+        m' = β1·m + (1−β1)·g ;  v' = β2·v + (1−β2)·g² ;  t' = t + 1
+        ΔW = −lr·wd·W − lr/(1−β1^t') · m' / (sqrt(v')/sqrt(1−β2^t') + eps)
+
+    and the count of non-finite entries of ``W + ΔW`` in the parameter's dtype is returned with the norms. The
+    divergence guard calls this *before* the step, so a rejected step is simply not taken (its gradients are
+    dropped): nothing to undo. One parameter at a time, so the temporaries are the size of the largest one.
+    Sums are over this process's (local) shards; a data-parallel caller all-reduces them.
+    """
+    update_sq = weight_sq = 0.0
+    nonfinite = 0
+    for group in optimizer.param_groups:
+        if group.get("amsgrad", False) or group.get("maximize", False):
+            raise ValueError("adamw_step_preview does not handle amsgrad or maximize")
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            w, g = _local(p.detach()), _local(p.grad)
+            state = optimizer.state.get(p) or {}
+            step = float(state["step"]) + 1 if "step" in state else 1.0
+            m = g * (1 - beta1) if "exp_avg" not in state else _local(state["exp_avg"]) * beta1 + g * (1 - beta1)
+            v = (
+                g.square() * (1 - beta2)
+                if "exp_avg_sq" not in state
+                else _local(state["exp_avg_sq"]) * beta2 + g.square() * (1 - beta2)
+            )
+            denom = v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
+            delta = m.div_(denom).mul_(-lr / (1 - beta1**step))
+            if wd:
+                delta.sub_(w, alpha=lr * wd)
+            update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
+            weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
+            nonfinite += int((~torch.isfinite(delta.add_(w))).sum())
+    return update_sq, weight_sq, nonfinite
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -23,6 +23,7 @@ from typing import Any
 import reasoning_gym
 import torch
 
+from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.models.tiny import cache_root
 
@@ -69,6 +70,16 @@ class WarmStart:
     batch_size: int = 64
     lr: float = 2e-3
     seed: int = 1234
+
+    def __post_init__(self) -> None:
+        from reasoning_gym.factory import DATASETS
+
+        if self.task not in DATASETS:
+            raise ConfigError(f"unknown warm_start.task {self.task!r}: use a reasoning-gym task, e.g. 'chain_sum'")
+        check_int("warm_start.steps", self.steps, 0)
+        check_int("warm_start.batch_size", self.batch_size, 1)
+        check_range("warm_start.lr", self.lr, 0.0, low_open=True)
+        check_int("warm_start.seed", self.seed, 0)
 
 
 def warm_start_key(source: str, settings: WarmStart, exclude: Iterable[str], system_prompt: str | None) -> str:

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from logra_pl.callbacks.mismatch import RolloutMismatch
+from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.sketch.probe import ProbeMode, logit_tangent, predicted_kl_terms, realized_kl_terms
 
 
@@ -33,10 +34,15 @@ class BudgetSchedule:
     horizon: int = 300
 
     def __post_init__(self) -> None:
-        if self.kind not in ("cosine", "linear", "constant", "none"):
-            raise ValueError(f"unknown budget schedule {self.kind!r}: use cosine, linear, constant or none")
-        if self.delta_max <= 0 or self.delta_min <= 0 or self.horizon < 1:
-            raise ValueError("delta_max and delta_min must be > 0 and horizon >= 1")
+        check_choice("schedule.kind", self.kind, ("cosine", "linear", "constant", "none"))
+        check_range("schedule.delta_max", self.delta_max, 0.0, low_open=True)
+        check_range("schedule.delta_min", self.delta_min, 0.0, low_open=True)
+        check_int("schedule.horizon", self.horizon, 1)
+        if self.delta_min > self.delta_max:
+            raise ConfigError(
+                f"schedule.delta_min={self.delta_min:g} exceeds schedule.delta_max={self.delta_max:g}: the budget "
+                "anneals from delta_max down to delta_min; swap them (or use kind: constant)"
+            )
 
     def progress(self, n: int) -> float:
         """``min((n−1)/(H−1), 1)`` (1 from the start when H = 1)."""
@@ -91,8 +97,11 @@ class PredictedKLControl(pl.Callback):
         fd_step: float = 1e-3,
         calibrate: bool = False,
     ) -> None:
-        if alpha_max <= 0 or probe_responses < 1 or max_probe_tokens < 1:
-            raise ValueError("alpha_max must be > 0, probe_responses and max_probe_tokens >= 1")
+        check_range("alpha_max", alpha_max, 0.0, low_open=True)
+        check_int("probe_responses", probe_responses, 1)
+        check_int("max_probe_tokens", max_probe_tokens, 1)
+        check_choice("probe", probe, ("jvp", "fd"))
+        check_range("fd_step", fd_step, 0.0, low_open=True)
         self.schedule = schedule or BudgetSchedule()
         self.alpha_max = alpha_max
         self.probe_responses = probe_responses

@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from logra_pl.errors import check_range
+
 
 def observed_mismatch(
     logp_rollout: torch.Tensor, logp_trainer: torch.Tensor, mask: torch.Tensor, eos_terminated: torch.Tensor
@@ -33,10 +35,8 @@ class RolloutMismatch(pl.Callback):
     """
 
     def __init__(self, ema: float = 0.3, floor: float = 0.5) -> None:
-        if not 0.0 < ema <= 1.0:
-            raise ValueError(f"ema must lie in (0, 1], got {ema}")
-        if not 0.0 <= floor <= 1.0:
-            raise ValueError(f"floor must lie in [0, 1], got {floor}")
+        check_range("ema", ema, 0.0, 1.0, low_open=True)
+        check_range("floor", floor, 0.0, 1.0)
         self.ema = ema
         self.floor = floor
         self.value = 0.0

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from logra_pl.errors import PolicyDivergedError
 from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
 from logra_pl.sketch.payload import Payload, apply_payload, weight_tensors
 
@@ -137,6 +138,10 @@ class HFEngine:
         eos = torch.tensor(sorted(self.eos))
         next_pos = positions[:, -1:] + 1
         for _ in range(sampling.max_new_tokens):
+            if not bool(torch.isfinite(logits).all()):
+                raise PolicyDivergedError(
+                    "the rollout engine's logits hold inf/NaN: the policy weights are no longer finite"
+                )
             tok, lp = sample_tokens(logits.float(), sampling.temperature, sampling.top_p, gen)
             for b in torch.nonzero(~done).flatten().tolist():
                 tokens[b].append(int(tok[b]))

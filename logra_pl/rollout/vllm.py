@@ -14,6 +14,7 @@ weights would otherwise be reused silently.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
+from logra_pl.errors import PolicyDivergedError, check_choice, check_int, check_range
 from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
 from logra_pl.rollout.vllm_worker import tensors_to_bytes
 from logra_pl.sketch.payload import Payload
@@ -70,6 +72,16 @@ class VLLMSettings:
     max_num_seqs: int = 256
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_int("vllm.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_range("vllm.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        check_range("vllm.kv_cache_gib", self.kv_cache_gib, 0.0, low_open=True)
+        if self.max_model_len is not None:
+            check_int("vllm.max_model_len", self.max_model_len, 2)
+        check_choice("vllm.sync_mode", self.sync_mode, ("auto", "inplace", "shadow"))
+        check_int("vllm.max_num_seqs", self.max_num_seqs, 1)
+        check_int("vllm.seed", self.seed, 0)
 
 
 def import_vllm() -> Any:
@@ -216,7 +228,12 @@ class VLLMEngine:
             seq = out.outputs[0]
             ids = list(seq.token_ids)
             responses.append(ids)
-            logprobs.append([float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)])
+            lps = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)]
+            if not all(math.isfinite(lp) for lp in lps):
+                raise PolicyDivergedError(
+                    "vLLM reported non-finite log-probs for sampled tokens: the policy weights are no longer finite"
+                )
+            logprobs.append(lps)
             reasons.append("stop" if seq.finish_reason == "stop" else "length")
         return Rollout(
             prompt_ids=rows,

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import torch
 
+from logra_pl.errors import ConfigError, check_range
+
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 Distribution = Literal["rademacher", "gaussian"]
@@ -22,7 +24,7 @@ _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 STRUCTURAL_KEYS: tuple[str, ...] = ("targets", "rank", "distribution", "refresh", "base_seed", "update_rule", "beta2")
 
 
-class LoGRAConfigError(ValueError):
+class LoGRAConfigError(ConfigError):
     """A LoGRA setting or input that cannot work; the message names the value and how to fix it."""
 
 
@@ -69,7 +71,7 @@ class LoGRAConfig:
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise LoGRAConfigError(f"targets must be a non-empty list of module name parts, got {self.targets!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
-            raise LoGRAConfigError(f"rank must be a positive integer, got {self.rank!r}")
+            raise LoGRAConfigError(f"logra.rank must be a positive integer, got {self.rank!r}")
         if self.distribution not in ("rademacher", "gaussian"):
             raise LoGRAConfigError(
                 f"unknown projection distribution {self.distribution!r}: use 'rademacher' or 'gaussian'"
@@ -80,12 +82,13 @@ class LoGRAConfig:
             raise LoGRAConfigError(f"unknown step_mode {self.step_mode!r}: use 'ratio' or 'lr'")
         if self.ratio_scope not in ("global", "matrix"):
             raise LoGRAConfigError(f"unknown ratio_scope {self.ratio_scope!r}: use 'global' or 'matrix'")
-        if not 0.0 <= self.beta2 < 1.0:
-            raise LoGRAConfigError(f"beta2 must lie in [0, 1), got {self.beta2!r}")
-        if self.eps < 0:
-            raise LoGRAConfigError(f"eps must be >= 0, got {self.eps!r}")
-        if self.update_ratio <= 0 or self.lr <= 0:
-            raise LoGRAConfigError(f"update_ratio and lr must be > 0, got {self.update_ratio!r} and {self.lr!r}")
+        try:  # finite numbers in range: NaN fails every comparison and would otherwise slip through
+            check_range("logra.beta2", self.beta2, 0.0, 1.0, high_open=True)
+            check_range("logra.eps", self.eps, 0.0)
+            check_range("logra.update_ratio", self.update_ratio, 0.0, low_open=True, hint="‖ΔW‖/‖W‖ per update")
+            check_range("logra.lr", self.lr, 0.0, low_open=True)
+        except ConfigError as err:
+            raise LoGRAConfigError(str(err)) from None
         if self.factor_dtype not in _FACTOR_DTYPES:
             raise LoGRAConfigError(f"unknown factor_dtype {self.factor_dtype!r}: use one of {sorted(_FACTOR_DTYPES)}")
         if self.merge_chunk_rows <= 0:

@@ -48,6 +48,8 @@ class Proposal:
         scale: the global scale ``c`` already folded into each ``U`` (NaN when scales differ per matrix).
         stats: norms that went into ``scale`` (diagnostics).
         veto: set by :meth:`skip`: the update is then skipped and counted instead of merged.
+        weight_sq_norms: ``{name: ‖W_i‖²}`` the scale was formed from (whole matrices, summed over shards); the
+            divergence guard compares the update with them before merging.
     """
 
     matrices: dict[str, MatrixProposal]
@@ -61,6 +63,7 @@ class Proposal:
     scale: float = 1.0
     stats: dict[str, float] = field(default_factory=dict)
     veto: str | None = None
+    weight_sq_norms: dict[str, float] = field(default_factory=dict)
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from logra_pl.sketch.accumulate import MatrixSketch
 from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
+from logra_pl.sketch.guard import rejection_reason, relative_update
 from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.payload import MatrixProposal, Payload, Proposal, apply_payload
 from logra_pl.sketch.projection import make_projection, projection_seed
@@ -46,7 +47,10 @@ class LoGRASketcher:
         self.update_index = 0
         self.num_applied = 0
         self.num_skipped = 0
+        self.num_rejected = 0
         self.last_skip_reason: str | None = None
+        self.last_update_sq_norm = 0.0  # ‖ΔW‖² of the last merged (or rejected) update, summed over matrices
+        self.last_relative_update = 0.0  # its ‖ΔW‖/‖W‖
         self.row_offsets: dict[str, int] = {}
         targets = select_targets(model, self.config.targets)
         for name, linear in targets.items():
@@ -157,13 +161,18 @@ class LoGRASketcher:
             factor_dtype=cfg.factor_torch_dtype,
             scale=scale,
             stats={"weight_sq_norm": sum(w_sq.values()), "direction_sq_norm": sum(lifted.values())},
+            weight_sq_norms=w_sq,
         )
 
-    def apply(self, proposal: Proposal, alpha: float | None = None) -> Payload | None:
+    def apply(
+        self, proposal: Proposal, alpha: float | None = None, max_relative_update: float | None = None
+    ) -> Payload | None:
         """Merge ``proposal`` at multiplier ``alpha`` (default ``proposal.alpha``) and advance to the next update.
 
-        Returns the merged payload (what a rollout engine must receive), or ``None`` if the factors are not
-        finite — then nothing is merged and the skip is counted.
+        Returns the merged payload (what a rollout engine must receive), or ``None`` when nothing was merged:
+        the factors are not finite (a counted skip), or the divergence guard rejects the update — it is larger
+        than ``max_relative_update`` of the weights, or could make them non-finite (a counted rejection; see
+        :mod:`logra_pl.sketch.guard`). Either way the weights are untouched.
         """
         if proposal.update_index != self.update_index:
             raise ValueError(
@@ -176,6 +185,18 @@ class LoGRASketcher:
         payload = proposal.to_payload(alpha)
         if not math.isfinite(payload.alpha) or not all(torch.isfinite(f).all() for f in payload.factors.values()):
             self.skip(f"non-finite factors at alpha={payload.alpha}")
+            return None
+        update_sq = {
+            name: float(lifted_sq_norm(f.float(), proposal.matrices[name].projection))
+            for name, f in payload.factors.items()
+        }
+        w_sq = proposal.weight_sq_norms or self.weight_sq_norms()
+        self.last_update_sq_norm = sum(update_sq.values())
+        self.last_relative_update = relative_update(w_sq, update_sq)
+        dtype = next(iter(self.matrices.values())).module.weight.dtype
+        reason = rejection_reason(w_sq, update_sq, max_relative_update, dtype)
+        if reason is not None:
+            self.reject(reason)
             return None
         weights = {f"{name}.weight": m.module.weight for name, m in self.matrices.items()}
         apply_payload(payload, weights, row_offsets=self.row_offsets, chunk_rows=self.config.merge_chunk_rows)
@@ -197,6 +218,12 @@ class LoGRASketcher:
         self.last_skip_reason = reason
         self._advance()
 
+    def reject(self, reason: str) -> None:
+        """The divergence guard refused this update: like :meth:`skip`, but counted in ``num_rejected``."""
+        self.num_rejected += 1
+        self.last_skip_reason = reason
+        self._advance()
+
     def _advance(self) -> None:
         self._pending_row_stats = None
         self.update_index += 1
@@ -212,6 +239,7 @@ class LoGRASketcher:
             "update_index": self.update_index,
             "num_applied": self.num_applied,
             "num_skipped": self.num_skipped,
+            "num_rejected": self.num_rejected,
             "row_stats": {name: v.detach().cpu().clone() for name, v in self.row_stats.items()},
         }
 
@@ -244,6 +272,7 @@ class LoGRASketcher:
         self.update_index = int(state["update_index"])
         self.num_applied = int(state["num_applied"])
         self.num_skipped = int(state["num_skipped"])
+        self.num_rejected = int(state.get("num_rejected", 0))
         self._pending_row_stats = None
         self.zero_sketches()
         self._install_projections()

@@ -1,0 +1,339 @@
+"""Score responses in worker processes with a per-call time limit: a scorer that hangs costs one reward, not a run.
+
+Some scorers can run for minutes on one adversarial answer (sympy evaluating ``9**9**9`` is a single big-integer
+power in C), and neither a thread nor a signal interrupts C code. :class:`BoundedVerifier` therefore runs the
+wrapped verifier in a small pool of worker processes (`pebble <https://pypi.org/project/Pebble/>`_): a call that
+exceeds ``timeout_s`` scores 0, and its worker is killed and replaced.
+
+The workers are started by a ``forkserver`` — a clean process that imports the verifier's module once and forks
+the workers from itself — never forked from the trainer, which holds torch/OpenMP threads and maybe an in-process
+vLLM engine. Each worker receives the verifier once, when it starts (pool initializer), not once per call.
+Counters kept by the verifier inside a worker (``errors``, ``long_answers``) come back with every result and are
+added to the wrapped verifier in the calling process, which stays their single source of truth.
+
+A script that uses the pool must guard its entry point with ``if __name__ == "__main__":`` (each worker imports
+the main module, as with any ``forkserver``/``spawn`` multiprocessing).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import multiprocessing
+import pickle
+import signal
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from pebble import ProcessPool
+
+log = logging.getLogger(__name__)
+
+Verifier = Callable[[str, Mapping[str, Any]], float]
+
+COUNTERS = ("errors", "timeouts", "long_answers")
+
+# Last-resort bound on one `score` call, in case the pool itself stops answering: a start-up allowance plus, per
+# round of `workers` calls, the time limit and a margin for killing and replacing a worker.
+_STARTUP_GRACE_S = 60.0
+_PER_CALL_GRACE_S = 5.0
+
+# ------------------------------------------------------------------------------------------------------------------
+# Inside a worker process.
+
+_worker_verifier: Verifier | None = None
+
+
+def _install_verifier(verifier: Verifier) -> None:
+    """Pool initializer: keep this worker's copy of the verifier; make SIGTERM kill at once, even inside C code."""
+    global _worker_verifier
+    # pebble stops a timed-out worker with SIGTERM and falls back to SIGKILL seconds later; its Python-level
+    # handler cannot run while a C routine (a big-int power) holds the interpreter, so use the default action.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _worker_verifier = verifier
+
+
+def _counter(obj: object, name: str) -> int:
+    value = getattr(obj, name, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _score_in_worker(response: str, item: Mapping[str, Any]) -> tuple[float, int, int]:
+    """One call of the installed verifier: ``(reward, errors added, long answers added)``."""
+    verifier = _worker_verifier
+    if verifier is None:
+        raise RuntimeError("no verifier installed in this worker process")
+    errors, long_answers = _counter(verifier, "errors"), _counter(verifier, "long_answers")
+    reward = float(verifier(response, item))
+    return reward, _counter(verifier, "errors") - errors, _counter(verifier, "long_answers") - long_answers
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# In the calling process.
+
+
+def _pool_context(preload: Sequence[str]) -> BaseContext:
+    """A ``forkserver`` context that imports ``preload`` before forking workers (``spawn`` where unavailable).
+
+    The preload list is the forkserver's, shared by the whole process, and only counts before it first starts;
+    modules already listed (``__main__`` by default) are kept.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    from multiprocessing import forkserver
+
+    current = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
+    missing = [name for name in preload if name not in current]
+    if missing:
+        forkserver.set_forkserver_preload(current + missing)
+    return multiprocessing.get_context("forkserver")
+
+
+def _preload_modules(verifier: Verifier) -> list[str]:
+    """This module and the module that defines the verifier (for ReasoningGymVerifier: reasoning_gym with it)."""
+    names = [__name__, getattr(verifier, "__module__", None) or type(verifier).__module__]
+    return [n for n in dict.fromkeys(names) if isinstance(n, str) and n not in ("__main__", "builtins")]
+
+
+def _shutdown(pool: ProcessPool) -> None:
+    """Stop ``pool`` without running queued calls; kill its workers (also at interpreter exit)."""
+    pool.stop()
+    pool.join()
+
+
+def _task_name(item: object) -> str:
+    try:
+        return str(item["metadata"]["source_dataset"])  # type: ignore[index]
+    except Exception:
+        return "?"
+
+
+class BoundedVerifier:
+    """Score responses in a pool of worker processes, each call under a time limit.
+
+    Arguments:
+        verifier: any picklable callable ``(response, item) -> float``, e.g. a
+            :class:`~logra_pl.rewards.ReasoningGymVerifier`. Its ``errors`` and ``long_answers`` counters, when it
+            has them, are the ones this object reads and updates.
+        timeout_s: seconds one call may run before it scores 0 and its worker is killed and replaced (the clock
+            starts when a worker picks the call up). ``None`` scores in the calling process without a limit (for
+            debugging).
+        workers: number of worker processes.
+
+    Rewards are clamped to [0, 1]. A call that times out increments :attr:`timeouts`; a call whose worker dies or
+    raises, or that returns a non-finite reward, increments :attr:`errors`; every such call scores 0.0 and logs a
+    warning. The pool starts on the first :meth:`score` and is restarted if it was closed or broke; :meth:`close`
+    (or leaving a ``with`` block) stops it, and a pool that is never closed is stopped at interpreter exit.
+
+    Example::
+
+        with BoundedVerifier(ReasoningGymVerifier("tags"), timeout_s=5.0, workers=2) as bounded:
+            rewards = bounded.score(responses, items)
+    """
+
+    def __init__(self, verifier: Verifier, timeout_s: float | None = 5.0, workers: int = 2) -> None:
+        if not callable(verifier):
+            raise TypeError(f"verifier must be callable as verifier(response, item), got {type(verifier).__name__}")
+        if timeout_s is not None:
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+                raise TypeError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
+            if not math.isfinite(timeout_s) or timeout_s <= 0:
+                raise ValueError(f"timeout_s must be finite and > 0 (or None for no limit), got {timeout_s!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        if timeout_s is not None:
+            try:
+                pickle.dumps(verifier)
+            except Exception as err:
+                raise TypeError(
+                    f"verifier {verifier!r} cannot be pickled ({type(err).__name__}: {err}), so it cannot be sent to "
+                    "worker processes: use a module-level function or class instance (not a lambda or closure), "
+                    "or timeout_s=None to score in this process"
+                ) from err
+        self.verifier = verifier
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self.workers = workers
+        self.timeouts = 0
+        self._own_counts = {"errors": 0, "long_answers": 0}  # for verifiers without counters of their own
+        self._pool: ProcessPool | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # -- counters ---------------------------------------------------------------------------------------------------
+
+    def _get(self, name: str) -> int:
+        if isinstance(getattr(self.verifier, name, None), int):
+            return getattr(self.verifier, name)
+        return self._own_counts[name]
+
+    def _set(self, name: str, value: int) -> None:
+        if isinstance(getattr(self.verifier, name, None), int):
+            setattr(self.verifier, name, value)
+        else:
+            self._own_counts[name] = value
+
+    @property
+    def errors(self) -> int:
+        """Calls that raised, died, were malformed or gave a non-finite reward (the wrapped verifier's counter)."""
+        return self._get("errors")
+
+    @errors.setter
+    def errors(self, value: int) -> None:
+        self._set("errors", value)
+
+    @property
+    def long_answers(self) -> int:
+        """Answers over the wrapped verifier's length cap (its ``long_answers`` counter)."""
+        return self._get("long_answers")
+
+    @long_answers.setter
+    def long_answers(self, value: int) -> None:
+        self._set("long_answers", value)
+
+    def counters(self) -> dict[str, int]:
+        """``{"errors": …, "timeouts": …, "long_answers": …}``, totals since construction (or the loaded state)."""
+        return {name: int(getattr(self, name)) for name in COUNTERS}
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters, for a checkpoint."""
+        return self.counters()
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore counters saved by :meth:`state_dict` (a missing counter restarts from 0)."""
+        for name in COUNTERS:
+            setattr(self, name, int(state.get(name, 0)))
+
+    # -- scoring ----------------------------------------------------------------------------------------------------
+
+    def __call__(self, response: str, item: Mapping[str, Any]) -> float:
+        """Score one response (a batch of one; prefer :meth:`score` for batches, whose calls run in parallel)."""
+        return self.score([response], [item])[0]
+
+    def score(self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[float]:
+        """Rewards in [0, 1] for ``responses[i]`` against ``items[i]``, in order.
+
+        Arguments:
+            responses: the model's responses.
+            items: the matching task items (for reasoning-gym: entries with ``metadata.source_dataset``).
+        """
+        if len(responses) != len(items):
+            raise ValueError(f"got {len(responses)} responses but {len(items)} items")
+        if self.timeout_s is None:
+            return [self._score_here(response, item) for response, item in zip(responses, items, strict=True)]
+        if not responses:
+            return []
+        futures = self._submit(responses, items)
+        rounds = math.ceil(len(futures) / self.workers)
+        limit = _STARTUP_GRACE_S + rounds * (self.timeout_s + _PER_CALL_GRACE_S)
+        _, not_done = concurrent.futures.wait(futures, timeout=limit)
+        if not_done:  # the pool stopped answering: give up on it, restart on the next call
+            log.warning("verifier pool gave no result for %d calls in %.0f s: restarting it", len(not_done), limit)
+            for future in not_done:
+                future.cancel()
+            self.close()
+        return [self._result(f, r, i) for f, r, i in zip(futures, responses, items, strict=True)]
+
+    def _submit(self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[concurrent.futures.Future]:
+        for attempt in range(2):
+            pool = self._ensure_pool()
+            futures: list[concurrent.futures.Future] = []
+            try:
+                for response, item in zip(responses, items, strict=True):
+                    futures.append(pool.schedule(_score_in_worker, args=(response, item), timeout=self.timeout_s))
+                return futures
+            except RuntimeError:  # the pool broke between the check and the submission
+                for future in futures:
+                    future.cancel()
+                self.close()
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _ensure_pool(self) -> ProcessPool:
+        if self._pool is not None and not self._pool.active:
+            log.warning("verifier pool is broken: restarting it")
+            self.close()
+        if self._pool is None:
+            pool = ProcessPool(
+                max_workers=self.workers,
+                initializer=_install_verifier,
+                initargs=(self.verifier,),
+                context=_pool_context(_preload_modules(self.verifier)),
+            )
+            self._pool = pool
+            # Stops the pool when this object is collected or at interpreter exit, whichever comes first.
+            self._finalizer = weakref.finalize(self, _shutdown, pool)
+        return self._pool
+
+    def _result(self, future: concurrent.futures.Future, response: str, item: Mapping[str, Any]) -> float:
+        if future.cancelled():
+            self.errors += 1
+            return 0.0
+        try:
+            reward, errors, long_answers = future.result()
+        except TimeoutError:
+            self.timeouts += 1
+            log.warning(
+                "verifier for task %r timed out after %g s (reward 0); answer starts %r",
+                _task_name(item),
+                self.timeout_s,
+                self._answer(response)[:80],
+            )
+            return 0.0
+        except Exception as err:  # the worker raised, died, or the pool broke
+            self.errors += 1
+            log.warning("verifier for task %r failed: %s: %s (reward 0)", _task_name(item), type(err).__name__, err)
+            return 0.0
+        self.errors += errors
+        self.long_answers += long_answers
+        return self._clamp(reward, item)
+
+    def _score_here(self, response: str, item: Mapping[str, Any]) -> float:
+        try:
+            reward = float(self.verifier(response, item))
+        except Exception as err:  # a verifier bug must not crash a long run
+            self.errors += 1
+            log.warning("verifier for task %r raised %s: %s (reward 0)", _task_name(item), type(err).__name__, err)
+            return 0.0
+        return self._clamp(reward, item)
+
+    def _clamp(self, reward: float, item: Mapping[str, Any]) -> float:
+        if not math.isfinite(reward):
+            self.errors += 1
+            log.warning("verifier for task %r returned %s (reward 0)", _task_name(item), reward)
+            return 0.0
+        return min(max(reward, 0.0), 1.0)
+
+    def _answer(self, response: str) -> str:
+        extract = getattr(self.verifier, "extract", None)
+        try:
+            answer = extract(response) if callable(extract) else None
+        except Exception:
+            answer = None
+        return response if answer is None else answer
+
+    # -- lifetime ---------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker pool (idempotent); the next :meth:`score` starts a new one."""
+        finalizer, self._finalizer, self._pool = self._finalizer, None, None
+        if finalizer is not None:
+            finalizer()
+
+    def __enter__(self) -> BoundedVerifier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickle, deepcopy) gets the verifier and counters, never the pool: it starts its own when used.
+        state = self.__dict__.copy()
+        state["_pool"] = None
+        state["_finalizer"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.verifier!r}, timeout_s={self.timeout_s}, workers={self.workers})"
