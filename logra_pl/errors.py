@@ -25,6 +25,10 @@ class ResumeMismatchError(LoGRAError, ValueError):
     """A checkpoint resumed with settings that change what its saved state means."""
 
 
+class CheckpointNotFoundError(LoGRAError, FileNotFoundError):
+    """A checkpoint to resume from could not be found; the message lists where it was looked for."""
+
+
 class PolicyDivergedError(LoGRAError, RuntimeError):
     """Training stopped because the policy diverged (rejected updates in a row, or non-finite logits)."""
 

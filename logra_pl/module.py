@@ -20,9 +20,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
 from torchmetrics import MeanMetric
 
-from logra_pl.errors import PolicyDivergedError, check_choice, check_int, check_range
+from logra_pl import resume
+from logra_pl.callbacks.progress import LoGRAModelSummary, UpdateProgressBar
+from logra_pl.errors import PolicyDivergedError, ResumeMismatchError, check_choice, check_int, check_range
+from logra_pl.export import policy_folder_complete, save_policy_folder
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, reinforce_tis_loss
@@ -43,6 +47,7 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_FORMAT = "logra-pl/module/v2"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -215,6 +220,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.engine_kind = engine
         self.vllm_settings = vllm or VLLMSettings()
         self.guard = guard or DivergenceGuard()
+        self.run_config: dict[str, Any] | None = None  # set by the CLI: the resolved config, kept in checkpoints
+        self.resume_from: str | None = None  # set by the CLI when resuming: the warm start is then not needed
+        self.resume_checked = False  # set by the CLI once it compared the checkpoint's settings with these
         self.rejected_updates = 0  # updates not applied (guard rejections and LoGRA skips), over the whole run
         self.rejected_in_a_row = 0
         self.last_relative_update = 0.0
@@ -283,9 +291,8 @@ class LoGRAPolicyModule(pl.LightningModule):
             # vLLM (and the worker's master copy) read safetensors folders: write one once, cached by source.
             digest = hashlib.blake2b(f"{source}/{self.dtype_name}".encode(), digest_size=8).hexdigest()
             folder = cache_root() / "engine" / digest
-            if not (folder / "config.json").exists():
-                model.save_pretrained(folder, safe_serialization=True)
-                tokenizer.save_pretrained(folder)
+            if not policy_folder_complete(folder):  # written atomically: a complete folder is a valid one
+                save_policy_folder(model, tokenizer, folder, provenance={"source": source, "engine_cache": True})
         return VLLMEngine(folder, eos, self.vllm_settings, trainer_dtype=self.dtype_name)
 
     def _resolve_source(self) -> str:
@@ -614,15 +621,110 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     # -------------------------------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Running-baseline value and verifier error count (the rest is in the optimizer state)."""
-        checkpoint["logra_pl"] = {"baseline": self.baseline.state_dict(), "verifier_errors": self.verifier.errors}
+        """The module's own state (the rest is in the optimizer state) and the run's settings, for honest resumes."""
+        checkpoint["logra_pl"] = {
+            "format": CHECKPOINT_FORMAT,
+            "optimizer": self.optimizer_name,
+            "baseline": self.baseline.state_dict(),
+            "verifier_errors": self.verifier.errors,
+            "rejected_updates": self.rejected_updates,
+            "rejected_in_a_row": self.rejected_in_a_row,
+            "settings": resume.plain(self.hparams),
+            "run_config": self.run_config,  # the CLI's resolved config (None outside the CLI)
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore :meth:`on_save_checkpoint`'s state."""
-        state = checkpoint.get("logra_pl")
+        """Refuse a checkpoint written under structurally different settings; restore the module's own state.
+
+        Runs before Lightning loads the optimizer state, so an AdamW checkpoint resumed as LoGRA (or the reverse)
+        gets this message, not a ``KeyError`` from deep inside ``load_state_dict``.
+        """
+        state = checkpoint.get("logra_pl") or {}
+        saved_kind = state.get("optimizer") or _optimizer_kind(checkpoint.get("optimizer_states") or [])
+        if saved_kind is not None and saved_kind != self.optimizer_name:
+            raise ResumeMismatchError(
+                resume.mismatch_message([("model.optimizer", saved_kind, self.optimizer_name)], self._ckpt_path_hint())
+            )
+        saved = state.get("settings") or checkpoint.get("hyper_parameters")
+        if saved is not None and not self.resume_checked:  # the CLI already compared (and printed the changes)
+            resume.check_resume({"model": saved}, {"model": self.hparams}, self._ckpt_path_hint())
         if state:
             self.baseline.load_state_dict(state["baseline"])
             self.verifier.errors = int(state.get("verifier_errors", 0))
+            self.rejected_updates = int(state.get("rejected_updates", 0))
+            self.rejected_in_a_row = int(state.get("rejected_in_a_row", 0))
+
+    def _ckpt_path_hint(self) -> str | None:
+        trainer = self._trainer
+        return None if trainer is None else getattr(trainer, "ckpt_path", None)
+
+    # ------------------------------------------------------------------------------------------ console
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """Show progress in updates and an honest model summary (replacing Lightning's defaults of those kinds)."""
+        trainer = self._trainer
+        out: list[pl.Callback] = []
+        for cb in trainer.callbacks if trainer is not None else []:
+            if type(cb) is TQDMProgressBar:
+                out.append(UpdateProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave))
+            elif type(cb) is ModelSummary:
+                out.append(LoGRAModelSummary(max_depth=cb._max_depth))
+        return out
+
+    def trained_parameter_count(self) -> int:
+        """Parameters the optimizer changes: LoGRA's sketched matrices, or AdamW's parameters."""
+        if self.policy is None:
+            return 0
+        if self.sketcher is not None:
+            return sum(m.module.weight.numel() for m in self.sketcher.matrices.values())
+        return sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
+
+    def training_report(self) -> str:
+        """One line on what this run trains and the optimizer state it holds for it."""
+        if self.policy is None:
+            return ""
+        n = self.trained_parameter_count()
+        if self.sketcher is None:
+            grad = sum(p.numel() * p.element_size() for p in self.policy.parameters() if p.requires_grad)
+            what = "every parameter" if self.adamw_config.train_all else "the attention/MLP matrices"
+            return (
+                f"dense AdamW trains {_count(n)} parameters ({what}): {_bytes(grad)} of gradients and "
+                f"{_bytes(2 * grad)} of Adam moments"
+            )
+        cfg = self.logra_config
+        mats = self.sketcher.matrices.values()
+        sketch = sum(m.sketch.numel() * m.sketch.element_size() for m in mats)
+        proj = sum(m.projection.numel() * m.projection.element_size() for m in mats)
+        rows = sum(v.numel() * v.element_size() for v in self.sketcher.row_stats.values())
+        dense = sum(m.module.weight.numel() * 4 for m in mats)
+        basis = "refreshed every update" if cfg.refresh else "fixed"
+        return (
+            f"LoGRA trains {_count(n)} parameters in {len(self.sketcher.matrices)} matrices "
+            f"({', '.join(cfg.targets)}) through rank-{cfg.rank} sketches ({cfg.distribution} projections, {basis}); "
+            f"everything else is frozen. Its state: {_bytes(sketch)} of sketches + {_bytes(proj)} of projections + "
+            f"{_bytes(rows)} of row statistics, in place of {_bytes(dense)} of fp32 dense gradients "
+            f"(+ {_bytes(2 * dense)} of Adam moments)"
+        )
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _optimizer_kind(states: list[dict[str, Any]]) -> str | None:
+    """``logra`` / ``adamw`` from a checkpoint's optimizer state (checkpoints that predate the recorded kind)."""
+    if not states:
+        return None
+    return "logra" if "logra" in states[0] else ("adamw" if "param_groups" in states[0] else None)
 
 
 def _select(packed: PackedResponses, rows: list[int]) -> PackedResponses:

@@ -16,6 +16,8 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from torch.utils.data import DataLoader, DistributedSampler
 
+from logra_pl.errors import ConfigError, ResumeMismatchError, check_int
+
 # How many candidates to draw per wanted item before giving up on small problem spaces.
 _OVERDRAW = 4
 
@@ -56,6 +58,43 @@ class PromptSampler(DistributedSampler):
         return iter(indices[skip:])
 
 
+class PromptLoader(DataLoader):
+    """The training ``DataLoader``, resumable mid-epoch (it implements Lightning's ``state_dict`` interface).
+
+    The position in the prompt stream is the number of batches the trainer completed in the current epoch, which
+    Lightning restores with the loop state and :class:`PromptSampler` reads when an epoch's iteration starts. The
+    loader's own state records that position with the data's identity (seed, prompt count, a digest of the
+    prompts), so a checkpoint resumed on different prompts is refused instead of silently continuing elsewhere.
+    """
+
+    def __init__(self, *args: Any, position: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = position
+
+    def identity(self) -> dict[str, Any]:
+        """What the saved position refers to: the sampler's seed and the training prompts."""
+        digest = hashlib.blake2b(digest_size=8)
+        for item in self.dataset:
+            digest.update(str(item.get("question", item.get("messages", ""))).encode())
+        return {"seed": self.sampler.seed, "num_prompts": len(self.dataset), "digest": digest.hexdigest()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position (batches done in this epoch) and the data identity."""
+        return {"batches_done": int(self.position()) if self.position else 0, **self.identity()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check that the checkpoint's prompts are these prompts (the trainer's loop state restores the position)."""
+        saved = {k: state_dict.get(k) for k in ("seed", "num_prompts", "digest")}
+        mine = self.identity()
+        if saved != mine:
+            diff = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {mine[k]!r}" for k in mine if saved[k] != mine[k])
+            raise ResumeMismatchError(
+                f"the training prompts differ from the checkpoint's ({diff}): the saved position in the prompt stream "
+                "would point elsewhere. Resume with the checkpoint's data settings (tasks, train_size, eval_size, "
+                "seed), or start a fresh run without ckpt_path"
+            )
+
+
 class ReasoningGymDataModule(pl.LightningDataModule):
     """Prompts from a weighted mixture of reasoning-gym tasks.
 
@@ -82,20 +121,25 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        self.save_hyperparameters()  # recorded in checkpoints: a resumed run is checked against them
         spec = {t: {} for t in tasks} if isinstance(tasks, list | tuple) else {k: dict(v) for k, v in tasks.items()}
         unknown = sorted(t for t in spec if t not in DATASETS)
         if unknown:
-            raise ValueError(f"unknown reasoning-gym task(s) {unknown}; available tasks: {sorted(DATASETS)}")
+            raise ConfigError(f"unknown reasoning-gym task(s) {unknown}; available tasks: {sorted(DATASETS)}")
         if not spec:
-            raise ValueError("no tasks given: name at least one reasoning-gym task")
+            raise ConfigError("no tasks given: name at least one reasoning-gym task")
         for name, cfg in spec.items():
             extra = set(cfg) - {"weight", "config"}
             if extra:
-                raise ValueError(f"task {name!r}: unknown keys {sorted(extra)}; use 'weight' and 'config'")
+                raise ConfigError(f"task {name!r}: unknown keys {sorted(extra)}; use 'weight' and 'config'")
             if float(cfg.get("weight", 1.0)) <= 0:
-                raise ValueError(f"task {name!r}: weight must be > 0, got {cfg.get('weight')}")
-        if train_size < 1 or eval_size < 0 or prompts_per_step < 1 or eval_batch_size < 1:
-            raise ValueError("train_size, prompts_per_step and eval_batch_size must be >= 1, eval_size >= 0")
+                raise ConfigError(f"task {name!r}: weight must be > 0, got {cfg.get('weight')}")
+        check_int("data.train_size", train_size, 1)
+        check_int("data.eval_size", eval_size, 0)
+        check_int("data.prompts_per_step", prompts_per_step, 1)
+        check_int("data.eval_batch_size", eval_batch_size, 1)
+        check_int("data.seed", seed, 0)
+        check_int("data.num_workers", num_workers, 0)
         self.tasks = spec
         self.train_size = train_size
         self.eval_size = eval_size
@@ -150,7 +194,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         for task in self.tasks:
             self.train_items += self._draw(task, train_quota[task], "train", eval_questions)
         if len(self.train_items) < self.prompts_per_step:
-            raise ValueError(
+            raise ConfigError(
                 f"only {len(self.train_items)} distinct training problems could be drawn from {sorted(self.tasks)} "
                 f"(after removing eval questions), fewer than prompts_per_step={self.prompts_per_step}: widen the "
                 "task configs, lower eval_size or prompts_per_step"
@@ -170,8 +214,8 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         """Shuffled prompts (seeded), ``prompts_per_step`` per update over all ranks: each rank takes its share."""
         world = self._world_size()
         if self.prompts_per_step % world:
-            raise ValueError(
-                f"prompts_per_step={self.prompts_per_step} is not divisible by the {world} data-parallel ranks: "
+            raise ConfigError(
+                f"data.prompts_per_step={self.prompts_per_step} is not divisible by the {world} data-parallel ranks: "
                 "make it a multiple of the number of devices"
             )
         trainer = self.trainer
@@ -182,6 +226,10 @@ class ReasoningGymDataModule(pl.LightningDataModule):
             # Batches of the current epoch already trained on: non-zero only when a resumed run starts mid-epoch.
             return trainer.fit_loop.epoch_loop.batch_progress.current.completed
 
+        def batches_trained() -> int:
+            # At a checkpoint (saved in on_train_batch_end) the batch in flight is processed but not yet completed.
+            return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
         sampler = PromptSampler(
             self.train_items,
             world,
@@ -190,19 +238,20 @@ class ReasoningGymDataModule(pl.LightningDataModule):
             per_rank,
             batches_done=batches_done if trainer is not None else None,
         )
-        return DataLoader(
+        return PromptLoader(
             self.train_items,
             batch_size=per_rank,
             sampler=sampler,
             drop_last=True,
             collate_fn=_listify,
             num_workers=self.num_workers,
+            position=batches_trained if trainer is not None else None,
         )
 
     def val_dataloader(self) -> DataLoader:
         """All eval problems, in order."""
         if not self.eval_items:
-            raise ValueError("eval_size is 0: there is nothing to validate on; set eval_size or limit_val_batches=0")
+            raise ConfigError("eval_size is 0: there is nothing to validate on; set eval_size or limit_val_batches=0")
         return DataLoader(
             self.eval_items,
             batch_size=self.eval_batch_size,

@@ -1,0 +1,81 @@
+"""What a LoGRA run shows on the console: progress in policy updates, and what the model summary means.
+
+Both replace Lightning's defaults of the same kind when the module adds them (``configure_callbacks``): an RL
+run is counted in updates (``max_steps``), not epochs — Lightning's bar read "Epoch 0/-2" — and a LoGRA policy
+has no trainable parameters in autograd's sense (sketched weights have ``requires_grad=False``), so Lightning's
+summary read "Trainable params: 0".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
+from typing_extensions import override
+
+log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # printed where Lightning prints its table
+
+
+class UpdateProgressBar(TQDMProgressBar):
+    """A training bar over policy updates: ``update 120/800``, with the module's progress-bar metrics."""
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        super().on_train_start(trainer)
+        bar = self.train_progress_bar
+        bar.reset(total=trainer.max_steps if trainer.max_steps > 0 else None)
+        bar.initial = bar.n = trainer.global_step  # a resumed run starts at its checkpoint's update
+        bar.set_description("update")
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        pass  # one bar for the whole run: epochs of prompts are not what an RL run counts
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        bar = self.train_progress_bar
+        if bar is None or bar.disable:
+            return
+        if trainer.global_step % max(self.refresh_rate, 1) == 0 or trainer.global_step == bar.total:
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+            bar.refresh()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass  # one bar for the whole run, closed in on_train_end
+
+
+class LoGRAModelSummary(ModelSummary):
+    """Lightning's layer table with the parameter counts of what the run trains, plus one line on how.
+
+    "Trainable params" counts the weights the optimizer changes — LoGRA's sketched matrices included — and a
+    line after the table says what LoGRA trains: matrices, parameters, rank, and the sketch state that replaces
+    the dense gradient (``LoGRAPolicyModule.training_report``).
+    """
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._max_depth:
+            return
+        summary = self._summary(trainer, pl_module)
+        counter = getattr(pl_module, "trained_parameter_count", None)
+        trained = int(counter()) if callable(counter) else summary.trainable_parameters
+        if not trainer.is_global_zero:
+            return
+        self.summarize(
+            summary._get_summary_data(),
+            summary.total_parameters,
+            trained,
+            summary.model_size,
+            summary.total_training_modes,
+            total_flops=getattr(summary, "total_flops", 0),
+            **self._summarize_kwargs,
+        )
+        report = getattr(pl_module, "training_report", None)
+        if callable(report):
+            log.info(report())

@@ -1,0 +1,162 @@
+"""Resuming honestly: find the run's last checkpoint, and compare what it was trained with to what is asked now.
+
+A checkpoint's state only means something under the settings that wrote it: RowAdam row statistics belong to
+one rank and target set, projections to one seed and distribution, optimizer state to one optimizer, weights to
+one policy, the saved position in the prompt stream to one data set. Changing such a setting on resume is
+refused with the list of differences and the two ways out. Everything else (``max_steps``, budgets, logging,
+sampling) may change; each change is printed, so the resumed run says what it does differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from logra_pl.errors import CheckpointNotFoundError, ResumeMismatchError
+
+log = logging.getLogger(__name__)
+
+# Settings that change what the saved state means (flat keys; a key also covers everything below it).
+STRUCTURAL: tuple[str, ...] = (
+    "model.policy",
+    "model.warm_start",
+    "model.optimizer",
+    "model.dtype",
+    "model.loss.kind",
+    "model.logra.targets",
+    "model.logra.rank",
+    "model.logra.distribution",
+    "model.logra.refresh",
+    "model.logra.base_seed",
+    "model.logra.update_rule",
+    "model.logra.beta2",
+    "model.adamw.train_all",
+    "data.class_path",
+    "data.tasks",
+    "data.train_size",
+    "data.eval_size",
+    "data.seed",
+    "data.system_prompt",
+)
+# Keys that are not settings of the run (where it runs, how it is logged): never reported.
+IGNORED: tuple[str, ...] = ("ckpt_path", "config", "seed_everything", "trainer.logger", "trainer.default_root_dir")
+
+
+def plain(value: Any) -> Any:
+    """Settings as plain Python: dataclasses and namespaces to dicts, tuples to lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if hasattr(value, "as_dict") and callable(value.as_dict):  # jsonargparse Namespace
+        return plain(value.as_dict())
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def flatten(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"model.logra.rank": 64, ...}``; lists of ``class_path`` entries (callbacks) are keyed by class name."""
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, list) and value and all(isinstance(v, Mapping) and "class_path" in v for v in value):
+            for entry in value:
+                cls = str(entry["class_path"]).rsplit(".", 1)[-1]
+                out[f"{name}.{cls}"] = True
+                out.update(flatten(entry.get("init_args") or {}, f"{name}.{cls}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _covered(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") or key.startswith(p + "[") for p in prefixes)
+
+
+def compare(
+    saved: Mapping[str, Any], current: Mapping[str, Any], structural: Iterable[str] = STRUCTURAL
+) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """``(structural differences, other differences)`` between two flat settings dicts, as ``(key, saved, now)``.
+
+    A key that only one side records is compared only when it is structural and the checkpoint has it (a
+    checkpoint of an older version may lack newer settings; those are not differences).
+    """
+    structural = tuple(structural)
+    hard, soft = [], []
+    for key in sorted(set(saved) | set(current)):
+        if _covered(key, IGNORED):
+            continue
+        if key not in saved:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if key not in current and not _covered(key, structural):
+            continue
+        if a != b:
+            (hard if _covered(key, structural) else soft).append((key, a, b))
+    return hard, soft
+
+
+def mismatch_message(diffs: list[tuple[str, Any, Any]], ckpt_path: str | Path | None) -> str:
+    """The refusal: each difference, then how to resume as saved or start fresh."""
+    lines = [f"  {key}: checkpoint {a!r}, now {b!r}" for key, a, b in diffs]
+    flags = " ".join(f"--{key} {a!r}" if not isinstance(a, str) else f"--{key} {a}" for key, a, _ in diffs[:3])
+    where = f" {ckpt_path}" if ckpt_path else ""
+    return (
+        f"cannot resume from checkpoint{where}: it was trained with different settings that change what its saved "
+        "state means:\n" + "\n".join(lines) + "\nEither resume as saved — drop those changes (or pass the "
+        f"checkpoint's values: {flags}) — or start a fresh run without --ckpt_path (to start from these weights, "
+        "`logra-pl export` the checkpoint and pass the folder as --model.policy)"
+    )
+
+
+def describe_changes(diffs: list[tuple[str, Any, Any]]) -> str:
+    """One line per non-structural change applied on resume."""
+    return "resuming with changed settings (checkpoint → now):\n" + "\n".join(
+        f"  {key}: {a!r} → {b!r}" for key, a, b in diffs
+    )
+
+
+def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], ckpt_path: str | Path | None = None) -> None:
+    """Raise :class:`ResumeMismatchError` on structural differences; log the others (flat or nested settings)."""
+    hard, soft = compare(flatten(plain(saved)), flatten(plain(current)))
+    if hard:
+        raise ResumeMismatchError(mismatch_message(hard, ckpt_path))
+    if soft:
+        log.warning(describe_changes(soft))
+
+
+def find_last_checkpoint(roots: Iterable[str | Path]) -> Path:
+    """The newest ``last*.ckpt`` under ``roots`` (each a run family folder or a checkpoint folder).
+
+    Searched: ``<root>/last*.ckpt``, ``<root>/checkpoints/last*.ckpt`` and ``<root>/version_*/checkpoints/last*.ckpt``
+    — every logger version of the run, since each new ``fit`` opens a new version folder. Raises
+    :class:`~logra_pl.errors.CheckpointNotFoundError` naming the folders searched when there is none: a resume that
+    finds nothing must not silently train from scratch.
+    """
+    searched, found = [], []
+    for root in roots:
+        root = Path(root)
+        for pattern in ("last*.ckpt", "checkpoints/last*.ckpt", "version_*/checkpoints/last*.ckpt"):
+            searched.append(str(root / pattern))
+            found += [p for p in root.glob(pattern) if p.is_file()]
+    if not found:
+        raise CheckpointNotFoundError(
+            "--ckpt_path last: no last checkpoint was found; searched " + ", ".join(searched) + ". Pass the "
+            "checkpoint file itself, or drop --ckpt_path to start a fresh run"
+        )
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+def version_of(ckpt: Path) -> int | str | None:
+    """The logger version a checkpoint was written under (``.../version_3/checkpoints/last.ckpt`` → 3)."""
+    parts = ckpt.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "checkpoints" and parts[-3].startswith("version_"):
+        tail = parts[-3][len("version_") :]
+        return int(tail) if tail.isdigit() else parts[-3]
+    return None
