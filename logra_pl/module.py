@@ -20,12 +20,17 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
 from torchmetrics import MeanMetric
 
 from logra_pl import resume
-from logra_pl.callbacks.progress import LoGRAModelSummary, UpdateProgressBar
-from logra_pl.errors import PolicyDivergedError, ResumeMismatchError, check_choice, check_int, check_range
+from logra_pl.callbacks.progress import (
+    LoGRAModelSummary,
+    LoGRARichModelSummary,
+    RichUpdateProgressBar,
+    UpdateProgressBar,
+)
+from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_choice, check_int, check_range
 from logra_pl.export import policy_folder_complete, save_policy_folder
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
@@ -244,12 +249,21 @@ class LoGRAPolicyModule(pl.LightningModule):
         if trainer is not None and trainer.world_size > 1:
             # Rank 0 builds what is cached on disk (tiny model, warm start) first; the others then read it.
             # (transformers' save_pretrained writes nothing on non-zero ranks of an initialised process group.)
+            # An error on rank 0 reaches every rank (the broadcast is also the barrier), so none waits forever.
+            error: Exception | None = None
             if trainer.global_rank == 0:
-                source = self._resolve_source()
-            trainer.strategy.barrier("logra_pl.configure_model")
+                try:
+                    self.check_model_fits()
+                    source = self._resolve_source()
+                except Exception as err:
+                    error = err
+            error = trainer.strategy.broadcast(error, src=0)
+            if error is not None:
+                raise error
             if trainer.global_rank != 0:
                 source = self._resolve_source()
         else:
+            self.check_model_fits()
             source = self._resolve_source()
         model, tokenizer = load_policy(source, dtype=_DTYPES[self.dtype_name])
         if tokenizer.chat_template is None:
@@ -295,10 +309,41 @@ class LoGRAPolicyModule(pl.LightningModule):
                 save_policy_folder(model, tokenizer, folder, provenance={"source": source, "engine_cache": True})
         return VLLMEngine(folder, eos, self.vllm_settings, trainer_dtype=self.dtype_name)
 
+    def check_model_fits(self) -> None:
+        """Settings that depend on the model's shapes, read from its config (no weights): ``rank ≤ d_in``.
+
+        Runs before the warm start and the model load, so a rank the model cannot take fails in seconds.
+        """
+        if self.optimizer_name != "logra":
+            return
+        from logra_pl.memory import load_config
+
+        source = resolve_source(self.policy_source)
+        if source.gguf_file is not None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
+        else:
+            config = load_config(self.policy_source if source.is_hub_id else source.location)
+        with torch.device("meta"):
+            from transformers import AutoModelForCausalLM
+
+            skeleton = AutoModelForCausalLM.from_config(config)
+        targets = select_targets(skeleton, self.logra_config.targets)
+        smallest = min(m.in_features for m in targets.values())
+        if self.logra_config.rank > smallest:
+            name = next(n for n, m in targets.items() if m.in_features == smallest)
+            raise ConfigError(
+                f"logra.rank={self.logra_config.rank} exceeds d_in={smallest} of {name!r} in policy "
+                f"{self.policy_source!r}: a sketch cannot have more columns than its matrix; use rank <= {smallest}"
+            )
+
     def _resolve_source(self) -> str:
         """The policy folder to load: the tiny build or warm-start output (built and cached on first use)."""
         source = self.policy_source
-        if self.warm_start is not None:
+        if self.warm_start is not None and self.resume_from is not None:
+            log.info("resuming from %s: the warm start is skipped (the checkpoint holds the weights)", self.resume_from)
+        elif self.warm_start is not None:
             dm = self._datamodule()
             exclude = dm.eval_questions if dm is not None and hasattr(dm, "eval_questions") else set()
             system = getattr(dm, "system_prompt", None)
@@ -564,9 +609,11 @@ class LoGRAPolicyModule(pl.LightningModule):
             )
         if self.rejected_in_a_row >= limit:
             knob = "lr" if self.optimizer_name == "adamw" or self.logra_config.step_mode == "lr" else "update_ratio"
+            ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
             raise PolicyDivergedError(
                 f"policy diverged at update {update}: {limit} updates in a row were not applied (last: {rejected}). "
-                f"Lower {knob} or enable PredictedKLControl; the last checkpoint holds the last good weights"
+                f"Lower {knob} or enable PredictedKLControl; no rejected update reached the weights, and {ckpt} "
+                "holds the last good ones"
             )
 
     def sync_engine(self, full: bool = False) -> None:
@@ -666,8 +713,12 @@ class LoGRAPolicyModule(pl.LightningModule):
         for cb in trainer.callbacks if trainer is not None else []:
             if type(cb) is TQDMProgressBar:
                 out.append(UpdateProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave))
+            elif type(cb) is RichProgressBar:
+                out.append(RichUpdateProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave, theme=cb.theme))
             elif type(cb) is ModelSummary:
                 out.append(LoGRAModelSummary(max_depth=cb._max_depth))
+            elif type(cb) is RichModelSummary:
+                out.append(LoGRARichModelSummary(max_depth=cb._max_depth))
         return out
 
     def trained_parameter_count(self) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 import reasoning_gym
 import torch
+from tqdm.auto import tqdm
 
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.models.load import load_policy, resolve_source
@@ -112,6 +113,13 @@ def warm_start_policy(
         return target
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    log.info(
+        "warm start: %d supervised steps on %r answers, so the policy samples correct answers RL can reinforce "
+        "(once; cached in %s for the next runs)",
+        settings.steps,
+        settings.task,
+        target,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         model, tokenizer = load_policy(source)
@@ -128,15 +136,17 @@ def warm_start_policy(
             raise ValueError(f"warm start: only {len(pool)} problems of {settings.task!r} remain after excluding eval")
         gen = torch.Generator().manual_seed(settings.seed)
         loss = torch.tensor(float("nan"))
-        for step in range(settings.steps):
+        bar = tqdm(range(settings.steps), desc="warm start", unit="step", disable=not log.isEnabledFor(logging.INFO))
+        for _ in bar:
             pick = torch.randint(0, len(pool), (settings.batch_size,), generator=gen).tolist()
             ids, mask, labels = answer_batch(tokenizer, (pool[i] for i in pick), system_prompt)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if step % 100 == 0:
-                log.info("warm start step %d/%d: answer loss %.4f", step, settings.steps, float(loss))
+            loss = loss.detach()
+            bar.set_postfix(answer_loss=f"{float(loss):.3f}", refresh=False)
+        bar.close()
     tmp = Path(tempfile.mkdtemp(prefix=".warm-", dir=root))
     try:
         model.save_pretrained(tmp)

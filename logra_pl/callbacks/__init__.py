@@ -1,5 +1,6 @@
 """Lightning callbacks, each usable alone in any Trainer or YAML config, in any order."""
 
+from logra_pl.callbacks.export import HFExport
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
 from logra_pl.callbacks.memory import MemoryMonitor
 from logra_pl.callbacks.mismatch import RolloutMismatch, observed_mismatch
@@ -8,6 +9,7 @@ from logra_pl.callbacks.sync import PolicySync
 
 __all__ = [
     "BudgetSchedule",
+    "HFExport",
     "MemoryMonitor",
     "PolicySync",
     "PredictedKLControl",

@@ -246,9 +246,11 @@ class PredictedKLControl(pl.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"updates": self.updates, "skipped": self.skipped}
+        """Budget position, skip count, and the per-update record the calibration summary is computed from."""
+        return {"updates": self.updates, "skipped": self.skipped, "history": [dict(h) for h in self.history]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.updates = int(state_dict["updates"])
         self.skipped = int(state_dict["skipped"])
+        self.history = [dict(h) for h in state_dict.get("history", [])]

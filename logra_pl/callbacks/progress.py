@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # printed where Lightning prints its table
@@ -20,6 +20,12 @@ log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # printed 
 
 class UpdateProgressBar(TQDMProgressBar):
     """A training bar over policy updates: ``update 120/800``, with the module's progress-bar metrics."""
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger version is in the run folder's name
+        return metrics
 
     @override
     def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
@@ -50,24 +56,63 @@ class UpdateProgressBar(TQDMProgressBar):
         pass  # one bar for the whole run, closed in on_train_end
 
 
-class LoGRAModelSummary(ModelSummary):
-    """Lightning's layer table with the parameter counts of what the run trains, plus one line on how.
-
-    "Trainable params" counts the weights the optimizer changes — LoGRA's sketched matrices included — and a
-    line after the table says what LoGRA trains: matrices, parameters, rank, and the sketch state that replaces
-    the dense gradient (``LoGRAPolicyModule.training_report``).
-    """
+class RichUpdateProgressBar(RichProgressBar):
+    """:class:`UpdateProgressBar` for Lightning's rich console (chosen by Lightning when ``rich`` is installed)."""
 
     @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "update"
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+    def _total(self) -> float:
+        return self.trainer.max_steps if self.trainer.max_steps > 0 else float("inf")
+
+    @override
+    def _initialize_train_progress_bar_id(self) -> None:
+        self.train_progress_bar_id = self._add_task(self._total(), "update")
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.is_disabled or self.progress is None:
+            return
+        if self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()
+            self._update(self.train_progress_bar_id, trainer.global_step)
+        self.refresh()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.is_disabled:
+            return
+        if self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()
+        self._update(self.train_progress_bar_id, trainer.global_step)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
+
+
+class _TrainedCounts:
+    """Mixin for Lightning's summaries: count what the optimizer trains, then say how (see the module doc)."""
+
+    _max_depth: int
+    _summarize_kwargs: dict[str, Any]
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._max_depth:
             return
-        summary = self._summary(trainer, pl_module)
+        summary = self._summary(trainer, pl_module)  # type: ignore[attr-defined]
         counter = getattr(pl_module, "trained_parameter_count", None)
         trained = int(counter()) if callable(counter) else summary.trainable_parameters
         if not trainer.is_global_zero:
             return
-        self.summarize(
+        self.summarize(  # type: ignore[attr-defined]
             summary._get_summary_data(),
             summary.total_parameters,
             trained,
@@ -79,3 +124,12 @@ class LoGRAModelSummary(ModelSummary):
         report = getattr(pl_module, "training_report", None)
         if callable(report):
             log.info(report())
+
+
+class LoGRAModelSummary(_TrainedCounts, ModelSummary):
+    """Lightning's layer table with "Trainable params" counting what the run trains — LoGRA's sketched matrices
+    included — and one line after it on how (``LoGRAPolicyModule.training_report``)."""
+
+
+class LoGRARichModelSummary(_TrainedCounts, RichModelSummary):
+    """:class:`LoGRAModelSummary` for Lightning's rich console."""

