@@ -158,8 +158,15 @@ class LoGRACLI(LightningCLI):
             return  # the checkpoint belongs to another run family: leave the new run its own folder
         logger._version = version
         ckpt = self.resume_checkpoint or {}
-        loop = (ckpt.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
-        logger._kwargs["purge_step"] = int(loop.get("_batches_that_stepped", ckpt.get("global_step", 0)))
+        loops = (ckpt.get("loops") or {}).get("fit_loop", {})
+        stepped = loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
+        if stepped is None:
+            return
+        # A checkpoint saved in on_train_batch_end has that batch processed but not completed; Lightning counts it
+        # as stepped on restore, so the resumed run logs from the step after it.
+        current = loops.get("epoch_loop.batch_progress", {}).get("current", {})
+        in_flight = int(current.get("processed", 0)) > int(current.get("completed", 0))
+        logger._kwargs["purge_step"] = int(stepped) + int(in_flight)
 
     def after_fit(self) -> None:
         """Say where the run's logs, last checkpoint and export command are."""
@@ -228,7 +235,6 @@ def _console() -> None:
     if not log.handlers:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
-    log.propagate = False
     quiet_noise()
 
 

@@ -1,0 +1,192 @@
+"""Never lose a run: checkpoints before the first validation, ``--ckpt_path last`` after a real ``kill -9``,
+and resumes that refuse settings which change what the checkpoint means."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from logra_pl.cli import LoGRACLI, main
+from logra_pl.data import ReasoningGymDataModule
+from logra_pl.errors import CheckpointNotFoundError, ResumeMismatchError
+from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.sketch import LoGRAConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
+# Validation only at update 100: every checkpoint below comes from the update-count trigger.
+FAST = [
+    "--trainer.val_check_interval=100",
+    "--trainer.enable_progress_bar=false",
+    "--model.warm_start.steps=20",
+    "--data.train_size=256",
+    "--data.eval_size=32",
+    "--data.prompts_per_step=16",
+    "--model.microbatch_size=8",
+    "--checkpoint.every_n_updates=4",
+]
+
+
+def _cli(save_dir: Path, *extra: str, kill_at: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``logra-pl fit`` in a child process (so it can be killed for real)."""
+    args = [sys.executable, "-m", "logra_pl.cli", "fit", f"--config={CONFIG}", *FAST]
+    args += [f"--trainer.logger.init_args.save_dir={save_dir}", *extra]
+    if kill_at is not None:
+        args += ["--trainer.callbacks+=tests.helpers.kill.KillAt", f"--trainer.callbacks.update={kill_at}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _scalars(folder: Path, tag: str) -> dict[int, float]:
+    """Every event file of a run folder, the way TensorBoard reads it (purged steps dropped)."""
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 updates without interruption: the reference a resumed run must equal."""
+    save_dir = tmp_path_factory.mktemp("straight")
+    done = _cli(save_dir, "--trainer.max_steps=8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return save_dir / "tiny_cpu" / "version_0"
+
+
+@pytest.mark.slow
+def test_kill9_before_first_validation_then_resume_last_is_bitwise(tmp_path: Path, straight_run: Path) -> None:
+    killed = _cli(tmp_path, "--trainer.max_steps=8", kill_at=6)
+    assert killed.returncode == -signal.SIGKILL
+    run = tmp_path / "tiny_cpu" / "version_0"
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 4  # saved at update 4, long before the first validation (update 100)
+
+    resumed = _cli(tmp_path, "--trainer.max_steps=8", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (tmp_path / "tiny_cpu" / "version_1").exists()  # continued in the checkpoint's folder
+    mine = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    ref = torch.load(straight_run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert mine["global_step"] == ref["global_step"] == 8
+    for key, value in ref["state_dict"].items():
+        assert torch.equal(mine["state_dict"][key], value), key
+    ref_logra, mine_logra = ref["optimizer_states"][0]["logra"], mine["optimizer_states"][0]["logra"]
+    assert mine_logra["update_index"] == ref_logra["update_index"] == 8
+    for name, v in ref_logra["row_stats"].items():
+        assert torch.equal(mine_logra["row_stats"][name], v), name
+    assert mine["logra_pl"]["baseline"] == ref["logra_pl"]["baseline"]
+    # The logged curve is the uninterrupted one: the steps the kill left after the checkpoint are purged.
+    assert _scalars(run, "train/reward_mean") == _scalars(straight_run, "train/reward_mean")
+    assert sorted(_scalars(run, "kl/alpha")) == list(range(8))
+    # RunSummary and the KL record cover the whole run, not only the resumed session.
+    assert "updates: 8 in" in resumed.stderr + resumed.stdout
+    assert "KL calibration over 8 updates" in resumed.stderr + resumed.stdout
+    assert not list(run.glob("checkpoints/.*tmp*"))  # no temp file of an interrupted write
+
+
+@pytest.mark.slow
+def test_resume_refuses_structural_changes_and_notes_the_others(
+    straight_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = str(straight_run / "checkpoints" / "last.ckpt")
+    base = ["fit", f"--config={CONFIG}", *FAST, f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    for flags, listed in [
+        (["--model.logra.rank=32"], "model.logra.rank: checkpoint 64, now 32"),
+        (["--model.optimizer=adamw"], "model.optimizer: checkpoint 'logra', now 'adamw'"),
+        (["--model.logra.rank=32", "--model.loss.kind=ppo"], "model.loss.kind: checkpoint 'reinforce_tis', now 'ppo'"),
+        (["--data.seed=3"], "data.seed: checkpoint 0, now 3"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, f"--ckpt_path={ckpt}", "--trainer.max_steps=9", *flags])
+        assert exit_info.value.code == 1
+        err = capsys.readouterr().err
+        assert listed in err, err
+        assert "resume as saved" in err and "start a fresh run" in err
+    assert not (tmp_path / "tiny_cpu").exists()  # refused before anything ran
+    # Non-structural changes are applied, and said (max_steps = the checkpoint's step: nothing left to train).
+    caplog.set_level("INFO", logger="logra_pl")
+    cli = LoGRACLI(args=[*base, f"--ckpt_path={ckpt}", "--trainer.max_steps=8", "--model.rollout.max_new_tokens=6"])
+    assert cli.model.rollout_settings.max_new_tokens == 6  # the flag wins over the checkpoint's hyper-parameters
+    assert cli.trainer.global_step == 8  # the checkpoint was restored
+    assert "model.rollout.max_new_tokens: 8 → 6" in caplog.text
+    assert "checkpoint.every_n_updates" not in caplog.text  # unchanged settings are not listed
+
+
+def test_ckpt_path_last_with_no_checkpoint_says_where_it_looked(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match=r"no last checkpoint was found; searched .*version_\*"):
+        LoGRACLI(
+            args=["fit", f"--config={CONFIG}", f"--trainer.logger.init_args.save_dir={tmp_path}", "--ckpt_path=last"]
+        )
+
+
+def _data() -> ReasoningGymDataModule:
+    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    return ReasoningGymDataModule(
+        {"chain_sum": {"config": small}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
+    )
+
+
+def _trainer(tmp_path: Path, steps: int) -> pl.Trainer:
+    return pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+
+
+def test_notebook_resume_with_another_optimizer_gets_the_listed_error(tmp_path: Path) -> None:
+    """``trainer.fit(module, ckpt_path=...)`` outside the CLI: the module compares before any state is loaded."""
+    settings = dict(policy="tiny", rollout=RolloutSettings(max_new_tokens=4), microbatch_size=8)
+    first = LoGRAPolicyModule(optimizer="adamw", **settings)
+    trainer = _trainer(tmp_path, 1)
+    trainer.fit(first, datamodule=_data())
+    ckpt = tmp_path / "adamw.ckpt"
+    trainer.save_checkpoint(ckpt)
+    # Even with the hyper-parameters stripped (an older or hand-made checkpoint), the optimizer state tells.
+    raw = torch.load(ckpt, weights_only=False)
+    raw.pop("hyper_parameters")
+    raw["logra_pl"].pop("optimizer")
+    raw["logra_pl"].pop("settings")
+    torch.save(raw, ckpt)
+    second = LoGRAPolicyModule(logra=LoGRAConfig(rank=16), **settings)
+    with pytest.raises(ResumeMismatchError, match="model.optimizer: checkpoint 'adamw', now 'logra'"):
+        _trainer(tmp_path, 2).fit(second, datamodule=_data(), ckpt_path=ckpt)
+    third = LoGRAPolicyModule(optimizer="adamw", **{**settings, "policy": "tiny:small"})
+    raw = torch.load(tmp_path / "adamw.ckpt", weights_only=False)
+    with pytest.raises(ResumeMismatchError):  # stripped checkpoint: policy mismatch shows as a state-dict error
+        third.on_load_checkpoint({**raw, "hyper_parameters": {"policy": "tiny", "optimizer": "adamw"}})
+
+
+def test_checkpoint_files_are_written_atomically(tmp_path: Path) -> None:
+    from logra_pl.callbacks.checkpoint import AtomicCheckpointIO, sweep_stale_temps
+
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"x": torch.arange(3)}, target)
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"x": torch.arange(5), "bad": Boom()}, target)
+    assert torch.equal(torch.load(target)["x"], torch.arange(3))  # the previous checkpoint is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # and the failed write left nothing
+    # A write killed outright leaves its temp file; the next save in that folder removes it.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".last.ckpt.tmp-{int(dead.stdout)}-0123abcd"
+    stale.write_bytes(b"partial")
+    assert sweep_stale_temps(tmp_path) == [stale]
+    assert sorted(glob.glob(str(tmp_path / "*"))) == [str(target)]
