@@ -1,6 +1,6 @@
 """A LoGRA run under LoGRAStrategy, launched as its own script (Lightning re-launches it once per rank).
 
-    python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH]
+    python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH] [--hf-export DIR]
 
 Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT.
 """
@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from logra_pl.callbacks import HFExport
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.optim import AdamWConfig
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="logra", choices=["logra", "adamw"])
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--distributed-ckpt", action="store_true", help="save sharded checkpoints")
+    parser.add_argument("--hf-export", default=None, help="HFExport every 3 updates and at the end to this folder")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -66,6 +68,8 @@ def main() -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
         )
+    if args.hf_export:
+        callbacks.append(HFExport(every_n_updates=3, dirpath=args.hf_export))
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
