@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from logra_pl import resume
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
+from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError
 from logra_pl.module import LoGRAPolicyModule
@@ -236,28 +236,6 @@ def _console() -> None:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     quiet_noise()
-
-
-def quiet_noise() -> None:
-    """Drop console noise a user cannot act on (Lightning's cloud tips, third-party deprecation warnings)."""
-
-    class _NoTips(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            text = str(record.msg)
-            return not (text.startswith("💡 Tip") or text.startswith("The following callbacks returned in `Lightning"))
-
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        target = logging.getLogger(name)
-        if not any(isinstance(f, _NoTips) for f in target.filters):
-            target.addFilter(_NoTips())
-    try:  # transformers' per-file bars ("Loading weights", "Writing model shards") for 1-file tiny models
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated.*")
-    warnings.filterwarnings("ignore", message=r".*`isinstance\(treespec, LeafSpec\)`.*")
 
 
 def main(args: list[str] | None = None) -> None:

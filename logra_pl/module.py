@@ -30,6 +30,7 @@ from logra_pl.callbacks.progress import (
     RichUpdateProgressBar,
     UpdateProgressBar,
 )
+from logra_pl.console import quiet_noise
 from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_choice, check_int, check_range
 from logra_pl.export import policy_folder_complete, save_policy_folder
 from logra_pl.guard import DivergenceGuard
@@ -49,6 +50,7 @@ from logra_pl.warm_start import WarmStart, warm_start_policy
 # The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
 # or the importance ratios and the mismatch estimate measure dropout noise.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+quiet_noise()
 
 log = logging.getLogger(__name__)
 
