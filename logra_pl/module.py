@@ -39,7 +39,7 @@ from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, rein
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.models.tiny import cache_root
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
-from logra_pl.rewards import ReasoningGymVerifier
+from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.hf import HFEngine
 from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
@@ -138,6 +138,29 @@ class LossConfig:
 
 
 @dataclass
+class ScoringSettings:
+    """How responses are scored: in worker processes, with a time limit per call and a cap on answer length.
+
+    Arguments:
+        timeout_s: seconds one verifier call may take; a call past it scores 0 and counts in ``verifier/timeouts``
+            (its worker is killed and replaced). None scores in the training process without a limit (debugging).
+        workers: scoring processes.
+        max_answer_chars: an extracted answer longer than this scores 0 without reaching the scorer
+            (``verifier/long_answers``): scorers such as sympy can take unbounded time on huge inputs.
+    """
+
+    timeout_s: float | None = 5.0
+    workers: int = 2
+    max_answer_chars: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is not None:
+            check_range("scoring.timeout_s", self.timeout_s, 0.0, low_open=True)
+        check_int("scoring.workers", self.workers, 1)
+        check_int("scoring.max_answer_chars", self.max_answer_chars, 1)
+
+
+@dataclass
 class StepContext:
     """What one training step produced, for callbacks (KL control, mismatch, sync) to read.
 
@@ -183,6 +206,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         vllm: vLLM engine settings (``engine="vllm"``).
         guard: the divergence guard: updates too large or non-finite are rejected before they touch the weights,
             and too many in a row stop the run.
+        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
     """
 
     def __init__(
@@ -202,6 +226,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         engine: Literal["hf", "vllm"] = "hf",
         vllm: VLLMSettings | None = None,
         guard: DivergenceGuard | None = None,
+        scoring: ScoringSettings | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("logra", "adamw"):
@@ -221,7 +246,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.baseline = baseline or RunningBaseline()
         self.rollout_settings = rollout or RolloutSettings()
         self.microbatch_size = microbatch_size
-        self.verifier = ReasoningGymVerifier(answer_format)
+        self.scoring = scoring or ScoringSettings()
+        self.verifier = ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
+        self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
         self.dtype_name = dtype
         self.seed = seed
         self.engine_kind = engine
@@ -400,12 +427,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         return [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
 
     def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> torch.Tensor:
-        """Verifier reward of every response, ``(N,)`` float64."""
+        """Verifier reward of every response, ``(N,)`` float64 — each call bounded by ``scoring.timeout_s``."""
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        return torch.tensor(
-            [self.verifier(t, items[i]) for t, i in zip(texts, rollout.prompt_index, strict=True)],
-            dtype=torch.float64,
-        )
+        rewards = self.scorer.score(texts, [items[i] for i in rollout.prompt_index])
+        return torch.tensor(rewards, dtype=torch.float64)
+
+    def teardown(self, stage: str) -> None:
+        """Stop the scoring processes (they restart on the next ``score``)."""
+        self.scorer.close()
 
     def _sampling_seed(self, split: str, key: str = "") -> int:
         blob = f"{self.seed}/{split}/{self.global_step}/{key}".encode()
@@ -509,6 +538,8 @@ class LoGRAPolicyModule(pl.LightningModule):
             "time/tokens_per_s": ctx.rollout.num_response_tokens / max(step_s, 1e-9),
             "time/step_s": step_s,
             "verifier/errors": float(self.verifier.errors),
+            "verifier/timeouts": float(self.scorer.timeouts),
+            "verifier/long_answers": float(self.verifier.long_answers),
         }
         metrics["guard/rejected_updates"] = float(self.rejected_updates)
         metrics["guard/relative_update"] = (
@@ -676,6 +707,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             "optimizer": self.optimizer_name,
             "baseline": self.baseline.state_dict(),
             "verifier_errors": self.verifier.errors,
+            "scoring": self.scorer.state_dict(),
             "rejected_updates": self.rejected_updates,
             "rejected_in_a_row": self.rejected_in_a_row,
             "settings": resume.plain(self.hparams),
@@ -700,6 +732,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         if state:
             self.baseline.load_state_dict(state["baseline"])
             self.verifier.errors = int(state.get("verifier_errors", 0))
+            if "scoring" in state:
+                self.scorer.load_state_dict(state["scoring"])
             self.rejected_updates = int(state.get("rejected_updates", 0))
             self.rejected_in_a_row = int(state.get("rejected_in_a_row", 0))
 
