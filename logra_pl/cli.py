@@ -241,6 +241,7 @@ def _console() -> None:
 def main(args: list[str] | None = None) -> None:
     """Console-script entry point: LightningCLI subcommands (``fit``, ``validate``), ``plan`` and ``export``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # about LightningCLI's internals, not the user
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["plan"]:
         from logra_pl.memory import main as plan_main
