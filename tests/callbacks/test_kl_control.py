@@ -31,7 +31,7 @@ def test_linear_constant_none() -> None:
     assert [lin(1), lin(6), lin(11), lin(61)] == pytest.approx([1e-3, 5.5e-4, 1e-4, 1e-4])
     assert BudgetSchedule("constant", delta_max=3e-4)(1000) == 3e-4
     assert BudgetSchedule("none")(1) is None
-    with pytest.raises(ValueError, match="unknown schedule.kind 'step'"):
+    with pytest.raises(ValueError, match=r"unknown schedule\.kind 'step'"):
         BudgetSchedule("step")
 
 
