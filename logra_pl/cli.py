@@ -187,6 +187,9 @@ def where_things_are(trainer: Any, cfg: Any = None) -> str:
         lines.append(f"checkpoint:  {ckpt}   (resume: {again}--ckpt_path last)")
         out = Path(ckpt).parent.parent / "hf"
         lines.append(f"export:      logra-pl export --ckpt {ckpt} --out {out}")
+    exported = [p for cb in trainer.callbacks for p in getattr(cb, "exported", [])]
+    if exported:
+        lines.append(f"HF folder:   {exported[-1]}   (vllm serve / AutoModelForCausalLM.from_pretrained)")
     return "\n".join(lines)
 
 

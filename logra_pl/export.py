@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from logra_pl.errors import LoGRAError
+
 PROVENANCE_FILE = "logra_export.json"
 # Export dtypes of the CLI (a training dtype such as float64 is also accepted by the functions).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,7 +44,7 @@ _DCP_META_FILE = "meta.pt"
 _POLICY_PREFIX = "policy."
 
 
-class ExportError(RuntimeError):
+class ExportError(LoGRAError, RuntimeError):
     """An export that cannot be done; the message says why and what to do instead."""
 
 
