@@ -53,3 +53,53 @@ def tiny_model_dir(_cache_dir: Path) -> Path:
     from logra_pl.models import build_tiny_model
 
     return build_tiny_model("tiny")
+
+
+SMALL_CHAIN_SUM = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+
+
+def chain_sum_data(train_size: int = 128, eval_size: int = 16, prompts_per_step: int = 8):
+    """Short ``chain_sum`` problems (answers of 1-3 tokens) as a data module, the tests' usual RL data."""
+    from logra_pl.data import ReasoningGymDataModule
+
+    return ReasoningGymDataModule(
+        {"chain_sum": {"config": SMALL_CHAIN_SUM}},
+        train_size=train_size,
+        eval_size=eval_size,
+        prompts_per_step=prompts_per_step,
+        eval_batch_size=eval_size,
+    )
+
+
+def quick_trainer(root: Path, steps: int, callbacks=(), **overrides):
+    """A one-process CPU Trainer for ``steps`` updates: no logger, checkpoints, progress bar or validation."""
+    import lightning.pytorch as pl
+
+    settings = dict(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+    )
+    settings.update(overrides)
+    return pl.Trainer(**settings)
+
+
+@pytest.fixture(scope="session")
+def rl_run():
+    """``rl_run(module, root, steps, callbacks=(), ckpt_path=None, data=None, **trainer_overrides) -> Trainer``."""
+
+    def run(module, root: Path, steps: int, callbacks=(), ckpt_path=None, data=None, **overrides):
+        trainer = quick_trainer(root, steps, callbacks, **overrides)
+        # Our checkpoints hold settings objects (dataclasses) besides tensors: load them in full.
+        weights_only = False if ckpt_path else None
+        trainer.fit(module, datamodule=data or chain_sum_data(), ckpt_path=ckpt_path, weights_only=weights_only)
+        return trainer
+
+    return run

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
 
@@ -18,18 +17,10 @@ from logra_pl.callbacks.progress import (
     UpdateProgressBar,
 )
 from logra_pl.cli import LoGRACLI
-from logra_pl.data import ReasoningGymDataModule
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
-
-
-def _data() -> ReasoningGymDataModule:
-    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
-    return ReasoningGymDataModule(
-        {"chain_sum": {"config": small}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
-    )
 
 
 @pytest.mark.parametrize(
@@ -40,22 +31,14 @@ def _data() -> ReasoningGymDataModule:
     ],
 )
 def test_progress_in_updates_and_trained_parameters_in_the_summary(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, bar, summary, want_bar, want_summary
+    tmp_path: Path, rl_run, caplog: pytest.LogCaptureFixture, bar, summary, want_bar, want_summary
 ) -> None:
     module = LoGRAPolicyModule(
         policy="tiny", logra=LoGRAConfig(rank=16), rollout=RolloutSettings(max_new_tokens=4), microbatch_size=8
     )
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        callbacks=[bar, summary],
-    )
     caplog.set_level(logging.INFO)
-    trainer.fit(module, datamodule=_data())
+    # The Trainer's defaults would be these two; the module swaps them for its own kinds.
+    trainer = rl_run(module, tmp_path, 2, [bar, summary], enable_progress_bar=True, enable_model_summary=True)
     assert type(trainer.progress_bar_callback) is want_bar
     assert sum(isinstance(c, want_summary) for c in trainer.callbacks) == 1
     if want_bar is UpdateProgressBar:

@@ -17,14 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from logra_pl.cli import main as cli_main
-from logra_pl.data import ReasoningGymDataModule
 from logra_pl.export import (
     PROVENANCE_FILE,
     ExportError,
@@ -43,7 +41,7 @@ VLLM_TOL = 1e-4  # fp32 engine vs fp32 transformers
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoGRAPolicyModule, Path]:
+def trained(tmp_path_factory: pytest.TempPathFactory, rl_run) -> tuple[LoGRAPolicyModule, Path]:
     """A tiny policy after 3 real LoGRA updates, and its Lightning checkpoint."""
     tmp = tmp_path_factory.mktemp("export-fit")
     module = LoGRAPolicyModule(
@@ -52,20 +50,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoGRAPolicyModule
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
     )
-    data = ReasoningGymDataModule(
-        {"chain_sum": {"config": SMALL}}, train_size=128, eval_size=16, prompts_per_step=8, eval_batch_size=16
-    )
-    trainer = pl.Trainer(
-        max_steps=UPDATES,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        default_root_dir=tmp,
-    )
-    trainer.fit(module, datamodule=data)
+    trainer = rl_run(module, tmp, UPDATES)
     assert trainer.global_step == UPDATES
     ckpt = tmp / "trained.ckpt"
     trainer.save_checkpoint(ckpt)

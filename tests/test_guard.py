@@ -13,7 +13,6 @@ import torch
 
 from logra_pl.callbacks import PredictedKLControl
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
-from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import PolicyDivergedError
 from logra_pl.guard import DivergenceGuard
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
@@ -23,28 +22,16 @@ from logra_pl.rollout.hf import HFEngine
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.guard import rejection_reason, relative_update
 
-SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 
+@pytest.fixture
+def fit(rl_run, tmp_path: Path):
+    """Train with an UpdateCheckpoint that saves after every update (so the last good one is visible)."""
 
-def _data() -> ReasoningGymDataModule:
-    return ReasoningGymDataModule(
-        {"chain_sum": {"config": SMALL}}, train_size=128, eval_size=8, prompts_per_step=8, eval_batch_size=8
-    )
+    def run(module: LoGRAPolicyModule, steps: int, callbacks: tuple = ()) -> pl.Trainer:
+        saver = UpdateCheckpoint(every_n_updates=1, dirpath=str(tmp_path / "ckpt"))
+        return rl_run(module, tmp_path, steps, [saver, *callbacks], enable_checkpointing=True)
 
-
-def _fit(tmp_path: Path, module: LoGRAPolicyModule, steps: int, callbacks: list | None = None) -> pl.Trainer:
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        callbacks=[UpdateCheckpoint(every_n_updates=1, dirpath=str(tmp_path / "ckpt")), *(callbacks or [])],
-    )
-    trainer.fit(module, datamodule=_data())
-    return trainer
+    return run
 
 
 def _module(**kwargs) -> LoGRAPolicyModule:
@@ -71,14 +58,14 @@ def _module(**kwargs) -> LoGRAPolicyModule:
     ],
 )
 def test_diverging_settings_stop_cleanly_with_weights_and_checkpoint_untouched(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, settings: dict, reason: str
+    tmp_path: Path, fit, caplog: pytest.LogCaptureFixture, name: str, settings: dict, reason: str
 ) -> None:
     module = _module(**settings)
     module.configure_model()
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     caplog.set_level(logging.WARNING, logger="logra_pl")
     with pytest.raises(PolicyDivergedError, match=r"policy diverged at update 5: 5 updates in a row were not applied"):
-        _fit(tmp_path, module, steps=20)
+        fit(module, steps=20)
     assert module.global_step == 5 and module.rejected_updates == 5
     # Nothing any rejected update proposed reached the weights (exact: it was never merged / stepped).
     for key, value in module.policy.state_dict().items():
@@ -93,14 +80,14 @@ def test_diverging_settings_stop_cleanly_with_weights_and_checkpoint_untouched(
         assert torch.equal(value, before[key.removeprefix("policy.")]), key
 
 
-def test_healthy_run_is_never_rejected(tmp_path: Path) -> None:
+def test_healthy_run_is_never_rejected(fit) -> None:
     module = _module(logra=LoGRAConfig(rank=16, update_ratio=1e-2))
-    _fit(tmp_path, module, steps=4, callbacks=[PredictedKLControl()])
+    fit(module, steps=4, callbacks=(PredictedKLControl(),))
     assert module.rejected_updates == 0 and module.sketcher.num_applied == 4
     assert 0 < module.sketcher.last_relative_update < 0.1
 
 
-def test_guard_rejects_one_oversized_update_and_the_run_goes_on(tmp_path: Path) -> None:
+def test_guard_rejects_one_oversized_update_and_the_run_goes_on(fit) -> None:
     """A single bad update is dropped and counted; the next healthy one resets the streak."""
     module = _module(logra=LoGRAConfig(rank=16, update_ratio=1e-2))
 
@@ -109,7 +96,7 @@ def test_guard_rejects_one_oversized_update_and_the_run_goes_on(tmp_path: Path) 
             if trainer.global_step == 1:
                 optimizer.proposal.alpha = 1e4  # this update would move the weights by 100× their norm
 
-    _fit(tmp_path, module, steps=4, callbacks=[SpikeOnce()])
+    fit(module, steps=4, callbacks=(SpikeOnce(),))
     assert module.rejected_updates == 1 and module.rejected_in_a_row == 0
     assert module.sketcher.num_rejected == 1 and module.sketcher.num_applied == 3
 

@@ -11,13 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from logra_pl.cli import LoGRACLI, main
-from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import CheckpointNotFoundError, ResumeMismatchError
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
@@ -128,31 +126,11 @@ def test_ckpt_path_last_with_no_checkpoint_says_where_it_looked(tmp_path: Path) 
         )
 
 
-def _data() -> ReasoningGymDataModule:
-    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
-    return ReasoningGymDataModule(
-        {"chain_sum": {"config": small}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
-    )
-
-
-def _trainer(tmp_path: Path, steps: int) -> pl.Trainer:
-    return pl.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
-
-
-def test_notebook_resume_with_another_optimizer_gets_the_listed_error(tmp_path: Path) -> None:
+def test_notebook_resume_with_another_optimizer_gets_the_listed_error(tmp_path: Path, rl_run) -> None:
     """``trainer.fit(module, ckpt_path=...)`` outside the CLI: the module compares before any state is loaded."""
     settings = dict(policy="tiny", rollout=RolloutSettings(max_new_tokens=4), microbatch_size=8)
     first = LoGRAPolicyModule(optimizer="adamw", **settings)
-    trainer = _trainer(tmp_path, 1)
-    trainer.fit(first, datamodule=_data())
+    trainer = rl_run(first, tmp_path, 1)
     ckpt = tmp_path / "adamw.ckpt"
     trainer.save_checkpoint(ckpt)
     # Even with the hyper-parameters stripped (an older or hand-made checkpoint), the optimizer state tells.
@@ -163,7 +141,7 @@ def test_notebook_resume_with_another_optimizer_gets_the_listed_error(tmp_path: 
     torch.save(raw, ckpt)
     second = LoGRAPolicyModule(logra=LoGRAConfig(rank=16), **settings)
     with pytest.raises(ResumeMismatchError, match=re.escape("model.optimizer: checkpoint 'adamw', now 'logra'")):
-        _trainer(tmp_path, 2).fit(second, datamodule=_data(), ckpt_path=ckpt)
+        rl_run(second, tmp_path, 2, ckpt_path=ckpt)
     third = LoGRAPolicyModule(optimizer="adamw", **{**settings, "policy": "tiny:small"})
     raw = torch.load(tmp_path / "adamw.ckpt", weights_only=False)
     with pytest.raises(ResumeMismatchError):  # stripped checkpoint: policy mismatch shows as a state-dict error

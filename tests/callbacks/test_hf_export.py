@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from logra_pl.callbacks import HFExport
-from logra_pl.data import ReasoningGymDataModule
 from logra_pl.export import PROVENANCE_FILE, export_checkpoint, policy_folder_complete
 from logra_pl.module import LoGRAPolicyModule, LossConfig, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
@@ -55,25 +54,6 @@ def _module(**kwargs) -> LoGRAPolicyModule:
     )
 
 
-def _fit(module, tmp_path: Path, steps: int, callbacks: list[pl.Callback], ckpt_path: str | None = None) -> pl.Trainer:
-    data = ReasoningGymDataModule(
-        {"chain_sum": {"config": SMALL}}, train_size=128, eval_size=16, prompts_per_step=8, eval_batch_size=16
-    )
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
-    return trainer
-
-
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     """An export's tensors as plain transformers loads them (tied lm_head included)."""
     assert policy_folder_complete(folder)
@@ -84,10 +64,12 @@ def _listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def test_periodic_and_final_exports_hold_their_updates(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_periodic_and_final_exports_hold_their_updates(
+    rl_run, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     export, snaps, module = HFExport(every_n_updates=2, dirpath=str(tmp_path / "hf")), Snapshots(), _module()
     with caplog.at_level(logging.INFO):
-        _fit(module, tmp_path, 4, [snaps, export])
+        rl_run(module, tmp_path, 4, [snaps, export])
     root = tmp_path / "hf"
     assert _listing(root) == ["final", "update-000002", "update-000004"]  # and no temporary folder
     for name, step in [("update-000002", 2), ("update-000004", 4), ("final", 4)]:
@@ -106,9 +88,9 @@ def test_periodic_and_final_exports_hold_their_updates(tmp_path: Path, caplog: p
     ]
 
 
-def test_keep_newest_default_dir_and_dtype(tmp_path: Path) -> None:
+def test_keep_newest_default_dir_and_dtype(rl_run, tmp_path: Path) -> None:
     module = _module()
-    _fit(module, tmp_path, 4, [HFExport(every_n_updates=1, keep=1, dtype="bfloat16")])
+    rl_run(module, tmp_path, 4, [HFExport(every_n_updates=1, keep=1, dtype="bfloat16")])
     root = tmp_path / "hf"  # <default_root_dir>/hf: with logger=False, trainer.log_dir is default_root_dir
     assert _listing(root) == ["final", "update-000004"]
     assert json.loads((root / "final" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -119,26 +101,26 @@ def test_keep_newest_default_dir_and_dtype(tmp_path: Path) -> None:
     )
 
 
-def test_no_final_export_when_the_fit_fails(tmp_path: Path) -> None:
+def test_no_final_export_when_the_fit_fails(rl_run, tmp_path: Path) -> None:
     export = HFExport(every_n_updates=1, dirpath=str(tmp_path / "hf"))
     with pytest.raises(RuntimeError, match="failure injected at update 2"):
-        _fit(_module(), tmp_path, 4, [FailAt(2), export])
+        rl_run(_module(), tmp_path, 4, [FailAt(2), export])
     assert _listing(tmp_path / "hf") == ["update-000001"]
 
 
-def test_ppo_updates_cross_the_period_and_resume_continues_the_count(tmp_path: Path) -> None:
+def test_ppo_updates_cross_the_period_and_resume_continues_the_count(rl_run, tmp_path: Path) -> None:
     # PPO: 2 epochs × 2 minibatches = 4 updates per training step, so global_step goes 4, 8: every 2 updates means
     # "whenever a multiple of 2 was crossed".
     ppo = _module(loss=LossConfig(kind="ppo", ppo_epochs=2, ppo_minibatches=2))
-    _fit(ppo, tmp_path / "ppo", 8, [HFExport(every_n_updates=2, at_end=False, dirpath=str(tmp_path / "ppo_hf"))])
+    rl_run(ppo, tmp_path / "ppo", 8, [HFExport(every_n_updates=2, at_end=False, dirpath=str(tmp_path / "ppo_hf"))])
     assert _listing(tmp_path / "ppo_hf") == ["update-000004", "update-000008"]
 
     # Resume at update 3 with every 2 updates: the next export is update 4, not an immediate one for period 1.
-    first = _fit(_module(), tmp_path / "a", 3, [])
+    first = rl_run(_module(), tmp_path / "a", 3, [])
     ckpt = tmp_path / "three.ckpt"
     first.save_checkpoint(ckpt)
     export = HFExport(every_n_updates=2, at_end=False, dirpath=str(tmp_path / "resumed_hf"))
-    _fit(_module(), tmp_path / "b", 6, [export], ckpt_path=str(ckpt))
+    rl_run(_module(), tmp_path / "b", 6, [export], ckpt_path=str(ckpt))
     assert _listing(tmp_path / "resumed_hf") == ["update-000004", "update-000006"]
 
 
