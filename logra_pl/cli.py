@@ -177,7 +177,7 @@ class LoGRACLI(LightningCLI):
 def where_things_are(trainer: Any, cfg: Any = None) -> str:
     """The end-of-run lines: TensorBoard command, last checkpoint (and how to resume), export command."""
     lines = []
-    log_dir = trainer.log_dir if trainer.logger is not None else None
+    log_dir = trainer.logger.log_dir if trainer.logger is not None else None  # no collective: rank 0 only
     if log_dir:
         lines.append(f"logs:        tensorboard --logdir {log_dir}")
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.checkpoint_callback else ""

@@ -25,7 +25,7 @@ def test_running_baseline_uses_previous_batches_only() -> None:
     restored = RunningBaseline()
     restored.load_state_dict(b.state_dict())
     assert restored.value == b.value
-    with pytest.raises(ValueError, match="unknown baseline mode"):
+    with pytest.raises(ValueError, match=r"unknown baseline\.mode 'median'"):
         RunningBaseline(mode="median")
 
 

@@ -142,4 +142,4 @@ def test_vllm_config_runs_through_the_cli(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = proc.stderr + proc.stdout
     assert "`Trainer.fit` stopped: `max_steps=3` reached" in text
-    assert "train/reward_mean: first 3 updates" in text and "val @ update 3" in text
+    assert "over 3 updates (too short to compare" in text and "val @ update 3" in text

@@ -47,7 +47,8 @@ def test_unknown_distribution() -> None:
         ({"beta2": 1.0}, "beta2 must lie in"),
         ({"factor_dtype": "int8"}, "unknown factor_dtype 'int8'"),
         ({"targets": ()}, "targets must be a non-empty list"),
-        ({"update_ratio": 0.0}, "must be > 0"),
+        ({"update_ratio": 0.0}, r"update_ratio must lie in \(0, inf\)"),
+        ({"update_ratio": float("nan")}, "update_ratio must be a finite number"),
     ],
 )
 def test_other_bad_settings(kwargs: dict, message: str) -> None:
