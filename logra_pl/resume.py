@@ -144,7 +144,8 @@ def find_last_checkpoint(roots: Iterable[str | Path]) -> Path:
         root = Path(root)
         for pattern in ("last*.ckpt", "checkpoints/last*.ckpt", "version_*/checkpoints/last*.ckpt"):
             searched.append(str(root / pattern))
-            found += [p for p in root.glob(pattern) if p.is_file()]
+            # A sharded (distributed) checkpoint is a folder holding Lightning's meta.pt.
+            found += [p for p in root.glob(pattern) if p.is_file() or (p / "meta.pt").is_file()]
     if not found:
         raise CheckpointNotFoundError(
             "--ckpt_path last: no last checkpoint was found; searched " + ", ".join(searched) + ". Pass the "

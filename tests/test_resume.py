@@ -89,6 +89,7 @@ def test_kill9_before_first_validation_then_resume_last_is_bitwise(tmp_path: Pat
     assert "updates: 8 in" in resumed.stderr + resumed.stdout
     assert "KL calibration over 8 updates" in resumed.stderr + resumed.stdout
     assert not list(run.glob("checkpoints/.*tmp*"))  # no temp file of an interrupted write
+    assert "not resumable" not in resumed.stderr  # the prompt loader is resumable, and Lightning knows it
 
 
 @pytest.mark.slow
