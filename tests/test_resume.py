@@ -170,3 +170,24 @@ def test_checkpoint_files_are_written_atomically(tmp_path: Path) -> None:
     stale.write_bytes(b"partial")
     assert sweep_stale_temps(tmp_path) == [stale]
     assert sorted(glob.glob(str(tmp_path / "*"))) == [str(target)]
+
+
+def test_find_last_checkpoint_takes_the_newest_across_versions(tmp_path: Path) -> None:
+    from logra_pl.resume import find_last_checkpoint, version_of
+
+    family = tmp_path / "runs" / "tiny_cpu"
+    old = family / "version_0" / "checkpoints" / "last.ckpt"
+    new = family / "version_1" / "checkpoints" / "last.ckpt"
+    for path, stamp in ((old, 1_000), (new, 2_000)):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
+        os.utime(path, (stamp, stamp))
+    (family / "version_2" / "checkpoints").mkdir(parents=True)  # a later run that crashed before its first save
+    assert find_last_checkpoint([family]) == new
+    assert version_of(new) == 1
+    sharded = family / "version_3" / "checkpoints" / "last.ckpt"
+    sharded.mkdir(parents=True)
+    (sharded / "meta.pt").write_bytes(b"x")
+    os.utime(sharded / "meta.pt", (3_000, 3_000))
+    os.utime(sharded, (3_000, 3_000))
+    assert find_last_checkpoint([family]) == sharded
