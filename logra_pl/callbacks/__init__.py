@@ -1,5 +1,6 @@
 """Lightning callbacks, each usable alone in any Trainer or YAML config, in any order."""
 
+from logra_pl.callbacks.checkpoint import AtomicCheckpointIO, UpdateCheckpoint
 from logra_pl.callbacks.export import HFExport
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
 from logra_pl.callbacks.memory import MemoryMonitor
@@ -8,6 +9,7 @@ from logra_pl.callbacks.summary import RunSummary
 from logra_pl.callbacks.sync import PolicySync
 
 __all__ = [
+    "AtomicCheckpointIO",
     "BudgetSchedule",
     "HFExport",
     "MemoryMonitor",
@@ -15,6 +17,7 @@ __all__ = [
     "PredictedKLControl",
     "RolloutMismatch",
     "RunSummary",
+    "UpdateCheckpoint",
     "observed_mismatch",
     "step_multiplier",
 ]
