@@ -114,6 +114,21 @@ class LoGRACLI(LightningCLI):
         return roots
 
     # -------------------------------------------------------------------------------------- instantiate
+    def before_instantiate_classes(self) -> None:
+        """``trainer.enable_checkpointing: false`` turns the run's checkpoints off (the section stays, saving nothing).
+
+        Lightning refuses a ModelCheckpoint in a Trainer without checkpointing; the user's intent is "no
+        checkpoints", so the checkpoint callback is kept but never saves.
+        """
+        sub = self.config.get("subcommand")
+        cfg = self.config[sub] if sub else self.config
+        if cfg.get("trainer") is not None and cfg["trainer"].get("enable_checkpointing") is False:
+            cfg["trainer"]["enable_checkpointing"] = True
+            cfg["checkpoint"]["every_n_updates"] = 0
+            cfg["checkpoint"]["at_end"] = False
+            cfg["checkpoint"]["save_last"] = False
+            log.warning("trainer.enable_checkpointing is false: this run saves no checkpoint and cannot be resumed")
+
     def instantiate_classes(self) -> None:
         """Build the objects; a setting rejected at construction is shown as its one-line message."""
         try:

@@ -191,3 +191,26 @@ def test_find_last_checkpoint_takes_the_newest_across_versions(tmp_path: Path) -
     os.utime(sharded / "meta.pt", (3_000, 3_000))
     os.utime(sharded, (3_000, 3_000))
     assert find_last_checkpoint([family]) == sharded
+
+
+def test_checkpointing_off_saves_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="logra_pl")
+    cli = LoGRACLI(
+        args=[
+            "fit",
+            f"--config={CONFIG}",
+            "--trainer.max_steps=2",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.val_check_interval=1",
+            "--model.warm_start=null",
+            "--data.train_size=64",
+            "--data.eval_size=8",
+            "--data.prompts_per_step=8",
+            "--checkpoint.every_n_updates=1",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ]
+    )
+    assert cli.trainer.global_step == 2
+    assert not list(tmp_path.rglob("*.ckpt"))  # not at updates, validations, epoch ends or the end
+    assert "saves no checkpoint" in caplog.text

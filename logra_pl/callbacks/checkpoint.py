@@ -164,6 +164,14 @@ class UpdateCheckpoint(ModelCheckpoint):
             self.save_now(trainer, pl_module)
 
     @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass  # saves follow the update count only (epochs of prompts mean nothing to an RL run)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.at_end and not self._should_skip_saving_checkpoint(trainer):
             self.save_now(trainer, pl_module)
