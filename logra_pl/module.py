@@ -31,11 +31,11 @@ from logra_pl.callbacks.progress import (
     UpdateProgressBar,
 )
 from logra_pl.console import quiet_noise
-from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_choice, check_int, check_range
+from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_int, check_range
 from logra_pl.export import policy_folder_complete, save_policy_folder
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
-from logra_pl.losses import RunningBaseline, length_weights, ppo_clip_loss, reinforce_tis_loss
+from logra_pl.losses import Baseline, LossSpec, length_weights, resolve_loss
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.models.tiny import cache_root
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
@@ -106,23 +106,43 @@ class LossConfig:
     """The policy-gradient surrogate.
 
     Arguments:
-        kind: ``"reinforce_tis"`` (SPEC §8 default) or ``"ppo"`` (clipped surrogate).
+        kind: a registered loss (:data:`logra_pl.losses.LOSSES`): ``"reinforce_tis"`` (SPEC §8 default) or
+            ``"ppo"`` (clipped surrogate), or the dotted path of your own :class:`~logra_pl.losses.LossSpec`.
         tis_cap: truncation of the rollout importance ratio (REINFORCE+TIS).
         clip_eps: PPO ratio clip ``ε``.
-        ppo_epochs: passes over each rollout batch (PPO).
-        ppo_minibatches: updates per pass (PPO); each is one optimizer step.
+        ppo_epochs: passes over each rollout batch (losses against the pre-update trainer, e.g. PPO).
+        ppo_minibatches: updates per pass (likewise); each is one optimizer step.
         length_reference: reweight each response by ``length_reference / L`` (SPEC §8 uses 1024); None: off.
+        params: hyper-parameters of a registered loss that are not fields here (by the names its spec lists).
     """
 
-    kind: Literal["reinforce_tis", "ppo"] = "reinforce_tis"
+    kind: str = "reinforce_tis"
     tis_cap: float = 2.0
     clip_eps: float = 0.2
     ppo_epochs: int = 2
     ppo_minibatches: int = 2
     length_reference: float | None = None
+    params: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> LossSpec:
+        """The registered loss of ``kind``."""
+        return resolve_loss(self.kind)
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        """The keyword arguments the loss (and its statistics) take, by the names its spec lists."""
+        out = {}
+        for name in self.spec.params:
+            if name in self.params:
+                out[name] = self.params[name]
+            elif hasattr(self, name) and name != "params":
+                out[name] = getattr(self, name)
+            else:
+                raise ConfigError(f"loss {self.kind!r} needs the hyper-parameter {name!r}: set loss.params.{name}")
+        return out
 
     def __post_init__(self) -> None:
-        check_choice("loss.kind", self.kind, ("reinforce_tis", "ppo"))
+        self.hyper_parameters()  # an unknown kind or a missing hyper-parameter fails here
         check_range(
             "loss.tis_cap",
             self.tis_cap,
@@ -179,6 +199,7 @@ class StepContext:
     temperature: float
     metrics: dict[str, float] = field(default_factory=dict)
     payloads: list[Payload] = field(default_factory=list)  # merged LoGRA updates of this step, in order
+    loss_stats: dict[str, list[float]] = field(default_factory=dict)  # loss statistics: [numerator, denominator]
 
     @property
     def eos_terminated(self) -> torch.Tensor:
@@ -196,7 +217,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
         adamw: AdamW hyper-parameters and schedule (``optimizer="adamw"``).
         loss: the surrogate.
-        baseline: the running baseline.
+        baseline: the advantage baseline: running (SPEC §8), or per-prompt ``group`` / ``rloo``.
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass.
         answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
@@ -217,7 +238,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRAConfig | None = None,
         adamw: AdamWConfig | None = None,
         loss: LossConfig | None = None,
-        baseline: RunningBaseline | None = None,
+        baseline: Baseline | None = None,
         rollout: RolloutSettings | None = None,
         microbatch_size: int = 16,
         answer_format: Literal["auto", "tags", "plain"] = "auto",
@@ -243,8 +264,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.logra_config = logra or LoGRAConfig()
         self.adamw_config = adamw or AdamWConfig()
         self.loss_config = loss or LossConfig()
-        self.baseline = baseline or RunningBaseline()
+        self.baseline = baseline or Baseline()
         self.rollout_settings = rollout or RolloutSettings()
+        if self.baseline.kind != "running" and self.rollout_settings.responses_per_prompt < 2:
+            raise ConfigError(
+                f"baseline.kind={self.baseline.kind!r} compares a prompt's responses with each other: set "
+                "rollout.responses_per_prompt >= 2 (or use baseline.kind: running)"
+            )
         self.microbatch_size = microbatch_size
         self.scoring = scoring or ScoringSettings()
         self.verifier = ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
@@ -476,7 +502,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
         rewards = self.score(rollout, items)
-        advantages = self.baseline.advantages(rewards, self._all_reduce_sum)
+        advantages = self.baseline.advantages(rewards, self._all_reduce_sum, groups=rollout.prompt_index)
         packed = pack_responses(rollout.prompt_ids, rollout.response_ids, self.tokenizer.pad_token_id)
         t_logp = rs.temperature if rs.temperature > 0 else 1.0
         logp_trainer = self.trainer_logprobs(packed, t_logp)
@@ -504,9 +530,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         t_rollout = time.perf_counter() - t0
         rows = list(range(len(ctx.rollout)))
         cfg = self.loss_config
-        if cfg.kind == "reinforce_tis":
+        if cfg.spec.reference == "rollout":
             plan = [rows]
-        else:
+        else:  # against the pre-update trainer: several updates from one rollout
             gen = torch.Generator().manual_seed(self._sampling_seed("ppo"))
             plan = []
             for _ in range(cfg.ppo_epochs):
@@ -553,6 +579,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         metrics["memory/persistent_state_bytes"] = float(
             memory_report(self.policy, optimizer=optimizer, sketcher=self.sketcher).persistent
         )
+        for name, (num, den) in ctx.loss_stats.items():
+            metrics[f"train/{name}"] = num / den if den else 0.0
         ctx.metrics.update(metrics)
         bs = len(ctx.rollout)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=bs)
@@ -567,10 +595,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
         num_tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
         # REINFORCE+TIS weighs by π/π_rollout (capped); PPO by π/π_old with π_old the pre-update trainer.
-        if cfg.kind == "reinforce_tis":
-            loss_fn, reference, knob = reinforce_tis_loss, ctx.logp_rollout, cfg.tis_cap
-        else:
-            loss_fn, reference, knob = ppo_clip_loss, ctx.logp_trainer, cfg.clip_eps
+        spec, params = cfg.spec, cfg.hyper_parameters()
+        reference = ctx.logp_rollout if spec.reference == "rollout" else ctx.logp_trainer
         total = 0.0
         for mb in self._microbatches(rows):
             packed = _select(ctx.packed, mb).to(self.device)
@@ -578,9 +604,14 @@ class LoGRAPolicyModule(pl.LightningModule):
             adv = ctx.advantages[mb].to(self.device)
             weights = length_weights(packed.lengths, cfg.length_reference)
             ref = reference[mb].to(self.device)
-            loss = loss_fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights, knob)
+            loss = spec.fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights, **params)
             self.manual_backward(loss)
             total += float(loss.detach())
+            if spec.stats is not None:
+                for name, (num, den) in spec.stats(logp.detach(), ref, packed.response_mask, **params).items():
+                    acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
+                    acc[0] += num
+                    acc[1] += den
         t1 = time.perf_counter()
         if self.optimizer_name == "adamw":
             rejected = self._guard_adamw(opt.optimizer)

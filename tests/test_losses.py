@@ -71,3 +71,71 @@ def test_ppo_clip() -> None:
     # A<0: min(−r, −clip(r)) = −1.5 ; min(−0.5, −0.8) = −0.8 ; −1.1
     assert math.isclose(float(neg), (1.5 + 0.8 + 1.1) / 3, rel_tol=1e-6)
     assert math.isclose(clip_fraction(logp.detach(), logp_old, mask), 2 / 3)
+
+
+def test_group_and_leave_one_out_baselines() -> None:
+    from logra_pl.losses import Baseline
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    groups = [0, 0, 0, 1, 1, 1]
+    outcome = torch.where(rewards >= 1, 1.0, -0.01).to(torch.float64)
+    grp = Baseline(kind="group")
+    adv = grp.advantages(rewards, groups=groups)
+    # Written out: prompt 0 has outcomes (1, -0.01, -0.01), mean 0.96/3; prompt 1 all 1.
+    expected = outcome - torch.tensor([0.98 / 3] * 3 + [1.0] * 3, dtype=torch.float64)
+    assert torch.allclose(adv, expected, atol=1e-12)
+    rloo = Baseline(kind="rloo").advantages(rewards, groups=groups)
+    others = torch.tensor([-0.02 / 2, 0.99 / 2, 0.99 / 2, 1.0, 1.0, 1.0], dtype=torch.float64)
+    assert torch.allclose(rloo, outcome - others, atol=1e-12)
+    assert grp.value == pytest.approx(0.1 * float(outcome.mean()))  # b is tracked for logging either way
+    with pytest.raises(ValueError, match="at least 2 responses per prompt"):
+        Baseline(kind="rloo").advantages(rewards[:4], groups=[0, 0, 0, 1])
+
+
+def test_a_new_loss_is_one_function_and_one_entry(tmp_path, rl_run) -> None:
+    from logra_pl.losses import LOSSES, LossSpec, register_loss
+    from logra_pl.module import LoGRAPolicyModule, LossConfig, RolloutSettings
+    from logra_pl.sketch import LoGRAConfig
+
+    calls = []
+
+    def plain_reinforce(logp, logp_rollout, advantages, mask, num_tokens, weights, scale):
+        calls.append(scale)
+        return -(scale * advantages.unsqueeze(1) * logp * mask).sum() / num_tokens
+
+    register_loss("plain_reinforce", LossSpec(plain_reinforce, "rollout", ("scale",)))
+    try:
+        module = LoGRAPolicyModule(
+            policy="tiny",
+            logra=LoGRAConfig(rank=16, update_ratio=1e-2),
+            loss=LossConfig(kind="plain_reinforce", params={"scale": 0.5}),
+            rollout=RolloutSettings(max_new_tokens=4),
+            microbatch_size=4,
+        )
+        rl_run(module, tmp_path, 2)
+        assert calls == [0.5] * 4  # 2 updates × 2 microbatches, with the configured hyper-parameter
+        assert module.sketcher.num_applied == 2
+        with pytest.raises(ValueError, match="needs the hyper-parameter 'scale'"):
+            LossConfig(kind="plain_reinforce")
+    finally:
+        LOSSES.pop("plain_reinforce")
+    with pytest.raises(ValueError, match=r"unknown loss\.kind 'nope'"):
+        LossConfig(kind="nope")
+
+
+def test_ppo_logs_its_clip_fraction(tmp_path, rl_run) -> None:
+    from logra_pl.module import LoGRAPolicyModule, LossConfig, RolloutSettings
+    from logra_pl.sketch import LoGRAConfig
+
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16, update_ratio=5e-2),
+        loss=LossConfig(kind="ppo", clip_eps=0.01),
+        rollout=RolloutSettings(max_new_tokens=4),
+        microbatch_size=4,
+    )
+    rl_run(module, tmp_path, 4)
+    ctx = module.step_context
+    fraction = ctx.metrics["train/clip_fraction"]
+    clipped, tokens = ctx.loss_stats["clip_fraction"]
+    assert 0.0 < fraction < 1.0 and fraction == clipped / tokens  # later minibatches move past a tiny ε
