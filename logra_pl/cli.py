@@ -28,6 +28,7 @@ from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError
 from logra_pl.module import LoGRAPolicyModule
+from logra_pl.rollout.registry import resolve_engine
 from logra_pl.strategy import LoGRAStrategy  # noqa: F401  (registers `--trainer.strategy logra_fsdp`)
 
 log = logging.getLogger("logra_pl")
@@ -143,11 +144,12 @@ class LoGRACLI(LightningCLI):
         """Topology checks before any process is spawned, and the resume wiring (logger version, warm start)."""
         trainer, module, data = self.trainer, self.model, self.datamodule
         world = int(trainer.num_devices) * int(trainer.num_nodes)
-        if module.engine_kind == "vllm" and world > 1:
+        limit = getattr(resolve_engine(module.engine_kind), "max_training_processes", None)
+        if limit is not None and world > limit:
             raise ConfigError(
-                f"model.engine=vllm runs one vLLM engine in the training process, but the trainer starts {world} "
-                "processes (trainer.devices × trainer.num_nodes): use model.engine=hf with several ranks, or "
-                "trainer.devices=1"
+                f"model.engine={module.engine_kind} runs one engine in the training process, but the trainer starts "
+                f"{world} processes (trainer.devices × trainer.num_nodes): use model.engine=hf with several ranks, "
+                "or trainer.devices=1"
             )
         per_step = getattr(data, "prompts_per_step", None)
         if per_step is not None and world > 1 and per_step % world:

@@ -15,7 +15,6 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -32,17 +31,15 @@ from logra_pl.callbacks.progress import (
 )
 from logra_pl.console import quiet_noise
 from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_int, check_range
-from logra_pl.export import policy_folder_complete, save_policy_folder
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import Baseline, LossSpec, length_weights, resolve_loss
 from logra_pl.models.load import load_policy, resolve_source
-from logra_pl.models.tiny import cache_root
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier
-from logra_pl.rollout.base import Rollout, SamplingConfig
-from logra_pl.rollout.hf import HFEngine
-from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
+from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig
+from logra_pl.rollout.registry import EngineRequest, resolve_engine
+from logra_pl.rollout.vllm import VLLMSettings
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, memory_report, select_targets
 from logra_pl.sketch.payload import Payload
 from logra_pl.warm_start import WarmStart, warm_start_policy
@@ -223,7 +220,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
-        engine: rollout engine: ``"hf"`` (transformers, a private copy of the policy) or ``"vllm"``.
+        engine: rollout engine: ``"hf"`` (transformers, a private copy of the policy), ``"vllm"``, another name
+            registered with :func:`~logra_pl.rollout.registry.register_engine`, or a builder's dotted path.
         vllm: vLLM engine settings (``engine="vllm"``).
         guard: the divergence guard: updates too large or non-finite are rejected before they touch the weights,
             and too many in a row stop the run.
@@ -244,7 +242,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: Literal["auto", "tags", "plain"] = "auto",
         dtype: Literal["float32", "bfloat16", "float64"] = "float32",
         seed: int = 0,
-        engine: Literal["hf", "vllm"] = "hf",
+        engine: str = "hf",
         vllm: VLLMSettings | None = None,
         guard: DivergenceGuard | None = None,
         scoring: ScoringSettings | None = None,
@@ -254,8 +252,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             raise ValueError(f"unknown optimizer {optimizer!r}: use 'logra' or 'adamw'")
         if microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
-        if engine not in ("hf", "vllm"):
-            raise ValueError(f"unknown rollout engine {engine!r}: use 'hf' or 'vllm'")
+        resolve_engine(engine)  # an unknown engine fails here, before any model is loaded
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy_source = policy
@@ -289,7 +286,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.external_sync = False  # set by a PolicySync callback, which then owns engine updates
         self.policy: torch.nn.Module | None = None
         self.tokenizer: Any = None
-        self.engine: HFEngine | VLLMEngine | None = None
+        self.engine: RolloutEngine | None = None
         self.sketcher: LoGRASketcher | None = None
         self.step_context: StepContext | None = None
         self.val_reward = MeanMetric()
@@ -331,38 +328,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         eos = {tokenizer.eos_token_id}
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
-        if self.engine_kind == "vllm":
-            if self.rollout_settings.share_weights:
-                raise ValueError("rollout.share_weights applies to the HF engine; vLLM holds its own weights")
-            self.engine = self._build_vllm_engine(source, model, tokenizer, sorted(eos))
-        else:
-            share = self.rollout_settings.share_weights
-            if share and trainer is not None and trainer.world_size > 1:
-                raise ValueError(
-                    "rollout.share_weights generates with the trainer's weights, which are sharded over "
-                    f"{trainer.world_size} ranks: set it to false for data-parallel runs"
-                )
-            self.engine = HFEngine(
-                model, sorted(eos), tokenizer.pad_token_id, max_batch=self.rollout_settings.max_batch, copy=not share
-            )
-
-    def _build_vllm_engine(self, source: str, model: torch.nn.Module, tokenizer: Any, eos: list[int]) -> VLLMEngine:
-        """A vLLM engine on the policy's folder (saved to the cache first when the policy is not a folder)."""
-        trainer = self._trainer
-        if trainer is not None and trainer.world_size > 1:
-            raise ValueError(
-                "engine='vllm' runs one vLLM engine in the trainer process, so it needs one training process "
-                f"(got {trainer.world_size}); use engine='hf' with several ranks, or train on one rank"
-            )
-        resolved = resolve_source(source)
-        folder = Path(resolved.location)
-        if resolved.gguf_file is not None or resolved.is_hub_id or not any(folder.glob("*.safetensors")):
-            # vLLM (and the worker's master copy) read safetensors folders: write one once, cached by source.
-            digest = hashlib.blake2b(f"{source}/{self.dtype_name}".encode(), digest_size=8).hexdigest()
-            folder = cache_root() / "engine" / digest
-            if not policy_folder_complete(folder):  # written atomically: a complete folder is a valid one
-                save_policy_folder(model, tokenizer, folder, provenance={"source": source, "engine_cache": True})
-        return VLLMEngine(folder, eos, self.vllm_settings, trainer_dtype=self.dtype_name)
+        world = trainer.world_size if trainer is not None else 1
+        request = EngineRequest(source, model, tokenizer, sorted(eos), self, world)
+        self.engine = resolve_engine(self.engine_kind)(request)
 
     def check_model_fits(self) -> None:
         """Settings that depend on the model's shapes, read from its config (no weights): ``rank ≤ d_in``.
@@ -440,7 +408,7 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def on_validation_start(self) -> None:
         """Validation samples from the engine too: make sure it holds the current weights."""
-        if isinstance(self.engine, HFEngine) and next(self.engine.model.parameters()).device != self.device:
+        if self.engine is not None and self.engine.place(self.device):
             self.sync_engine(full=True)
 
     # ----------------------------------------------------------------------------------------- rollout
@@ -684,11 +652,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Bring the engine to the trainer's weights: the merged payload (LoGRA) or the changed tensors."""
         if self.engine is None or self.policy is None:
             return
-        if isinstance(self.engine, HFEngine) and self.engine.shares_weights:
+        if self.engine.shares_weights:
             return  # the engine generates with the trainer's weights: always current
-        if isinstance(self.engine, HFEngine) and next(self.engine.model.parameters()).device != self.device:
-            self.engine.model.to(self.device)
-            full = True
+        if self.engine.place(self.device):
+            full = True  # the engine moved: resend everything
         if full:
             self.engine.load_weights(self.full_state())
             return

@@ -45,7 +45,8 @@ def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (["--model.warm_start.task=no_such_task"], "unknown warm_start.task 'no_such_task'"),
         (["--data.prompts_per_step=0"], "data.prompts_per_step must be an integer >= 1, got 0"),
         (["--checkpoint.every_n_updates=-1"], "checkpoint.every_n_updates must be an integer >= 0, got -1"),
-        (["--model.engine=vllm", "--trainer.devices=2"], "model.engine=vllm runs one vLLM engine"),
+        (["--model.engine=vllm", "--trainer.devices=2"], "model.engine=vllm runs one engine in the training process"),
+        (["--model.engine=no_such_engine"], "unknown model.engine 'no_such_engine'"),
         (["--data.prompts_per_step=63", "--trainer.devices=2"], "data.prompts_per_step=63 is not divisible by the 2"),
     ],
 )

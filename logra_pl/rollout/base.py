@@ -73,18 +73,45 @@ class Rollout:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine (HF transformers here, vLLM in :mod:`logra_pl.rollout`)."""
+    """What the training module needs from a rollout engine — the whole contract; nothing else is read.
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> Rollout:
-        """Sample ``sampling.n`` responses for each tokenized prompt."""
+    Implementations here: :class:`~logra_pl.rollout.hf.HFEngine` (transformers, in the trainer process) and
+    :class:`~logra_pl.rollout.vllm.VLLMEngine`; engines are built by name (:mod:`logra_pl.rollout.registry`).
+
+    Attributes:
+        context_limit: longest prompt + response the engine accepts (tokens).
+        shares_weights: the engine samples with the trainer's own parameters (nothing to sync).
+    """
+
+    context_limit: int
+    shares_weights: bool
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, prompt_seeds: Sequence[int] | None = None
+    ) -> Rollout:
+        """Sample ``sampling.n`` responses per tokenized prompt, rows grouped by prompt.
+
+        Every reported log-prob is that of the sampled token under the distribution it was drawn from (after
+        temperature and top-p). With ``prompt_seeds`` a prompt's responses depend only on its seed (response ``k``
+        uses ``(seed · 1_000_003 + k) mod 2⁶³``), not on the batch, rank or call — see :func:`expand_prompts`.
+        Non-finite logits raise :class:`~logra_pl.errors.PolicyDivergedError`.
+        """
         ...
 
     def apply_payload(self, payload: Payload) -> None:
-        """Apply a LoGRA factor payload (``W ← W − F P``) to the engine's weights."""
+        """Apply a LoGRA factor payload (``W ← W − F P``) to the engine's weights, exactly as the trainer merged it."""
         ...
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Overwrite the named tensors (full sync) in the engine's weights."""
+        """Overwrite the named tensors (checkpoint names; trainer wrapper prefixes ignored) in the engine."""
+        ...
+
+    def place(self, device: torch.device) -> bool:
+        """Get ready to serve a trainer on ``device``; True when the engine moved and needs the weights resent."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources (idempotent)."""
         ...
 
 

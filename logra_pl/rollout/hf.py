@@ -64,6 +64,16 @@ class HFEngine:
         self.context_limit = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     # ------------------------------------------------------------------------------------------- weights
+    def place(self, device: torch.device) -> bool:
+        """Move the private copy to the trainer's device; True when it moved (its weights must be resent)."""
+        if self.shares_weights or next(self.model.parameters()).device == torch.device(device):
+            return False
+        self.model.to(device)
+        return True
+
+    def close(self) -> None:
+        """Nothing to release: the copy is garbage-collected with the engine."""
+
     def apply_payload(self, payload: Payload) -> None:
         """``W ← W − F P`` for every matrix of ``payload`` — :func:`apply_payload`, as the trainer merges."""
         apply_payload(payload, self.model)

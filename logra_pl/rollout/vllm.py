@@ -158,6 +158,11 @@ class VLLMEngine:
         )
         self.startup_s = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}
+        self.shares_weights = False
+
+    def place(self, device: torch.device) -> bool:
+        """vLLM runs on its own devices: nothing to move."""
+        return False
 
     # ------------------------------------------------------------------------------------------- weights
     def apply_payload(self, payload: Payload) -> None:
