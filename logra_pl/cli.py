@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from logra_pl import resume
@@ -45,7 +46,8 @@ CHECKPOINT_DEFAULTS = {"checkpoint.every_n_updates": 50}
 
 
 class LoGRACLI(LightningCLI):
-    """LightningCLI for :class:`LoGRAPolicyModule` and :class:`ReasoningGymDataModule`.
+    """LightningCLI for :class:`LoGRAPolicyModule` and any LightningDataModule (:class:`ReasoningGymDataModule` when
+    ``data:`` names no ``class_path``).
 
     TensorBoard logging under ``runs/`` by default; every run saves its resolved ``config.yaml`` next to its
     event files (LightningCLI's ``SaveConfigCallback``) and checkpoints every 50 updates.
@@ -56,7 +58,8 @@ class LoGRACLI(LightningCLI):
         self.resume_checkpoint: dict[str, Any] | None = None
         super().__init__(
             LoGRAPolicyModule,
-            ReasoningGymDataModule,
+            LightningDataModule,
+            subclass_mode_data=True,  # any data module by class_path; reasoning-gym by default
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},
             args=args,
@@ -68,6 +71,8 @@ class LoGRACLI(LightningCLI):
         """Every run checkpoints: ``checkpoint.*`` configures the :class:`UpdateCheckpoint` added to the Trainer."""
         parser.add_lightning_class_args(UpdateCheckpoint, "checkpoint")
         parser.set_defaults(CHECKPOINT_DEFAULTS)
+        # `data:` without a class_path configures ReasoningGymDataModule, as every config before this did.
+        parser.set_defaults({"data": {"class_path": f"{ReasoningGymDataModule.__module__}.ReasoningGymDataModule"}})
 
     # ------------------------------------------------------------------------------------------- resume
     def _parse_ckpt_path(self) -> None:

@@ -63,7 +63,11 @@ def flatten(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in settings.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
+        if isinstance(value, Mapping) and "init_args" in value and "class_path" in value:
+            # {class_path, init_args} (e.g. `data:` in subclass mode): the arguments sit beside the class path.
+            out[f"{name}.class_path"] = value["class_path"]
+            out.update(flatten(value.get("init_args") or {}, name + "."))
+        elif isinstance(value, Mapping) and value:
             out.update(flatten(value, name + "."))
         elif isinstance(value, list) and value and all(isinstance(v, Mapping) and "class_path" in v for v in value):
             for entry in value:
