@@ -34,6 +34,7 @@ from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchErro
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import Baseline, LossSpec, length_weights, resolve_loss
+from logra_pl.metrics import MacroPassAt1, PassAtK
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier
@@ -66,7 +67,9 @@ class RolloutSettings:
         max_new_tokens: response length limit; longer responses are truncated (and flagged).
         val_temperature: validation temperature (0 = greedy).
         val_top_p: validation nucleus mass.
-        val_responses: responses per validation problem (pass@1 averages over them).
+        val_responses: responses per validation problem ``k`` (``val/pass@1`` averages over all of them).
+        val_pass_at: the ``j`` of the unbiased ``val/pass@j`` estimates (each ≤ ``val_responses``); default: ``k``
+            when ``k > 1``.
         max_batch: responses per engine forward batch.
         share_weights: the HF engine generates with the trainer's own weights instead of a private copy (one
             process only): saves one model copy — as when the rollout engine runs elsewhere — and nothing is synced.
@@ -79,8 +82,14 @@ class RolloutSettings:
     val_temperature: float = 0.7
     val_top_p: float = 0.95
     val_responses: int = 1
+    val_pass_at: list[int] = field(default_factory=list)
     max_batch: int = 256
     share_weights: bool = False
+
+    def pass_at(self) -> list[int]:
+        """The ``j`` of every ``val/pass@j`` logged (``pass@1`` always)."""
+        wanted = self.val_pass_at or ([self.val_responses] if self.val_responses > 1 else [])
+        return sorted({1, *wanted})
 
     def __post_init__(self) -> None:
         check_int("rollout.responses_per_prompt", self.responses_per_prompt, 1)
@@ -90,6 +99,13 @@ class RolloutSettings:
         check_range("rollout.val_temperature", self.val_temperature, 0.0)
         check_range("rollout.val_top_p", self.val_top_p, 0.0, 1.0, low_open=True)
         check_int("rollout.val_responses", self.val_responses, 1)
+        for j in self.val_pass_at:
+            check_int("rollout.val_pass_at", j, 1)
+            if j > self.val_responses:
+                raise ConfigError(
+                    f"rollout.val_responses={self.val_responses} is smaller than the requested pass@{j}: sample at "
+                    f"least {j} responses per validation problem, or drop {j} from rollout.val_pass_at"
+                )
         check_int("rollout.max_batch", self.max_batch, 1)
         if self.temperature == 0:
             log.warning(
@@ -290,7 +306,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.sketcher: LoGRASketcher | None = None
         self.step_context: StepContext | None = None
         self.val_reward = MeanMetric()
-        self.val_pass1 = MeanMetric()
+        self.val_pass = PassAtK(ks=self.rollout_settings.pass_at(), samples=self.rollout_settings.val_responses)
+        self.val_tasks: MacroPassAt1 | None = None  # built at validation start when the eval set mixes tasks
+        self._val_samples: list[tuple[str, str, float]] = []
 
     # ------------------------------------------------------------------------------------------- setup
     def configure_model(self) -> None:
@@ -680,8 +698,16 @@ class LoGRAPolicyModule(pl.LightningModule):
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
 
     # -------------------------------------------------------------------------------------- validation
+    def on_validation_epoch_start(self) -> None:
+        """Per-task pass@1 when the evaluation problems mix tasks (their macro mean is the RG-Hard score)."""
+        items = getattr(self._datamodule(), "eval_items", None) or []
+        tasks = sorted({item_task(it) for it in items})
+        if len(tasks) > 1 and (self.val_tasks is None or self.val_tasks.tasks != tuple(tasks)):
+            self.val_tasks = MacroPassAt1(tasks).to(self.device)
+        self._val_samples = []
+
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        """Sample from the engine at the validation settings; accumulate mean reward and pass@1."""
+        """Sample ``val_responses`` per problem at the validation settings; accumulate reward and pass@j."""
         rs = self.rollout_settings
         sampling = SamplingConfig(
             n=rs.val_responses,
@@ -692,10 +718,43 @@ class LoGRAPolicyModule(pl.LightningModule):
         )
         rollout = self.engine.generate(self.encode_prompts(batch), sampling)
         rewards = self.score(rollout, batch)
+        correct = (rewards >= 1.0).reshape(len(batch), rs.val_responses)  # rows are grouped by prompt
+        self.val_pass.update(correct.to(self.device))
+        if self.val_tasks is not None:
+            self.val_tasks.update(correct.to(self.device), [item_task(it) for it in batch])
         self.val_reward.update(rewards.float())
-        self.val_pass1.update((rewards >= 1.0).float())
         self.log("val/reward_mean", self.val_reward, on_step=False, on_epoch=True, batch_size=len(rewards))
-        self.log("val/pass@1", self.val_pass1, on_step=False, on_epoch=True, batch_size=len(rewards), prog_bar=True)
+        if batch_idx == 0:
+            texts = self.tokenizer.batch_decode(rollout.response_ids[: 4 * rs.val_responses], skip_special_tokens=True)
+            for k, text in enumerate(texts[:: rs.val_responses][:4]):
+                question = batch[k]["messages"][-1]["content"]
+                self._val_samples.append((question, text, float(rewards[k * rs.val_responses])))
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/pass@j`` (and per-task pass@1 with its macro mean), then a text panel of samples."""
+        if self.val_pass.update_count == 0:
+            return
+        out = {f"val/{name}": value for name, value in self.val_pass.compute().items()}
+        if self.val_tasks is not None and self.val_tasks.update_count:
+            out |= {f"val/{name}": value for name, value in self.val_tasks.compute().items()}
+            self.val_tasks.reset()
+        self.val_pass.reset()
+        self.log("val/pass@1", out.pop("val/pass@1"), prog_bar=True)
+        if out:
+            self.log_dict(out)
+        self._log_samples()
+
+    def _log_samples(self) -> None:
+        """A few prompt / response / reward rows as a TensorBoard text panel (``val/samples``)."""
+        logger = self.logger
+        experiment = getattr(logger, "experiment", None) if logger is not None else None
+        if not self._val_samples or not self.trainer.is_global_zero or not hasattr(experiment, "add_text"):
+            return
+        rows = ["| prompt | response | reward |", "| --- | --- | --- |"]
+        for question, text, reward in self._val_samples:
+            cells = [c.replace("|", "\\|").replace("\n", " ")[:300] for c in (question, text)]
+            rows.append(f"| {cells[0]} | {cells[1]} | {reward:.2f} |")
+        experiment.add_text("val/samples", "\n".join(rows), global_step=self.global_step)
 
     # -------------------------------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -810,6 +869,12 @@ def _optimizer_kind(states: list[dict[str, Any]]) -> str | None:
     if not states:
         return None
     return "logra" if "logra" in states[0] else ("adamw" if "param_groups" in states[0] else None)
+
+
+def item_task(item: dict[str, Any]) -> str:
+    """The task an item belongs to: its ``task`` (the item schema), a reasoning-gym ``source_dataset``, or ``all``."""
+    task = item.get("task") or (item.get("metadata") or {}).get("source_dataset")
+    return str(task) if task else "all"
 
 
 def _select(packed: PackedResponses, rows: list[int]) -> PackedResponses:

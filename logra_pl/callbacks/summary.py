@@ -38,7 +38,8 @@ class RunSummary(pl.Callback):
             self.rewards.append(ctx.metrics["train/reward_mean"])
 
     @override
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the module's on_validation_epoch_end, which logs val/pass@1.
         metrics = trainer.callback_metrics
         if "val/pass@1" in metrics and not trainer.sanity_checking:
             self.val.append((trainer.global_step, float(metrics["val/reward_mean"]), float(metrics["val/pass@1"])))

@@ -10,7 +10,9 @@ and the main script's imports once and forks the workers from itself — never f
 torch/OpenMP threads and maybe an in-process vLLM engine. A worker starts in ~0.1 s and shares those imports' memory
 with the forkserver. Each worker receives the verifier once, when it starts (pool initializer), not once per call.
 Counters kept by the verifier inside a worker (``errors``, ``long_answers``) come back with every result and are
-added to the wrapped verifier in the calling process, which stays their single source of truth.
+added to the wrapped verifier in the calling process, which stays their single source of truth. A verifier with a
+``components(response, item)`` method sends its named parts back with each reward too, and
+``BoundedVerifier.last_components`` holds their means over the last batch.
 
 A script that uses the pool must guard its entry point with ``if __name__ == "__main__":`` (each worker imports
 the main module, as with any ``forkserver``/``spawn`` multiprocessing).
@@ -27,15 +29,15 @@ import pickle
 import signal
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any
 
 from pebble import ProcessPool
 
-log = logging.getLogger(__name__)
+from logra_pl.rewards.base import Verifier
 
-Verifier = Callable[[str, Mapping[str, Any]], float]
+log = logging.getLogger(__name__)
 
 COUNTERS = ("errors", "timeouts", "long_answers")
 
@@ -64,14 +66,26 @@ def _counter(obj: object, name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _score_in_worker(response: str, item: Mapping[str, Any]) -> tuple[float, int, int]:
-    """One call of the installed verifier: ``(reward, errors added, long answers added)``."""
+def _components(verifier: object, response: str, item: Mapping[str, Any]) -> dict[str, float] | None:
+    """The verifier's named reward parts for this call, or None when it does not report any."""
+    components = getattr(verifier, "components", None)
+    if not callable(components):
+        return None
+    parts = components(response, item)
+    if not isinstance(parts, Mapping):
+        raise TypeError(f"components() returned a {type(parts).__name__}, not a mapping of name -> float")
+    return {str(name): float(value) for name, value in parts.items()}
+
+
+def _score_in_worker(response: str, item: Mapping[str, Any]) -> tuple[float, int, int, dict[str, float] | None]:
+    """One call of the installed verifier: ``(reward, errors added, long answers added, components or None)``."""
     verifier = _worker_verifier
     if verifier is None:
         raise RuntimeError("no verifier installed in this worker process")
     errors, long_answers = _counter(verifier, "errors"), _counter(verifier, "long_answers")
     reward = float(verifier(response, item))
-    return reward, _counter(verifier, "errors") - errors, _counter(verifier, "long_answers") - long_answers
+    parts = _components(verifier, response, item)
+    return reward, _counter(verifier, "errors") - errors, _counter(verifier, "long_answers") - long_answers, parts
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -98,13 +112,23 @@ def _pool_context(preload: Sequence[str]) -> BaseContext:
 def _preload_modules(verifier: Verifier) -> list[str]:
     """Modules the forkserver imports once, so that each worker starts in a fraction of a second.
 
-    This module, the module that defines the verifier (for ReasoningGymVerifier: reasoning_gym with it), and what
-    each worker would otherwise import anew when multiprocessing re-runs the main script in it — under the
-    ``logra-pl`` console script that is ``logra_pl.cli`` with torch and Lightning. (Python 3.11's forkserver
-    ignores its own ``__main__`` preload, so without this every worker start costs that import and its memory.)
+    This module, the module that defines the verifier (for ReasoningGymVerifier: reasoning_gym with it; for a
+    combination, its parts' modules too), and what each worker would otherwise import anew when multiprocessing
+    re-runs the main script in it — under the ``logra-pl`` console script that is ``logra_pl.cli`` with torch and
+    Lightning. (Python 3.11's forkserver ignores its own ``__main__`` preload, so without this every worker start
+    costs that import and its memory.)
     """
-    names = [__name__, getattr(verifier, "__module__", None) or type(verifier).__module__, *_main_imports()]
+    names = [__name__, *_verifier_modules(verifier), *_main_imports()]
     return [n for n in dict.fromkeys(names) if isinstance(n, str) and n not in ("__main__", "__mp_main__")]
+
+
+def _verifier_modules(verifier: object) -> list[str]:
+    """The verifier's module, and those of the verifiers it holds (e.g. the parts of a ``WeightedRewards``)."""
+    names = [getattr(verifier, "__module__", None) or type(verifier).__module__]
+    parts = getattr(verifier, "verifiers", None)
+    if isinstance(parts, Mapping):
+        names += [getattr(part, "__module__", None) or type(part).__module__ for part in parts.values()]
+    return names
 
 
 def _main_imports() -> list[str]:
@@ -131,10 +155,23 @@ def _shutdown(pool: ProcessPool) -> None:
 
 
 def _task_name(item: object) -> str:
+    """The item's ``task`` (shared schema), else its reasoning-gym ``metadata.source_dataset``, else ``"?"``."""
     try:
+        task = item.get("task")  # type: ignore[attr-defined]
+        if isinstance(task, str):
+            return task
         return str(item["metadata"]["source_dataset"])  # type: ignore[index]
     except Exception:
         return "?"
+
+
+def _mean_components(parts: Sequence[dict[str, float] | None]) -> dict[str, float]:
+    """Per name, the mean over all calls of a batch; a call that did not report a name (it failed) counts as 0."""
+    reported = [p for p in parts if p is not None]
+    if not reported:
+        return {}
+    names = dict.fromkeys(name for p in reported for name in p)
+    return {name: math.fsum(v for p in reported if math.isfinite(v := p.get(name, 0.0))) / len(parts) for name in names}
 
 
 class BoundedVerifier:
@@ -153,6 +190,11 @@ class BoundedVerifier:
     raises, or that returns a non-finite reward, increments :attr:`errors`; every such call scores 0.0 and logs a
     warning. The pool starts on the first :meth:`score` and is restarted if it was closed or broke; :meth:`close`
     (or leaving a ``with`` block) stops it, and a pool that is never closed is stopped at interpreter exit.
+
+    When the verifier has a ``components(response, item)`` method (see :class:`~logra_pl.rewards.Verifier`), it is
+    called after each reward, in the same worker, and :attr:`last_components` is ``{name: mean}`` over the last
+    :meth:`score` call's responses (a call that failed or timed out counts 0 for every name, and so does a
+    non-finite value; ``{}`` for a verifier without components). A ``components`` that raises fails its call.
 
     Example::
 
@@ -183,6 +225,7 @@ class BoundedVerifier:
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.workers = workers
         self.timeouts = 0
+        self.last_components: dict[str, float] = {}
         self._own_counts = {"errors": 0, "long_answers": 0}  # for verifiers without counters of their own
         self._pool: ProcessPool | None = None
         self._finalizer: weakref.finalize | None = None
@@ -247,9 +290,17 @@ class BoundedVerifier:
         if len(responses) != len(items):
             raise ValueError(f"got {len(responses)} responses but {len(items)} items")
         if self.timeout_s is None:
-            return [self._score_here(response, item) for response, item in zip(responses, items, strict=True)]
-        if not responses:
-            return []
+            results = [self._score_here(response, item) for response, item in zip(responses, items, strict=True)]
+        elif not responses:
+            results = []
+        else:
+            results = self._score_in_pool(responses, items)
+        self.last_components = _mean_components([parts for _, parts in results])
+        return [reward for reward, _ in results]
+
+    def _score_in_pool(
+        self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]
+    ) -> list[tuple[float, dict[str, float] | None]]:
         futures = self._submit(responses, items)
         rounds = math.ceil(len(futures) / self.workers)
         limit = _STARTUP_GRACE_S + rounds * (self.timeout_s + _PER_CALL_GRACE_S)
@@ -293,13 +344,15 @@ class BoundedVerifier:
             self._finalizer = weakref.finalize(self, _shutdown, pool)
         return self._pool
 
-    def _result(self, future: concurrent.futures.Future, response: str, item: Mapping[str, Any]) -> float:
+    def _result(
+        self, future: concurrent.futures.Future, response: str, item: Mapping[str, Any]
+    ) -> tuple[float, dict[str, float] | None]:
         if future.cancelled() or not future.done():  # given up on after the batch's last-resort limit
             self.errors += 1
             log.warning("verifier for task %r gave no result (reward 0)", _task_name(item))
-            return 0.0
+            return 0.0, None
         try:
-            reward, errors, long_answers = future.result()
+            reward, errors, long_answers, parts = future.result()
         except TimeoutError:
             self.timeouts += 1
             log.warning(
@@ -308,30 +361,33 @@ class BoundedVerifier:
                 self.timeout_s,
                 self._answer(response)[:80],
             )
-            return 0.0
+            return 0.0, None
         except Exception as err:  # the worker raised, died, or the pool broke
             self.errors += 1
             log.warning("verifier for task %r failed: %s: %s (reward 0)", _task_name(item), type(err).__name__, err)
-            return 0.0
+            return 0.0, None
         self.errors += errors
         self.long_answers += long_answers
-        return self._clamp(reward, item)
+        return self._clamp(reward, parts, item)
 
-    def _score_here(self, response: str, item: Mapping[str, Any]) -> float:
+    def _score_here(self, response: str, item: Mapping[str, Any]) -> tuple[float, dict[str, float] | None]:
         try:
             reward = float(self.verifier(response, item))
+            parts = _components(self.verifier, response, item)
         except Exception as err:  # a verifier bug must not crash a long run
             self.errors += 1
             log.warning("verifier for task %r raised %s: %s (reward 0)", _task_name(item), type(err).__name__, err)
-            return 0.0
-        return self._clamp(reward, item)
+            return 0.0, None
+        return self._clamp(reward, parts, item)
 
-    def _clamp(self, reward: float, item: Mapping[str, Any]) -> float:
+    def _clamp(
+        self, reward: float, parts: dict[str, float] | None, item: Mapping[str, Any]
+    ) -> tuple[float, dict[str, float] | None]:
         if not math.isfinite(reward):
             self.errors += 1
             log.warning("verifier for task %r returned %s (reward 0)", _task_name(item), reward)
-            return 0.0
-        return min(max(reward, 0.0), 1.0)
+            return 0.0, None
+        return min(max(reward, 0.0), 1.0), parts
 
     def _answer(self, response: str) -> str:
         extract = getattr(self.verifier, "extract", None)
