@@ -37,7 +37,7 @@ from logra_pl.losses import Baseline, LossSpec, length_weights, resolve_loss
 from logra_pl.metrics import MacroPassAt1, PassAtK
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
-from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier
+from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from logra_pl.rollout.registry import EngineRequest, resolve_engine
 from logra_pl.rollout.vllm import VLLMSettings
@@ -242,6 +242,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         guard: the divergence guard: updates too large or non-finite are rejected before they touch the weights,
             and too many in a row stop the run.
         scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
+        verifier: the reward: any object with ``__call__(response, item) -> float`` (see
+            :class:`~logra_pl.rewards.Verifier`; from YAML ``verifier: {class_path: ..., init_args: ...}``). Default:
+            :class:`~logra_pl.rewards.ReasoningGymVerifier` with ``answer_format`` and ``scoring.max_answer_chars``.
     """
 
     def __init__(
@@ -262,6 +265,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         vllm: VLLMSettings | None = None,
         guard: DivergenceGuard | None = None,
         scoring: ScoringSettings | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("logra", "adamw"):
@@ -286,7 +290,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             )
         self.microbatch_size = microbatch_size
         self.scoring = scoring or ScoringSettings()
-        self.verifier = ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
+        if verifier is None:
+            verifier = ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
+        check_verifier(verifier)
+        self.verifier = verifier
         self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
         self.dtype_name = dtype
         self.seed = seed
@@ -549,10 +556,12 @@ class LoGRAPolicyModule(pl.LightningModule):
             "time/update_s": t_update,
             "time/tokens_per_s": ctx.rollout.num_response_tokens / max(step_s, 1e-9),
             "time/step_s": step_s,
-            "verifier/errors": float(self.verifier.errors),
+            "verifier/errors": float(self.scorer.errors),
             "verifier/timeouts": float(self.scorer.timeouts),
-            "verifier/long_answers": float(self.verifier.long_answers),
+            "verifier/long_answers": float(self.scorer.long_answers),
         }
+        for name, value in self.scorer.last_components.items():
+            metrics[f"reward/{name}"] = value
         metrics["guard/rejected_updates"] = float(self.rejected_updates)
         metrics["guard/relative_update"] = (
             self.sketcher.last_relative_update if self.sketcher is not None else self.last_relative_update
@@ -763,7 +772,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             "format": CHECKPOINT_FORMAT,
             "optimizer": self.optimizer_name,
             "baseline": self.baseline.state_dict(),
-            "verifier_errors": self.verifier.errors,
+            "verifier_errors": self.scorer.errors,
             "scoring": self.scorer.state_dict(),
             "rejected_updates": self.rejected_updates,
             "rejected_in_a_row": self.rejected_in_a_row,
@@ -788,7 +797,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             resume.check_resume({"model": saved}, {"model": self.hparams}, self._ckpt_path_hint())
         if state:
             self.baseline.load_state_dict(state["baseline"])
-            self.verifier.errors = int(state.get("verifier_errors", 0))
+            self.scorer.errors = int(state.get("verifier_errors", 0))
             if "scoring" in state:
                 self.scorer.load_state_dict(state["scoring"])
             self.rejected_updates = int(state.get("rejected_updates", 0))

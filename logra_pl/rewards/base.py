@@ -66,8 +66,11 @@ class Verifier(Protocol):
                 return 1.0 if len(response) < 200 else 0.0
     """
 
-    def __call__(self, response: str, item: Mapping[str, Any]) -> float:
-        """The reward for ``response`` to ``item``, in [0, 1]."""
+    # Positional-only and typed ``Any`` on purpose: the contract is "called as verifier(response, item)", so a user's
+    # class matches whatever it names its parameters and whether or not it annotates them (jsonargparse checks
+    # a class_path against this signature when a config chooses the verifier).
+    def __call__(self, response: Any, item: Any, /) -> Any:
+        """The reward for ``response`` (str) to ``item`` (the item mapping), a float in [0, 1]."""
         ...
 
 
