@@ -1,5 +1,5 @@
 """Bytes per policy sync: LoGRA factor payloads vs full bf16 weights, measured on the tiny model and computed
-for Qwen2.5-7B (SPEC §9).
+for Qwen2.5-7B (algorithm.md §9).
 
     python benchmarks/sync_bytes.py [--rank-tiny 64] [--rank-7b 256]
 

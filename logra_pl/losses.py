@@ -1,4 +1,4 @@
-"""Policy-gradient losses, their registry, and the baselines (SPEC §8), on padded per-token tensors.
+"""Policy-gradient losses, their registry, and the baselines (algorithm.md §8), on padded per-token tensors.
 
 Shapes: ``logp``, ``logp_rollout``, ``logp_old``, ``mask`` are ``(batch, response_len)``; ``advantages`` and
 ``weights`` are ``(batch,)``. Every loss is a *sum* over valid tokens divided by ``num_tokens`` — the token
@@ -26,7 +26,7 @@ BaselineKind = Literal["running", "group", "rloo"]
 
 @dataclass
 class Baseline:
-    """The advantage baseline: the global running baseline (SPEC §8), or per-prompt group baselines.
+    """The advantage baseline: the global running baseline (algorithm.md §8), or per-prompt group baselines.
 
     ``outcome = success_value if reward ≥ success_threshold else failure_value`` (mode ``"outcome"``) or the
     plain reward (mode ``"reward"``). Then, by ``kind``:
@@ -42,7 +42,7 @@ class Baseline:
     Arguments:
         kind: ``"running"``, ``"group"`` or ``"rloo"``.
         momentum: EMA factor of the baseline (0.9).
-        mode: ``"outcome"`` (SPEC default) or ``"reward"``.
+        mode: ``"outcome"`` (algorithm.md §8 default) or ``"reward"``.
         success_threshold: reward at or above which a response counts as a success (1.0).
         success_value: outcome of a success (1.0).
         failure_value: outcome of a failure (−0.01).
@@ -105,7 +105,7 @@ class Baseline:
         self.value = float(state["value"])
 
 
-RunningBaseline = Baseline  # the name of SPEC §8's default, kept for configs and checkpoints that use it
+RunningBaseline = Baseline  # the name of algorithm.md §8's default, kept for configs and checkpoints that use it
 
 
 def group_baseline(outcome: torch.Tensor, groups: list[int] | torch.Tensor | None, leave_one_out: bool) -> torch.Tensor:
@@ -130,7 +130,7 @@ def group_baseline(outcome: torch.Tensor, groups: list[int] | torch.Tensor | Non
 
 
 def length_weights(lengths: torch.Tensor, reference: float | None) -> torch.Tensor:
-    """Per-response weight ``reference / L`` (SPEC §8's optional reweighting), or ones when ``reference`` is None."""
+    """Per-response weight ``reference / L`` (algorithm.md §8, optional), or ones when ``reference`` is None."""
     if reference is None:
         return torch.ones_like(lengths, dtype=torch.float32)
     return reference / lengths.clamp(min=1).to(torch.float32)

@@ -1,4 +1,4 @@
-"""``LoGRAPolicyModule``: one ``training_step`` is one rollout and its policy update(s) (SPEC §8).
+"""``LoGRAPolicyModule``: one ``training_step`` is one rollout and its policy update(s) (algorithm.md §8).
 
 Flow of a step: the rollout engine samples responses (token ids + the log-probs of what it sampled) →
 the verifier scores them → the running baseline gives advantages → the trainer's log-probs of the sampled
@@ -30,6 +30,7 @@ from logra_pl.callbacks.progress import (
     UpdateProgressBar,
 )
 from logra_pl.console import quiet_noise
+from logra_pl.data.schema import prompt_key
 from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_int, check_range
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
@@ -61,8 +62,8 @@ class RolloutSettings:
     """Sampling for training and validation.
 
     Arguments:
-        responses_per_prompt: responses sampled per training prompt (SPEC §8: 1).
-        temperature: training sampling temperature ``T`` (SPEC §10: 1.0); log-probs use the same ``T``.
+        responses_per_prompt: responses sampled per training prompt (algorithm.md §8: 1).
+        temperature: training sampling temperature ``T`` (algorithm.md §10: 1.0); log-probs use the same ``T``.
         top_p: training nucleus mass (1.0 = full distribution).
         max_new_tokens: response length limit; longer responses are truncated (and flagged).
         val_temperature: validation temperature (0 = greedy).
@@ -119,13 +120,13 @@ class LossConfig:
     """The policy-gradient surrogate.
 
     Arguments:
-        kind: a registered loss (:data:`logra_pl.losses.LOSSES`): ``"reinforce_tis"`` (SPEC §8 default) or
+        kind: a registered loss (:data:`logra_pl.losses.LOSSES`): ``"reinforce_tis"`` (algorithm.md §8 default) or
             ``"ppo"`` (clipped surrogate), or the dotted path of your own :class:`~logra_pl.losses.LossSpec`.
         tis_cap: truncation of the rollout importance ratio (REINFORCE+TIS).
         clip_eps: PPO ratio clip ``ε``.
         ppo_epochs: passes over each rollout batch (losses against the pre-update trainer, e.g. PPO).
         ppo_minibatches: updates per pass (likewise); each is one optimizer step.
-        length_reference: reweight each response by ``length_reference / L`` (SPEC §8 uses 1024); None: off.
+        length_reference: reweight each response by ``length_reference / L`` (algorithm.md §8 uses 1024); None: off.
         params: hyper-parameters of a registered loss that are not fields here (by the names its spec lists).
     """
 
@@ -230,7 +231,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
         adamw: AdamW hyper-parameters and schedule (``optimizer="adamw"``).
         loss: the surrogate.
-        baseline: the advantage baseline: running (SPEC §8), or per-prompt ``group`` / ``rloo``.
+        baseline: the advantage baseline: running (algorithm.md §8), or per-prompt ``group`` / ``rloo``.
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass.
         answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
@@ -488,8 +489,9 @@ class LoGRAPolicyModule(pl.LightningModule):
             max_new_tokens=rs.max_new_tokens,
             seed=self._sampling_seed("train"),
         )
-        # One seed per prompt (from its question): a prompt's responses do not depend on batch or rank layout.
-        seeds = [self._sampling_seed("train", it["question"]) for it in items]
+        # One seed per prompt (from its first user message — a reasoning-gym item's question): a prompt's responses
+        # do not depend on batch or rank layout.
+        seeds = [self._sampling_seed("train", prompt_key(it)) for it in items]
         try:
             rollout = self.engine.generate(prompts, sampling, prompt_seeds=seeds)
         except PolicyDivergedError as err:
@@ -736,7 +738,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         if batch_idx == 0:
             texts = self.tokenizer.batch_decode(rollout.response_ids[: 4 * rs.val_responses], skip_special_tokens=True)
             for k, text in enumerate(texts[:: rs.val_responses][:4]):
-                question = batch[k]["messages"][-1]["content"]
+                question = prompt_key(batch[k])
                 self._val_samples.append((question, text, float(rewards[k * rs.val_responses])))
 
     def on_validation_epoch_end(self) -> None:

@@ -81,7 +81,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
 @dataclass
 class AdamWConfig:
-    """The dense baseline of SPEC §10: AdamW, linear warmup, then cosine decay to ``min_lr_ratio``.
+    """The dense baseline of algorithm.md §10: AdamW, linear warmup, then cosine decay to ``min_lr_ratio``.
 
     Arguments:
         lr: peak learning rate.

@@ -1,4 +1,4 @@
-"""``PredictedKLControl``: scale every proposal so its predicted KL fits a budget (SPEC §6)."""
+"""``PredictedKLControl``: scale every proposal so its predicted KL fits a budget (algorithm.md §6)."""
 
 from __future__ import annotations
 

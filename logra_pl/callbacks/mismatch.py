@@ -1,4 +1,4 @@
-"""``RolloutMismatch``: how far the rollout engine's log-probs sit above the trainer's (SPEC §7)."""
+"""``RolloutMismatch``: how far the rollout engine's log-probs sit above the trainer's (algorithm.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``PolicySync``: ship each update to the rollout engine, measure it, and verify it (SPEC §9).
+"""``PolicySync``: ship each update to the rollout engine, measure it, and verify it (algorithm.md §9).
 
 ``factors`` sends what LoGRA merged — per matrix the bf16 ``U·α`` and a seed, ``O(d_out·r)`` bytes — and the
 engine rebuilds ``P`` and applies the same merge. ``full`` sends every changed tensor, as dense RL frameworks do.

@@ -93,7 +93,7 @@ def load_policy(
 
     Arguments:
         source: ``tiny[:preset]``, ``smollm2``, a ``.gguf`` path, a ``save_pretrained`` folder, or a hub id.
-        dtype: parameter dtype; fp32 master weights are the LoGRA default (SPEC §5).
+        dtype: parameter dtype; fp32 master weights are the LoGRA default (algorithm.md §5).
 
     A hub id that is not in the local cache while the hub cannot be reached raises :class:`PolicyLoadError`
     naming the id and the ways out, instead of a bare connection error.

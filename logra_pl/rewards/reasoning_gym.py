@@ -38,7 +38,7 @@ class ReasoningGymVerifier:
     """Reward in [0, 1] for a response to a reasoning-gym item.
 
     Arguments:
-        answer_format: ``"tags"`` reads the answer between ``<answer>…</answer>`` (unparseable → 0, SPEC §10);
+        answer_format: ``"tags"`` reads the answer between ``<answer>…</answer>`` (unparseable → 0, algorithm.md §10);
             ``"plain"`` takes the whole response, stripped; ``"auto"`` uses the tags when present, else plain.
         max_answer_chars: an extracted answer longer than this scores 0 without calling the scorer and increments
             :attr:`long_answers` (some scorers, e.g. sympy-based ones, take unbounded time on huge inputs).

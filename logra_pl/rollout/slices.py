@@ -1,4 +1,4 @@
-"""Where a trainer matrix lives inside an inference engine's fused, tensor-parallel weights (SPEC §9).
+"""Where a trainer matrix lives inside an inference engine's fused, tensor-parallel weights (algorithm.md §9).
 
 Engines such as vLLM fuse ``q/k/v`` into one ``qkv_proj`` and ``gate/up`` into one ``gate_up_proj`` (row blocks
 of one tensor), and with tensor parallelism split rows (column-parallel layers) or columns (``o_proj``,

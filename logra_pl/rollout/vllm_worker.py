@@ -1,4 +1,4 @@
-"""``LoGRAWorkerExtension``: the receiving end of policy sync, mixed into every vLLM worker (SPEC §9).
+"""``LoGRAWorkerExtension``: the receiving end of policy sync, mixed into every vLLM worker (algorithm.md §9).
 
 vLLM builds its worker class with this class as a mixin (``LLM(worker_extension_cls=...)``), so these methods
 run inside each worker — each tensor-parallel rank, in the engine process — and are reached through

@@ -1,4 +1,4 @@
-"""The LoGRA sketch core in pure PyTorch (no Lightning): one formula of SPEC.md per function.
+"""The LoGRA sketch core in pure PyTorch (no Lightning): one formula of docs/algorithm.md per function.
 
 - :mod:`~logra_pl.sketch.targets` — which ``nn.Linear`` weights are sketched (§1)
 - :mod:`~logra_pl.sketch.projection` — seeded projections ``P`` (§2)

@@ -1,4 +1,4 @@
-"""Sketch accumulation (SPEC §3): ``S += dYᵀ (X Pᵀ)`` in backward, never forming ``G = dYᵀ X``.
+"""Sketch accumulation (algorithm.md §3): ``S += dYᵀ (X Pᵀ)`` in backward, never forming ``G = dYᵀ X``.
 
 A forward hook on each selected ``nn.Linear`` computes ``Z = X Pᵀ`` (tokens × r) and routes the layer output
 through :class:`SketchGrad`, an identity autograd function that saves only ``Z``. Its backward adds
@@ -40,7 +40,7 @@ class MatrixSketch:
         self.projection = torch.empty(0)
         self.seed = -1
         # A grad-requiring leaf routed into SketchGrad so backward reaches the hook even when nothing
-        # below this layer requires grad (frozen embeddings, SPEC §1). It never receives a gradient.
+        # below this layer requires grad (frozen embeddings, algorithm.md §1). It never receives a gradient.
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.handle: Any = None
 

@@ -1,4 +1,4 @@
-"""The LoGRA hyper-parameters (SPEC §1-5) as one validated, serialisable dataclass."""
+"""The LoGRA hyper-parameters (algorithm.md §1-5) as one validated, serialisable dataclass."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class LoGRAConfigError(ConfigError):
 
 @dataclass
 class LoGRAConfig:
-    """Every knob of the LoGRA sketch core, with the defaults of SPEC §1-5.
+    """Every knob of the LoGRA sketch core, with the defaults of algorithm.md §1-5.
 
     Arguments:
         targets: last name parts of the ``nn.Linear`` modules whose weights are trained through sketches.
@@ -38,12 +38,12 @@ class LoGRAConfig:
         distribution: projection entries, ``"rademacher"`` (``±1/sqrt(r)``) or ``"gaussian"`` (``N(0, 1/r)``).
         refresh: draw a new projection every update (``True``) or keep one fixed basis (``False``).
         base_seed: mixed with the update index and the module name into each projection's seed.
-        update_rule: ``"rowadam"`` (per-row second moment, SPEC §4) or ``"sgd"`` (``D = S``).
+        update_rule: ``"rowadam"`` (per-row second moment, algorithm.md §4) or ``"sgd"`` (``D = S``).
         beta2: RowAdam's EMA factor for the row statistic.
         eps: RowAdam's denominator floor, relative to the mean row root.
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``.
         update_ratio: relative nominal step size ``‖ΔW‖/‖W‖`` (ratio mode).
-        ratio_scope: ``"global"`` (SPEC §4: one scale over all selected matrices together) or ``"matrix"`` (each
+        ratio_scope: ``"global"`` (algorithm.md §4: one scale over all selected matrices together) or ``"matrix"`` (each
             matrix gets ``‖ΔW_i‖ = update_ratio·‖W_i‖``, a layer-wise trust ratio; it learns markedly faster on
             the tiny CPU models, where a global scale starves the layers with small gradients).
         lr: learning rate (lr mode only).

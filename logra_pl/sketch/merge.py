@@ -1,4 +1,4 @@
-"""Merging a factor into a weight (SPEC §5): ``W ← W − F P`` with ``F = bf16(U·α)``, in row chunks.
+"""Merging a factor into a weight (algorithm.md §5): ``W ← W − F P`` with ``F = bf16(U·α)``, in row chunks.
 
 Works on any row range of ``W``: a rank holding rows ``[o, o+n)`` of a dim-0 shard passes those rows and
 ``row_offset=o`` and gets exactly the rows a whole-matrix merge would produce. Exactness: the product

@@ -1,4 +1,4 @@
-"""The proposal and its compact payload (SPEC §5, §9): one object that is probed, merged and shipped.
+"""The proposal and its compact payload (algorithm.md §5, §9): one object that is probed, merged and shipped.
 
 A :class:`Proposal` holds, per selected matrix, the fp32 update factor ``U`` (d_out × r) and the seed of its
 projection, plus the step multiplier ``alpha`` (nominally 1; the KL controller may change it). Turning it into
@@ -44,7 +44,7 @@ class Proposal:
         update_index: the update these projections belong to.
         base_seed, rank, distribution, refresh: what a receiver needs to rebuild every ``P``.
         factor_dtype: dtype ``U·α`` is rounded to in the payload.
-        alpha: step multiplier; 1 is the nominal step (SPEC §6 sets it from the predicted KL).
+        alpha: step multiplier; 1 is the nominal step (algorithm.md §6 sets it from the predicted KL).
         scale: the global scale ``c`` already folded into each ``U`` (NaN when scales differ per matrix).
         stats: norms that went into ``scale`` (diagnostics).
         veto: set by :meth:`skip`: the update is then skipped and counted instead of merged.

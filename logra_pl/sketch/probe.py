@@ -1,4 +1,4 @@
-"""How a proposal changes the policy (SPEC §6): logit tangents along the step, predicted and realized KL.
+"""How a proposal changes the policy (algorithm.md §6): logit tangents along the step, predicted and realized KL.
 
 Along ``W(α) = W − α U P`` each selected layer's output moves by ``−α (X Pᵀ) Uᵀ``. The logit tangent
 ``t = dz/dα`` at ``α = 0`` comes from one forward-mode pass (JVP) in which every selected layer adds

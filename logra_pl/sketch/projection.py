@@ -1,4 +1,4 @@
-"""Seeded random projections ``P`` (SPEC §2): rebuilt bit-identically from an integer seed on any process."""
+"""Seeded random projections ``P`` (algorithm.md §2): rebuilt bit-identically from an integer seed on any process."""
 
 from __future__ import annotations
 

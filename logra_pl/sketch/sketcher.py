@@ -1,6 +1,6 @@
 """``LoGRASketcher``: attaches sketches to a model and turns them into merged, shippable updates.
 
-One update, in order (SPEC §3-5):
+One update, in order (algorithm.md §3-5):
 
 1. forward/backward over the microbatches — the hooks fill each ``S = G Pᵀ``;
 2. (data-parallel callers all-reduce :meth:`LoGRASketcher.sketches` here);
@@ -38,7 +38,7 @@ class LoGRASketcher:
     Arguments:
         model: the policy; its selected ``nn.Linear`` weights get ``requires_grad=False`` and a sketch hook.
         config: the LoGRA hyper-parameters.
-        freeze_rest: also set ``requires_grad=False`` on every other parameter (SPEC §1 default).
+        freeze_rest: also set ``requires_grad=False`` on every other parameter (algorithm.md §1 default).
     """
 
     def __init__(self, model: nn.Module, config: LoGRAConfig | None = None, *, freeze_rest: bool = True) -> None:

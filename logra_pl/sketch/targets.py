@@ -1,4 +1,4 @@
-"""Which weights LoGRA trains through sketches (SPEC §1), and their wrapper-free names (SPEC §2)."""
+"""Which weights LoGRA trains through sketches (algorithm.md §1), and their wrapper-free names (algorithm.md §2)."""
 
 from __future__ import annotations
 

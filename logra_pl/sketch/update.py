@@ -1,4 +1,4 @@
-"""Forming the update from the sketches (SPEC §4): RowAdam or SGD directions, then one global scale.
+"""Forming the update from the sketches (algorithm.md §4): RowAdam or SGD directions, then one global scale.
 
 Each function is one formula of the spec, on plain tensors: ``S`` is a (d_out × r) sketch, ``v`` the
 (d_out × 1) RowAdam row statistic, ``P`` the (r × d_in) projection.

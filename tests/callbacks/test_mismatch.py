@@ -1,4 +1,4 @@
-"""RolloutMismatch (SPEC §7): k1 over EOS-terminated responses, clamped, EMA 0.3, floor 0.5·budget."""
+"""RolloutMismatch (algorithm.md §7): k1 over EOS-terminated responses, clamped, EMA 0.3, floor 0.5·budget."""
 
 from __future__ import annotations
 
