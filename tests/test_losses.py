@@ -1,4 +1,4 @@
-"""Losses and baseline against SPEC §8, on a batch small enough to compute by hand."""
+"""Losses and baseline against algorithm.md §8, on a batch small enough to compute by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sketch accumulation (SPEC §3) against dense weight gradients computed independently."""
+"""Sketch accumulation (algorithm.md §3) against dense weight gradients computed independently."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_sketch_equals_dense_gradient_times_projection(qwen2_factory, checkpoint
 
 
 def test_backward_reaches_sketches_with_everything_frozen(qwen2_factory) -> None:
-    """All non-target parameters frozen (SPEC §1 default): sketches still fill, nothing else gets a grad."""
+    """All non-target parameters frozen (algorithm.md §1 default): sketches still fill, nothing else gets a grad."""
     model = qwen2_factory(seed=2)
     sketcher = LoGRASketcher(model, LoGRAConfig(rank=8))
     assert not any(p.requires_grad for p in model.parameters())

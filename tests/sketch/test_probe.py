@@ -1,4 +1,4 @@
-"""SPEC §6's prediction against the KL realized by the merge, and the two probe paths against each other."""
+"""algorithm.md §6's prediction against the KL realized by the merge, and the two probe paths against each other."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def tiny64(tiny_model_dir):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_realized_kl_matches_prediction(tiny64, seed: int) -> None:
     """The offline tiny Qwen2 (float64), proposals scaled to a 1e-4 budget: realized within 3% of α²·pred."""
-    temperature = 1.0  # the training sampling temperature (SPEC §10)
+    temperature = 1.0  # the training sampling temperature (algorithm.md §10)
     model = copy.deepcopy(tiny64)
     sketcher, proposal, ids = _proposal(model, seed)
     modules = {n: m.module for n, m in sketcher.matrices.items()}

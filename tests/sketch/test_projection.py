@@ -1,4 +1,4 @@
-"""Seeded projections (SPEC §2): reproducible anywhere, unbiased, refreshed or fixed as configured."""
+"""Seeded projections (algorithm.md §2): reproducible anywhere, unbiased, refreshed or fixed as configured."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Forming and merging the update (SPEC §4-5) against references written here from the spec's formulas."""
+"""Forming and merging the update (algorithm.md §4-5) against references written here from the spec's formulas."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from logra_pl.sketch import LoGRAConfig, LoGRASketcher, rowadam_direction
 
 
 def rowadam_reference(sketches: list[np.ndarray], beta2: float = 0.95, eps: float = 1e-8) -> list[np.ndarray]:
-    """SPEC §4 row by row in float64 numpy: one direction per update, row statistic carried over."""
+    """algorithm.md §4 row by row in float64 numpy: one direction per update, row statistic carried over."""
     d_out = sketches[0].shape[0]
     v = np.zeros(d_out)
     out = []
