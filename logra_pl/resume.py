@@ -40,6 +40,14 @@ STRUCTURAL: tuple[str, ...] = (
     "data.eval_size",
     "data.seed",
     "data.system_prompt",
+    "data.path",
+    "data.split",
+    "data.name",
+    "data.dedup",
+    "data.first_n",
+    "data.prompt_column",
+    "data.answer_column",
+    "data.eval_path",
 )
 # Keys that are not settings of the run (where it runs, how it is logged): never reported.
 IGNORED: tuple[str, ...] = ("ckpt_path", "config", "seed_everything", "trainer.logger", "trainer.default_root_dir")

@@ -16,6 +16,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from torch.utils.data import DataLoader, DistributedSampler
 
+from logra_pl.data.schema import validate_item
 from logra_pl.errors import ConfigError, ResumeMismatchError, check_int
 
 # How many candidates to draw per wanted item before giving up on small problem spaces.
@@ -178,10 +179,34 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         return out
 
     def to_item(self, entry: Mapping[str, Any]) -> dict[str, Any]:
-        """A reasoning-gym entry plus its chat ``messages``."""
+        """A reasoning-gym entry, unchanged, plus the item schema (:mod:`logra_pl.data.schema`).
+
+        reasoning-gym's ``question``, ``answer`` and ``metadata`` (with ``source_dataset``) stay as they are, because
+        its scorers read the whole entry. Added: ``messages`` (an optional system prompt, then the question),
+        ``task = metadata["source_dataset"]`` and ``id = f"{task}/{metadata['source_index']}"`` (``source_idx`` for
+        tasks that spell it so, e.g. ``kakurasu``; a 16-hex-digit blake2b of the question when there is neither).
+        Source indices restart in each split's draw, so ids are unique within a split. A few tasks (``boxnet``,
+        ``graph_color``, ``propositional_logic``, ``rubiks_cube``, ``rush_hour``) have no single gold answer
+        (``answer`` is ``None``; their scorers check a response against ``metadata``): ``answer`` becomes ``""``
+        there, and any non-string answer is kept as it was under ``metadata["original_answer"]``.
+
+        Arguments:
+            entry: one reasoning-gym dataset entry (``question``, ``answer``, ``metadata``).
+        """
         messages = [] if not self.system_prompt else [{"role": "system", "content": self.system_prompt}]
         messages.append({"role": "user", "content": entry["question"]})
-        return {**entry, "messages": messages}
+        metadata = entry["metadata"]
+        task = str(metadata["source_dataset"])
+        index = metadata.get("source_index", metadata.get("source_idx"))
+        if index is None:
+            index = hashlib.blake2b(str(entry["question"]).encode(), digest_size=8).hexdigest()
+        item = {**entry, "messages": messages, "task": task, "id": f"{task}/{index}"}
+        answer = entry["answer"]
+        if not isinstance(answer, str):
+            item["answer"] = "" if answer is None else str(answer)
+            item["metadata"] = {**metadata, "original_answer": answer}
+        validate_item(item)
+        return item
 
     def setup(self, stage: str | None = None) -> None:
         """Draw both splits (once); eval first so training can exclude its questions."""
