@@ -205,7 +205,7 @@ def where_things_are(trainer: Any, cfg: Any = None) -> str:
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.checkpoint_callback else ""
     if ckpt:
         configs = [str(p) for p in (cfg.get("config") or [])] if cfg is not None else []
-        again = f"logra-pl fit --config {configs[0]} " if configs else "logra-pl fit ... "
+        again = "logra-pl fit " + "".join(f"--config {c} " for c in configs) if configs else "logra-pl fit ... "
         lines.append(f"checkpoint:  {ckpt}   (resume: {again}--ckpt_path last)")
         out = Path(ckpt).parent.parent / "hf"
         lines.append(f"export:      logra-pl export --ckpt {ckpt} --out {out}")

@@ -1,0 +1,237 @@
+"""The YAML configs compose: overlays on the base equal the full configs, callback recipes append, every key commented.
+
+All parsing is in-process (``LoGRACLI(args=[...], run=False)``: parse and instantiate, no training), so the file
+runs in seconds once torch and lightning are imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import yaml
+
+import logra_pl.callbacks
+from logra_pl.callbacks import UpdateCheckpoint
+from logra_pl.cli import LoGRACLI
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+RECIPES = ROOT / "callbacks"
+BASE = CONFIGS / "tiny_cpu.yaml"
+# overlay -> the full config that base + overlay must resolve to
+OVERLAYS = {"adamw": CONFIGS / "tiny_cpu_adamw.yaml", "vllm": CONFIGS / "tiny_cpu_vllm.yaml"}
+CONFIG_FILES = sorted(CONFIGS.rglob("*.yaml"))
+RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
+# The callbacks configured by a recipe: every Lightning callback logra_pl.callbacks exports, except the checkpoint
+# one, which every run gets from the `checkpoint:` section.
+CALLBACK_CLASSES = sorted(
+    (
+        obj
+        for name in logra_pl.callbacks.__all__
+        if isinstance(obj := getattr(logra_pl.callbacks, name), type)
+        and issubclass(obj, pl.Callback)
+        and obj is not UpdateCheckpoint
+    ),
+    key=lambda cls: cls.__name__,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LightningCLI warns when `args` is given while sys.argv holds pytest's own arguments."""
+    monkeypatch.setattr(sys, "argv", ["logra-pl"])
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [str(p.relative_to(ROOT)) for p in paths]
+
+
+def _args(*configs: Path) -> list[str]:
+    return [arg for config in configs for arg in ("--config", str(config))]
+
+
+@functools.cache
+def _resolved(*configs: Path) -> dict[str, Any]:
+    """The resolved configuration of ``--config A --config B ...`` as plain data, without the file list itself."""
+    cli = LoGRACLI(args=_args(*configs), run=False)
+    data = _strip_paths(cli.config.as_dict())
+    data.pop("config")
+    return data
+
+
+def _strip_paths(value: Any) -> Any:
+    """Drop jsonargparse's ``__path__`` bookkeeping (which file a sub-config came from)."""
+    if isinstance(value, dict):
+        return {k: _strip_paths(v) for k, v in value.items() if k != "__path__"}
+    if isinstance(value, list | tuple):
+        return [_strip_paths(v) for v in value]
+    return value
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b[0].c": leaf}`` for nested dicts and lists."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}.{key}".lstrip(".")).items()}
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}[{i}]").items()}
+    return {prefix: value}
+
+
+def _recipe(path: Path) -> tuple[type, dict[str, Any]]:
+    spec = yaml.safe_load(path.read_text())
+    module, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name), spec["init_args"]
+
+
+def _plain(value: Any) -> Any:
+    """An attribute as the YAML would write it: dataclasses as dicts, tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------ configs
+@pytest.mark.parametrize("config", CONFIG_FILES, ids=_ids(CONFIG_FILES))
+def test_every_config_parses(config: Path) -> None:
+    """Each full config alone, each overlay on top of the base, parses and instantiates (no training)."""
+    configs = (BASE, config) if config.parent.name == "overlays" else (config,)
+    cli = LoGRACLI(args=_args(*configs), run=False)
+    assert isinstance(cli.trainer, pl.Trainer)
+    assert isinstance(cli.model, pl.LightningModule)
+
+
+def test_every_overlay_has_its_full_config() -> None:
+    assert sorted(p.stem for p in (CONFIGS / "overlays").glob("*.yaml")) == sorted(OVERLAYS)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_overlay_on_base_resolves_to_full_config(overlay: str) -> None:
+    composed = _resolved(BASE, CONFIGS / "overlays" / f"{overlay}.yaml")
+    full = _resolved(OVERLAYS[overlay])
+    a, b = _flat(composed), _flat(full)
+    pairs = {k: (a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(a.keys() | b.keys())}
+    diff = {k: pair for k, pair in pairs.items() if pair[0] != pair[1]}
+    assert not diff, f"base + overlays/{overlay}.yaml differs from {OVERLAYS[overlay].name} (composed, full): {diff}"
+    assert composed == full
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_overlay_holds_only_differences(overlay: str) -> None:
+    """No overlay key restates the base's value (lists count as one value; a `key+:` list is always new)."""
+    base = _flat(_resolved(BASE))
+    spec = yaml.safe_load((CONFIGS / "overlays" / f"{overlay}.yaml").read_text())
+
+    def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in leaves(item, f"{prefix}.{key}".lstrip(".")).items()}
+        return {prefix: value}
+
+    same = [
+        key
+        for key, value in leaves(spec).items()
+        if not isinstance(value, list) and key in base and _plain(base[key]) == value
+    ]
+    assert not same, f"overlays/{overlay}.yaml restates the base's values of {same}"
+
+
+# ------------------------------------------------------------------------------------------------------ recipes
+def test_recipes_are_yaml_only() -> None:
+    """callbacks/ must never become a Python package: it would shadow the PyPI package `callbacks`."""
+    assert not list(RECIPES.glob("*.py"))
+    assert (RECIPES / "README.md").is_file()
+
+
+def test_one_recipe_per_callback() -> None:
+    classes = [_recipe(path)[0] for path in RECIPE_FILES]
+    assert sorted(classes, key=lambda cls: cls.__name__) == CALLBACK_CLASSES
+    readme = (RECIPES / "README.md").read_text()
+    missing = [path.name for path in RECIPE_FILES if path.name not in readme]
+    assert not missing, f"callbacks/README.md does not list {missing}"
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=_ids(RECIPE_FILES))
+def test_recipe_lists_every_argument_at_its_default(recipe: Path) -> None:
+    """Exactly the class's __init__ parameters, in order, each at its default (so recipes cannot rot)."""
+    cls, init_args = _recipe(recipe)
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+    assert list(init_args) == [p.name for p in params]
+    hints = typing.get_type_hints(cls.__init__)
+    for param in params:
+        value = init_args[param.name]
+        if isinstance(value, dict):  # a dataclass argument written out field by field, e.g. schedule
+            (dataclass,) = [t for t in typing.get_args(hints[param.name]) if dataclasses.is_dataclass(t)]
+            default = dataclasses.asdict(dataclass()) if param.default is None else _plain(param.default)
+            assert list(value) == [f.name for f in dataclasses.fields(dataclass)], param.name
+            assert value == default, param.name
+        else:
+            assert value == _plain(param.default), param.name
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=_ids(RECIPE_FILES))
+def test_recipe_appended_instantiates_its_callback(recipe: Path) -> None:
+    """`--trainer.callbacks+=<recipe>` builds the class with the recipe's values (list emptied first: the base
+    already holds most of these callbacks, and Lightning refuses a second stateful copy)."""
+    cls, init_args = _recipe(recipe)
+    cli = LoGRACLI(args=[*_args(BASE), "--trainer.callbacks=[]", f"--trainer.callbacks+={recipe}"], run=False)
+    (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, cls)]
+    assert {name: _plain(getattr(callback, name)) for name in init_args} == init_args
+
+
+def test_recipe_appends_to_the_base_callbacks() -> None:
+    """On top of a config's list, `+=` keeps its callbacks in order and adds the recipe's last."""
+    base = [type(cb) for cb in LoGRACLI(args=_args(BASE), run=False).trainer.callbacks]
+    cli = LoGRACLI(args=[*_args(BASE), f"--trainer.callbacks+={RECIPES / 'policy_sync.yaml'}"], run=False)
+    names = [cb["class_path"].rpartition(".")[2] for cb in cli.config.as_dict()["trainer"]["callbacks"]]
+    assert names == ["RunSummary", "HFExport", "MemoryMonitor", "PredictedKLControl", "RolloutMismatch", "PolicySync"]
+    built = [type(cb) for cb in cli.trainer.callbacks]
+    assert built.count(logra_pl.callbacks.PolicySync) == 1
+    assert [t for t in built if t is not logra_pl.callbacks.PolicySync] == base
+
+
+def test_all_recipes_together() -> None:
+    appended = [f"--trainer.callbacks+={recipe}" for recipe in RECIPE_FILES]
+    cli = LoGRACLI(args=[*_args(BASE), "--trainer.callbacks=[]", *appended], run=False)
+    for cls in CALLBACK_CLASSES:
+        assert sum(isinstance(cb, cls) for cb in cli.trainer.callbacks) == 1, cls.__name__
+
+
+def test_second_copy_of_a_stateful_callback_is_refused() -> None:
+    """What callbacks/README.md warns about: the base already has a RolloutMismatch."""
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `RolloutMismatch`"):
+        LoGRACLI(args=[*_args(BASE), f"--trainer.callbacks+={RECIPES / 'rollout_mismatch.yaml'}"], run=False)
+
+
+def test_recipe_with_an_unknown_key_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("class_path: logra_pl.callbacks.RunSummary\ninit_args:\n  window: 10\n  windw: 5\n")
+    with pytest.raises(SystemExit):
+        LoGRACLI(args=[*_args(BASE), "--trainer.callbacks=[]", f"--trainer.callbacks+={bad}"], run=False)
+    assert "Option 'windw' is not accepted" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------- comments
+KEY_VALUE = re.compile(r"^\s*[A-Za-z_][\w.]*\+?:\s+(?P<value>\S.*)$")
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES + RECIPE_FILES, ids=_ids(CONFIG_FILES + RECIPE_FILES))
+def test_every_key_is_commented(path: Path) -> None:
+    """Each `key: value` line carries a `# meaning; default` comment. List items and keys that only open a nested
+    block (`model:`, `init_args:`) are exempt: the keys inside them carry the comments."""
+    bare = [
+        f"{number}: {line}"
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if (match := KEY_VALUE.match(line)) and not match["value"].startswith("#") and "#" not in line
+    ]
+    assert not bare, f"{path.relative_to(ROOT)}: keys without a comment:\n" + "\n".join(bare)
