@@ -62,3 +62,40 @@ def test_pass_at_j_above_the_samples_is_refused() -> None:
         RolloutSettings(val_responses=2, val_pass_at=[1, 4])
     assert RolloutSettings(val_responses=4).pass_at() == [1, 4]
     assert RolloutSettings(val_responses=8, val_pass_at=[2, 8]).pass_at() == [1, 2, 8]
+
+
+def test_math500_eval_config_on_a_local_file(tmp_path: Path) -> None:
+    """`logra-pl validate --config configs/eval/math500.yaml` with the policy and data overridden for a CPU."""
+    import json
+
+    from logra_pl.cli import LoGRACLI
+    from logra_pl.data import Math500DataModule
+    from logra_pl.rewards import MathVerifier
+
+    rows = [
+        {"problem": f"What is ${a} + {b}$?", "answer": str(a + b), "solution": "", "subject": "Algebra", "level": 1,
+         "unique_id": f"test/algebra/{a}{b}.json"}
+        for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (6, 3), (7, 2)]
+    ]  # fmt: skip
+    local = tmp_path / "math500.jsonl"
+    local.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = Path(__file__).resolve().parents[1] / "configs" / "eval" / "math500.yaml"
+    cli = LoGRACLI(
+        args=[
+            "validate",
+            f"--config={config}",
+            f"--data.init_args.path={local}",
+            "--data.init_args.eval_batch_size=3",
+            "--model.policy=tiny",
+            "--model.dtype=float32",
+            "--model.rollout.max_new_tokens=4",
+            "--trainer.accelerator=cpu",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        ]
+    )
+    assert isinstance(cli.datamodule, Math500DataModule) and isinstance(cli.model.verifier, MathVerifier)
+    assert cli.model.rollout_settings.val_responses == 4 and cli.model.rollout_settings.val_top_p == 0.7
+    metrics = cli.trainer.callback_metrics
+    assert 0.0 <= float(metrics["val/pass@1"]) <= float(metrics["val/pass@4"]) <= 1.0
+    assert len(cli.datamodule.eval_items) == 6
