@@ -31,10 +31,10 @@ from logra_pl.callbacks.progress import (
 )
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
-from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_int, check_range
+from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
-from logra_pl.losses import Baseline, LossSpec, length_weights, resolve_loss
+from logra_pl.losses import Baseline, length_weights
 from logra_pl.metrics import MacroPassAt1, PassAtK
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
@@ -42,6 +42,7 @@ from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, ch
 from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from logra_pl.rollout.registry import EngineRequest, resolve_engine
 from logra_pl.rollout.vllm import VLLMSettings
+from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, memory_report, select_targets
 from logra_pl.sketch.payload import Payload
 from logra_pl.warm_start import WarmStart, warm_start_policy
@@ -55,143 +56,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "logra-pl/module/v2"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@dataclass
-class RolloutSettings:
-    """Sampling for training and validation.
-
-    Arguments:
-        responses_per_prompt: responses sampled per training prompt (algorithm.md §8: 1).
-        temperature: training sampling temperature ``T`` (algorithm.md §10: 1.0); log-probs use the same ``T``.
-        top_p: training nucleus mass (1.0 = full distribution).
-        max_new_tokens: response length limit; longer responses are truncated (and flagged).
-        val_temperature: validation temperature (0 = greedy).
-        val_top_p: validation nucleus mass.
-        val_responses: responses per validation problem ``k`` (``val/pass@1`` averages over all of them).
-        val_pass_at: the ``j`` of the unbiased ``val/pass@j`` estimates (each ≤ ``val_responses``); default: ``k``
-            when ``k > 1``.
-        max_batch: responses per engine forward batch.
-        share_weights: the HF engine generates with the trainer's own weights instead of a private copy (one
-            process only): saves one model copy — as when the rollout engine runs elsewhere — and nothing is synced.
-    """
-
-    responses_per_prompt: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 32
-    val_temperature: float = 0.7
-    val_top_p: float = 0.95
-    val_responses: int = 1
-    val_pass_at: list[int] = field(default_factory=list)
-    max_batch: int = 256
-    share_weights: bool = False
-
-    def pass_at(self) -> list[int]:
-        """The ``j`` of every ``val/pass@j`` logged (``pass@1`` always)."""
-        wanted = self.val_pass_at or ([self.val_responses] if self.val_responses > 1 else [])
-        return sorted({1, *wanted})
-
-    def __post_init__(self) -> None:
-        check_int("rollout.responses_per_prompt", self.responses_per_prompt, 1)
-        check_range("rollout.temperature", self.temperature, 0.0, hint="0 is greedy; 1.0 samples the policy as is")
-        check_range("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
-        check_int("rollout.max_new_tokens", self.max_new_tokens, 1)
-        check_range("rollout.val_temperature", self.val_temperature, 0.0)
-        check_range("rollout.val_top_p", self.val_top_p, 0.0, 1.0, low_open=True)
-        check_int("rollout.val_responses", self.val_responses, 1)
-        for j in self.val_pass_at:
-            check_int("rollout.val_pass_at", j, 1)
-            if j > self.val_responses:
-                raise ConfigError(
-                    f"rollout.val_responses={self.val_responses} is smaller than the requested pass@{j}: sample at "
-                    f"least {j} responses per validation problem, or drop {j} from rollout.val_pass_at"
-                )
-        check_int("rollout.max_batch", self.max_batch, 1)
-        if self.temperature == 0:
-            log.warning(
-                "rollout.temperature is 0: training samples greedily, so every response to a prompt is the same and "
-                "the policy gradient has no exploration; RL normally samples at 1.0"
-            )
-
-
-@dataclass
-class LossConfig:
-    """The policy-gradient surrogate.
-
-    Arguments:
-        kind: a registered loss (:data:`logra_pl.losses.LOSSES`): ``"reinforce_tis"`` (algorithm.md §8 default) or
-            ``"ppo"`` (clipped surrogate), or the dotted path of your own :class:`~logra_pl.losses.LossSpec`.
-        tis_cap: truncation of the rollout importance ratio (REINFORCE+TIS).
-        clip_eps: PPO ratio clip ``ε``.
-        ppo_epochs: passes over each rollout batch (losses against the pre-update trainer, e.g. PPO).
-        ppo_minibatches: updates per pass (likewise); each is one optimizer step.
-        length_reference: reweight each response by ``length_reference / L`` (algorithm.md §8 uses 1024); None: off.
-        params: hyper-parameters of a registered loss that are not fields here (by the names its spec lists).
-    """
-
-    kind: str = "reinforce_tis"
-    tis_cap: float = 2.0
-    clip_eps: float = 0.2
-    ppo_epochs: int = 2
-    ppo_minibatches: int = 2
-    length_reference: float | None = None
-    params: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def spec(self) -> LossSpec:
-        """The registered loss of ``kind``."""
-        return resolve_loss(self.kind)
-
-    def hyper_parameters(self) -> dict[str, Any]:
-        """The keyword arguments the loss (and its statistics) take, by the names its spec lists."""
-        out = {}
-        for name in self.spec.params:
-            if name in self.params:
-                out[name] = self.params[name]
-            elif hasattr(self, name) and name != "params":
-                out[name] = getattr(self, name)
-            else:
-                raise ConfigError(f"loss {self.kind!r} needs the hyper-parameter {name!r}: set loss.params.{name}")
-        return out
-
-    def __post_init__(self) -> None:
-        self.hyper_parameters()  # an unknown kind or a missing hyper-parameter fails here
-        check_range(
-            "loss.tis_cap",
-            self.tis_cap,
-            0.0,
-            low_open=True,
-            hint="a cap of 0 zeroes every token's weight",
-        )
-        check_range("loss.clip_eps", self.clip_eps, 0.0, 1.0, low_open=True, high_open=True)
-        check_int("loss.ppo_epochs", self.ppo_epochs, 1)
-        check_int("loss.ppo_minibatches", self.ppo_minibatches, 1)
-        if self.length_reference is not None:
-            check_range("loss.length_reference", self.length_reference, 0.0, low_open=True)
-
-
-@dataclass
-class ScoringSettings:
-    """How responses are scored: in worker processes, with a time limit per call and a cap on answer length.
-
-    Arguments:
-        timeout_s: seconds one verifier call may take; a call past it scores 0 and counts in ``verifier/timeouts``
-            (its worker is killed and replaced). None scores in the training process without a limit (debugging).
-        workers: scoring processes.
-        max_answer_chars: an extracted answer longer than this scores 0 without reaching the scorer
-            (``verifier/long_answers``): scorers such as sympy can take unbounded time on huge inputs.
-    """
-
-    timeout_s: float | None = 5.0
-    workers: int = 2
-    max_answer_chars: int = 1000
-
-    def __post_init__(self) -> None:
-        if self.timeout_s is not None:
-            check_range("scoring.timeout_s", self.timeout_s, 0.0, low_open=True)
-        check_int("scoring.workers", self.workers, 1)
-        check_int("scoring.max_answer_chars", self.max_answer_chars, 1)
 
 
 @dataclass
