@@ -101,13 +101,19 @@ class ReasoningGymDataModule(pl.LightningDataModule):
 
     Arguments:
         tasks: ``{task name: {"weight": w, "config": {...}}}`` (or a list of names, weight 1, default config).
-        train_size: training problems in total, split across tasks by weight.
-        eval_size: evaluation problems in total, split likewise.
+        train_size: training problems in total, split across tasks by weight (unused with ``per_task_train``).
+        eval_size: evaluation problems in total, split likewise (unused with ``per_task_eval``).
         prompts_per_step: prompts per policy update (the training batch size).
         eval_batch_size: prompts per validation batch.
         seed: data seed (problems, split, shuffling).
         system_prompt: optional system message; a key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` is expanded.
         num_workers: DataLoader workers (0: in the main process).
+        per_task_train: up to this many training problems from *each* task (weights are then ignored); ``None``:
+            ``train_size`` split by weight. A task yields fewer when its problem space runs out of distinct questions
+            outside the eval set.
+        per_task_eval: this many evaluation problems from each task; ``None``: ``eval_size`` split by weight.
+        eval_default_difficulty: draw evaluation problems with each task's default reasoning-gym config (ignoring
+            its ``config`` overrides, which still shape training), as the Reasoning-Gym Hard protocol evaluates.
     """
 
     def __init__(
@@ -120,6 +126,9 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         seed: int = 0,
         system_prompt: str | None = None,
         num_workers: int = 0,
+        per_task_train: int | None = None,
+        per_task_eval: int | None = None,
+        eval_default_difficulty: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # recorded in checkpoints: a resumed run is checked against them
@@ -141,6 +150,12 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         check_int("data.eval_batch_size", eval_batch_size, 1)
         check_int("data.seed", seed, 0)
         check_int("data.num_workers", num_workers, 0)
+        if per_task_train is not None:
+            check_int("data.per_task_train", per_task_train, 1)
+        if per_task_eval is not None:
+            check_int("data.per_task_eval", per_task_eval, 0)
+        if not isinstance(eval_default_difficulty, bool):
+            raise ConfigError(f"data.eval_default_difficulty must be true or false, got {eval_default_difficulty!r}")
         self.tasks = spec
         self.train_size = train_size
         self.eval_size = eval_size
@@ -149,10 +164,15 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         self.seed = seed
         self.system_prompt = reasoning_gym.utils.SYSTEM_PROMPTS.get(system_prompt, system_prompt)
         self.num_workers = num_workers
+        self.per_task_train = per_task_train
+        self.per_task_eval = per_task_eval
+        self.eval_default_difficulty = eval_default_difficulty
         self.train_items: list[dict[str, Any]] = []
         self.eval_items: list[dict[str, Any]] = []
 
-    def _quota(self, total: int) -> dict[str, int]:
+    def _quota(self, total: int, per_task: int | None = None) -> dict[str, int]:
+        if per_task is not None:
+            return dict.fromkeys(self.tasks, per_task)
         weights = {t: float(c.get("weight", 1.0)) for t, c in self.tasks.items()}
         norm = sum(weights.values())
         quota = {t: int(total * w / norm) for t, w in weights.items()}
@@ -161,10 +181,12 @@ class ReasoningGymDataModule(pl.LightningDataModule):
             quota[t] += 1
         return quota
 
-    def _draw(self, task: str, want: int, split: str, exclude: set[str]) -> list[dict[str, Any]]:
+    def _draw(
+        self, task: str, want: int, split: str, exclude: set[str], default_config: bool = False
+    ) -> list[dict[str, Any]]:
         if want == 0:
             return []
-        config = dict(self.tasks[task].get("config", {}))
+        config = {} if default_config else dict(self.tasks[task].get("config", {}))
         data = reasoning_gym.create_dataset(
             task, size=want * _OVERDRAW, seed=_task_seed(self.seed, task, split), **config
         )
@@ -212,9 +234,12 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         """Draw both splits (once); eval first so training can exclude its questions."""
         if self.train_items:
             return
-        eval_quota, train_quota = self._quota(self.eval_size), self._quota(self.train_size)
+        eval_quota = self._quota(self.eval_size, self.per_task_eval)
+        train_quota = self._quota(self.train_size, self.per_task_train)
         for task in self.tasks:
-            self.eval_items += self._draw(task, eval_quota[task], "eval", set())
+            self.eval_items += self._draw(
+                task, eval_quota[task], "eval", set(), default_config=self.eval_default_difficulty
+            )
         eval_questions = {it["question"] for it in self.eval_items}
         for task in self.tasks:
             self.train_items += self._draw(task, train_quota[task], "train", eval_questions)
@@ -222,7 +247,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
             raise ConfigError(
                 f"only {len(self.train_items)} distinct training problems could be drawn from {sorted(self.tasks)} "
                 f"(after removing eval questions), fewer than prompts_per_step={self.prompts_per_step}: widen the "
-                "task configs, lower eval_size or prompts_per_step"
+                "task configs, lower eval_size (per_task_eval) or prompts_per_step"
             )
 
     @property
