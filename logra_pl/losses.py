@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from logra_pl.errors import ConfigError, check_choice, check_range
+from logra_pl.errors import ConfigError, check_choice, check_range, import_dotted
 
 OutcomeMode = Literal["outcome", "reward"]
 BaselineKind = Literal["running", "group", "rloo"]
@@ -227,16 +227,9 @@ def resolve_loss(kind: str) -> LossSpec:
     """The spec of ``kind``: a registered name, or a dotted path ``package.module.NAME`` to a :class:`LossSpec`."""
     if kind in LOSSES:
         return LOSSES[kind]
-    module_name, _, attr = kind.rpartition(".")
-    if module_name:
-        import importlib
-
-        try:
-            spec = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"loss.kind {kind!r}: cannot import it ({err})") from None
-        if isinstance(spec, LossSpec):
-            return register_loss(kind, spec)
+    spec = import_dotted(kind, "loss.kind")
+    if isinstance(spec, LossSpec):
+        return register_loss(kind, spec)
     raise ConfigError(
         f"unknown loss.kind {kind!r}: use one of {sorted(LOSSES)}, or the dotted path of a LossSpec "
         "(e.g. my_package.losses.MY_LOSS)"

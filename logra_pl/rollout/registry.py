@@ -9,13 +9,12 @@ A new engine is one builder plus :func:`register_engine` (or its dotted path in 
 from __future__ import annotations
 
 import hashlib
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from logra_pl.errors import ConfigError
+from logra_pl.errors import ConfigError, import_dotted
 from logra_pl.rollout.base import RolloutEngine
 
 
@@ -54,14 +53,9 @@ def resolve_engine(name: str) -> EngineBuilder:
     """The builder of ``name``: a registered engine or the dotted path of a builder function."""
     if name in ENGINES:
         return ENGINES[name]
-    module_name, _, attr = name.rpartition(".")
-    if module_name:
-        try:
-            builder = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"model.engine {name!r}: cannot import it ({err})") from None
-        if callable(builder):
-            return register_engine(name, builder)
+    builder = import_dotted(name, "model.engine")
+    if callable(builder):
+        return register_engine(name, builder)
     raise ConfigError(
         f"unknown model.engine {name!r}: use one of {sorted(ENGINES)}, or the dotted path of a builder "
         "(a function EngineRequest -> engine, e.g. my_package.engines.build)"
