@@ -48,6 +48,9 @@ STRUCTURAL: tuple[str, ...] = (
     "data.prompt_column",
     "data.answer_column",
     "data.eval_path",
+    "data.per_task_train",
+    "data.per_task_eval",
+    "data.eval_default_difficulty",
 )
 # Keys that are not settings of the run (where it runs, how it is logged): never reported.
 IGNORED: tuple[str, ...] = ("ckpt_path", "config", "seed_everything", "trainer.logger", "trainer.default_root_dir")
