@@ -5,7 +5,7 @@ Rows become items of :mod:`logra_pl.data.schema`: the prompt column (a string, o
 ``reward_model.ground_truth``) becomes ``answer`` (numbers are written as ``str(value)``), and every other column goes
 to ``metadata`` with ``source_row`` (the row's index in the split). Training uses the same seeded, resumable,
 rank-split prompt stream as :class:`~logra_pl.data.reasoning_gym.ReasoningGymDataModule` (its ``PromptSampler`` and
-``PromptLoader``).
+``PromptLoader``, in :mod:`logra_pl.data.loaders`).
 
 Selection, in this order: rows in source order → (``dedup``) the first row of each distinct prompt key (the first user
 message's content) → (``first_n``) the first ``first_n`` of those → evaluation prompts removed: either those of the
@@ -19,7 +19,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from reasoning_gym.utils import SYSTEM_PROMPTS
 from torch.utils.data import DataLoader
 
-from logra_pl.data.reasoning_gym import PromptLoader, PromptSampler
+from logra_pl.data.loaders import eval_loader, prompt_loader, trainer_positions  # prompt_loader: re-exported
 from logra_pl.data.schema import make_item, prompt_key
 from logra_pl.errors import ConfigError, check_int
 
@@ -45,10 +45,6 @@ FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 _BATCH = 2048  # rows per Arrow batch when reading a split (whole batches convert ~20x faster than rows)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-
-
-def _listify(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return items
 
 
 def _data_suffix(path: Path) -> str | None:
@@ -352,48 +348,6 @@ def build_items(
     return items
 
 
-def prompt_loader(
-    items: list[dict[str, Any]],
-    prompts_per_step: int,
-    seed: int,
-    *,
-    world_size: int = 1,
-    rank: int = 0,
-    num_workers: int = 0,
-    batches_done: Callable[[], int] | None = None,
-    position: Callable[[], int] | None = None,
-) -> PromptLoader:
-    """The training loader every prompt data module shares: one seeded global order, rank ``r`` takes every
-    ``world_size``-th prompt, ``prompts_per_step`` prompts per update over all ranks, resumable mid-epoch.
-
-    Arguments:
-        items: the training items.
-        prompts_per_step: prompts per update over all ranks (divisible by ``world_size``).
-        seed: the shuffle's seed.
-        world_size: data-parallel ranks.
-        rank: this rank.
-        num_workers: DataLoader workers.
-        batches_done: batches of the current epoch already trained on (read when an epoch starts; resume).
-        position: batches trained so far, saved in the loader's state.
-    """
-    if prompts_per_step % world_size:
-        raise ConfigError(
-            f"data.prompts_per_step={prompts_per_step} is not divisible by the {world_size} data-parallel ranks: "
-            "make it a multiple of the number of devices"
-        )
-    per_rank = prompts_per_step // world_size
-    sampler = PromptSampler(items, world_size, rank, seed, per_rank, batches_done=batches_done)
-    return PromptLoader(
-        items,
-        batch_size=per_rank,
-        sampler=sampler,
-        drop_last=True,
-        collate_fn=_listify,
-        num_workers=num_workers,
-        position=position,
-    )
-
-
 class HFPromptDataModule(pl.LightningDataModule):
     """Prompts from a Hugging Face dataset (hub id) or a local parquet / jsonl / json / csv / arrow file or folder.
 
@@ -568,30 +522,17 @@ class HFPromptDataModule(pl.LightningDataModule):
         """Shuffled prompts (seeded), ``prompts_per_step`` per update over all ranks: each rank takes its share."""
         self.setup()
         trainer = self.trainer
-        if trainer is None:
-            return prompt_loader(self.train_items, self.prompts_per_step, self.seed, num_workers=self.num_workers)
         return prompt_loader(
             self.train_items,
             self.prompts_per_step,
             self.seed,
-            world_size=int(trainer.world_size),
-            rank=int(trainer.global_rank),
+            world_size=int(trainer.world_size) if trainer is not None else 1,
+            rank=int(trainer.global_rank) if trainer is not None else 0,
             num_workers=self.num_workers,
-            # Batches of this epoch already trained on (non-zero only when a resumed run starts mid-epoch), and, at a
-            # checkpoint (saved in on_train_batch_end), the batches processed including the one in flight.
-            batches_done=lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed,
-            position=lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+            **trainer_positions(trainer),
         )
 
     def val_dataloader(self) -> DataLoader:
         """All eval prompts, in order."""
         self.setup()
-        if not self.eval_items:
-            raise ConfigError("eval_size is 0: there is nothing to validate on; set eval_size or limit_val_batches=0")
-        return DataLoader(
-            self.eval_items,
-            batch_size=self.eval_batch_size,
-            shuffle=False,
-            collate_fn=_listify,
-            num_workers=self.num_workers,
-        )
+        return eval_loader(self.eval_items, self.eval_batch_size, self.num_workers)

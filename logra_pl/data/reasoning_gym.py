@@ -8,16 +8,17 @@ seed; training problems exclude every eval question, and each split holds no dup
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
+from logra_pl.data.loaders import eval_loader, prompt_loader, trainer_positions
 from logra_pl.data.schema import validate_item
-from logra_pl.errors import ConfigError, ResumeMismatchError, check_int
+from logra_pl.errors import ConfigError, check_int
 
 # How many candidates to draw per wanted item before giving up on small problem spaces.
 _OVERDRAW = 4
@@ -26,74 +27,6 @@ _OVERDRAW = 4
 def _task_seed(seed: int, task: str, split: str) -> int:
     digest = hashlib.blake2b(f"{task}/{split}".encode(), digest_size=4).digest()
     return (seed * 1_000_003 + int.from_bytes(digest, "little")) % 2**31
-
-
-def _listify(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return items
-
-
-class PromptSampler(DistributedSampler):
-    """A seeded shuffle shared by all ranks (rank ``r`` takes every ``world``-th prompt) that can resume mid-epoch.
-
-    One global order per epoch, whatever the number of ranks: a 2-rank run trains on exactly the prompts of a
-    1-rank run. ``batches_done()`` is read when an epoch's iteration starts: a resumed run skips the batches
-    of the epoch it already trained on, so resuming from a checkpoint continues the same prompt stream.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        num_replicas: int,
-        rank: int,
-        seed: int,
-        batch_size: int,
-        batches_done: Callable[[], int] | None = None,
-    ) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.batch_size = batch_size
-        self.batches_done = batches_done
-
-    def __iter__(self):  # type: ignore[override]
-        indices = list(super().__iter__())
-        skip = int(self.batches_done()) * self.batch_size if self.batches_done is not None else 0
-        return iter(indices[skip:])
-
-
-class PromptLoader(DataLoader):
-    """The training ``DataLoader``, resumable mid-epoch (it implements Lightning's ``state_dict`` interface).
-
-    The position in the prompt stream is the number of batches the trainer completed in the current epoch, which
-    Lightning restores with the loop state and :class:`PromptSampler` reads when an epoch's iteration starts. The
-    loader's own state records that position with the data's identity (seed, prompt count, a digest of the
-    prompts), so a checkpoint resumed on different prompts is refused instead of silently continuing elsewhere.
-    """
-
-    def __init__(self, *args: Any, position: Callable[[], int] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.position = position
-
-    def identity(self) -> dict[str, Any]:
-        """What the saved position refers to: the sampler's seed and the training prompts."""
-        digest = hashlib.blake2b(digest_size=8)
-        for item in self.dataset:
-            digest.update(str(item.get("question", item.get("messages", ""))).encode())
-        return {"seed": self.sampler.seed, "num_prompts": len(self.dataset), "digest": digest.hexdigest()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position (batches done in this epoch) and the data identity."""
-        return {"batches_done": int(self.position()) if self.position else 0, **self.identity()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check that the checkpoint's prompts are these prompts (the trainer's loop state restores the position)."""
-        saved = {k: state_dict.get(k) for k in ("seed", "num_prompts", "digest")}
-        mine = self.identity()
-        if saved != mine:
-            diff = ", ".join(f"{k}: checkpoint {saved[k]!r} vs now {mine[k]!r}" for k in mine if saved[k] != mine[k])
-            raise ResumeMismatchError(
-                f"the training prompts differ from the checkpoint's ({diff}): the saved position in the prompt stream "
-                "would point elsewhere. Resume with the checkpoint's data settings (tasks, train_size, eval_size, "
-                "seed), or start a fresh run without ckpt_path"
-            )
 
 
 class ReasoningGymDataModule(pl.LightningDataModule):
@@ -262,50 +195,17 @@ class ReasoningGymDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled prompts (seeded), ``prompts_per_step`` per update over all ranks: each rank takes its share."""
-        world = self._world_size()
-        if self.prompts_per_step % world:
-            raise ConfigError(
-                f"data.prompts_per_step={self.prompts_per_step} is not divisible by the {world} data-parallel ranks: "
-                "make it a multiple of the number of devices"
-            )
         trainer = self.trainer
-        rank = int(trainer.global_rank) if trainer is not None else 0
-        per_rank = self.prompts_per_step // world
-
-        def batches_done() -> int:
-            # Batches of the current epoch already trained on: non-zero only when a resumed run starts mid-epoch.
-            return trainer.fit_loop.epoch_loop.batch_progress.current.completed
-
-        def batches_trained() -> int:
-            # At a checkpoint (saved in on_train_batch_end) the batch in flight is processed but not yet completed.
-            return trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-        sampler = PromptSampler(
+        return prompt_loader(
             self.train_items,
-            world,
-            rank,
+            self.prompts_per_step,
             self.seed,
-            per_rank,
-            batches_done=batches_done if trainer is not None else None,
-        )
-        return PromptLoader(
-            self.train_items,
-            batch_size=per_rank,
-            sampler=sampler,
-            drop_last=True,
-            collate_fn=_listify,
+            world_size=self._world_size(),
+            rank=int(trainer.global_rank) if trainer is not None else 0,
             num_workers=self.num_workers,
-            position=batches_trained if trainer is not None else None,
+            **trainer_positions(trainer),
         )
 
     def val_dataloader(self) -> DataLoader:
         """All eval problems, in order."""
-        if not self.eval_items:
-            raise ConfigError("eval_size is 0: there is nothing to validate on; set eval_size or limit_val_batches=0")
-        return DataLoader(
-            self.eval_items,
-            batch_size=self.eval_batch_size,
-            shuffle=False,
-            collate_fn=_listify,
-            num_workers=self.num_workers,
-        )
+        return eval_loader(self.eval_items, self.eval_batch_size, self.num_workers)
