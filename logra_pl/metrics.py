@@ -254,3 +254,59 @@ class MacroPassAt1(Metric):
         macro = torch.stack(means).mean() if means else torch.tensor(float("nan"), dtype=torch.float64)
         out["macro_pass@1"] = macro.to(dtype=dtype, device=self.correct.device)
         return out
+
+
+class MacroMean(Metric):
+    """The mean of a per-response value (e.g. the verifier reward, partial credit included) per task, and the macro
+    mean over tasks — the paper's RG-Hard score is this over rewards: the equally weighted mean of the task means.
+
+    ``compute`` returns ``"<task>/<name>"`` for each task with samples and ``"macro_<name>"``.
+
+    Arguments:
+        tasks: the mixture's task names (non-empty, unique).
+        name: the value's name in the keys (``"reward"``).
+        kwargs: passed to :class:`torchmetrics.Metric`.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    sums: Tensor
+    counts: Tensor
+
+    def __init__(self, tasks: Sequence[str], name: str = "reward", **kwargs) -> None:
+        super().__init__(**kwargs)
+        tasks = [str(t) for t in tasks]
+        if not tasks or len(set(tasks)) != len(tasks):
+            raise ValueError(f"MacroMean needs unique task names, got {tasks}")
+        self.tasks: tuple[str, ...] = tuple(tasks)
+        self.name = name
+        self._index = {t: i for i, t in enumerate(tasks)}
+        self.add_state("sums", torch.zeros(len(tasks), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("counts", torch.zeros(len(tasks), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: Tensor, tasks: Sequence[str]) -> None:
+        """Add ``values`` of shape (problems, n) — one row per problem — with each row's task."""
+        values = torch.as_tensor(values, dtype=torch.float64)
+        if values.ndim != 2 or len(tasks) != values.shape[0]:
+            raise ValueError(f"values must be (problems, n) with one task per row; got {tuple(values.shape)}")
+        unknown = sorted({t for t in tasks if t not in self._index})
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}: MacroMean was built for {list(self.tasks)}")
+        index = torch.tensor([self._index[t] for t in tasks], dtype=torch.int64, device=self.sums.device)
+        self.sums += torch.zeros_like(self.sums).index_add_(0, index, values.sum(dim=1).to(self.sums.device))
+        rows = torch.full((values.shape[0],), float(values.shape[1]), dtype=torch.float64, device=self.sums.device)
+        self.counts += torch.zeros_like(self.counts).index_add_(0, index, rows)
+
+    def compute(self) -> dict[str, Tensor]:
+        """``{"<task>/<name>": …, "macro_<name>": …}`` over the tasks that have samples."""
+        dtype = torch.get_default_dtype()
+        out: dict[str, Tensor] = {}
+        seen = self.counts > 0
+        means = self.sums[seen] / self.counts[seen]
+        for task, mean in zip([t for t, s in zip(self.tasks, seen.tolist(), strict=True) if s], means, strict=True):
+            out[f"{task}/{self.name}"] = mean.to(dtype)
+        macro = means.mean() if len(means) else torch.tensor(float("nan"), dtype=torch.float64)
+        out[f"macro_{self.name}"] = macro.to(dtype=dtype, device=self.sums.device)
+        return out

@@ -35,7 +35,7 @@ from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchErro
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import Baseline, length_weights
-from logra_pl.metrics import MacroPassAt1, PassAtK
+from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
@@ -180,6 +180,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.val_reward = MeanMetric()
         self.val_pass = PassAtK(ks=self.rollout_settings.pass_at(), samples=self.rollout_settings.val_responses)
         self.val_tasks: MacroPassAt1 | None = None  # built at validation start when the eval set mixes tasks
+        self.val_task_rewards: MacroMean | None = None  # per-task mean reward and its macro mean (RG-Hard score)
         self._val_samples: list[tuple[str, str, float]] = []
 
     # ------------------------------------------------------------------------------------------- setup
@@ -579,6 +580,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         tasks = sorted({item_task(it) for it in items})
         if len(tasks) > 1 and (self.val_tasks is None or self.val_tasks.tasks != tuple(tasks)):
             self.val_tasks = MacroPassAt1(tasks).to(self.device)
+            self.val_task_rewards = MacroMean(tasks, "reward").to(self.device)
         self._val_samples = []
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
@@ -595,8 +597,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         rewards = self.score(rollout, batch)
         correct = (rewards >= 1.0).reshape(len(batch), rs.val_responses)  # rows are grouped by prompt
         self.val_pass.update(correct.to(self.device))
-        if self.val_tasks is not None:
-            self.val_tasks.update(correct.to(self.device), [item_task(it) for it in batch])
+        if self.val_tasks is not None and self.val_task_rewards is not None:
+            tasks = [item_task(it) for it in batch]
+            self.val_tasks.update(correct.to(self.device), tasks)
+            self.val_task_rewards.update(rewards.reshape(len(batch), rs.val_responses), tasks)
         self.val_reward.update(rewards.float())
         self.log("val/reward_mean", self.val_reward, on_step=False, on_epoch=True, batch_size=len(rewards))
         if batch_idx == 0:
@@ -610,9 +614,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         if self.val_pass.update_count == 0:
             return
         out = {f"val/{name}": value for name, value in self.val_pass.compute().items()}
-        if self.val_tasks is not None and self.val_tasks.update_count:
-            out |= {f"val/{name}": value for name, value in self.val_tasks.compute().items()}
-            self.val_tasks.reset()
+        for metric in (self.val_tasks, self.val_task_rewards):
+            if metric is not None and metric.update_count:
+                out |= {f"val/{name}": value for name, value in metric.compute().items()}
+                metric.reset()
         self.val_pass.reset()
         self.log("val/pass@1", out.pop("val/pass@1"), prog_bar=True)
         if out:

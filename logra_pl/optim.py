@@ -88,7 +88,7 @@ class AdamWConfig:
         betas: Adam's moment factors.
         eps: Adam's epsilon.
         weight_decay: decoupled weight decay.
-        warmup_steps: updates of linear warmup from 0.
+        warmup_steps: updates of linear warmup: update k (from 0) uses ``lr·(k+1)/(warmup_steps+1)``.
         decay_steps: updates (after warmup) of the cosine decay; constant at ``min_lr_ratio·lr`` after.
         min_lr_ratio: final learning rate as a fraction of ``lr``.
         train_all: train every parameter (embeddings, norms, head too); False trains the same matrices LoGRA

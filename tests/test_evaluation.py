@@ -52,6 +52,14 @@ def test_pass_at_k_and_per_task_pass_at_1(tmp_path: Path) -> None:
         assert metrics[f"val/{task}/pass@1"] == pytest.approx(sum(values) / len(values))
     macro = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
     assert metrics["val/macro_pass@1"] == pytest.approx(macro)
+    # The paper's RG-Hard score: the macro mean of per-task mean rewards (partial credit counts).
+    rewards_by_task: dict[str, list[float]] = {}
+    for item, start in zip(data.eval_items, range(0, len(flat), 4), strict=True):
+        rewards_by_task.setdefault(item["metadata"]["source_dataset"], []).extend(flat[start : start + 4])
+    for task, values in rewards_by_task.items():
+        assert metrics[f"val/{task}/reward"] == pytest.approx(sum(values) / len(values))
+    macro_reward = sum(sum(v) / len(v) for v in rewards_by_task.values()) / len(rewards_by_task)
+    assert metrics["val/macro_reward"] == pytest.approx(macro_reward)
     acc = EventAccumulator(glob.glob(str(tmp_path / "eval" / "*"))[0])
     acc.Reload()
     assert "val/samples/text_summary" in acc.Tags()["tensors"]

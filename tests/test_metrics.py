@@ -287,3 +287,17 @@ def test_metrics_log_through_lightning(tmp_path: Path) -> None:
     for task, mean in zip(TASKS, means, strict=True):
         assert metrics[f"val/{task}/pass@1"] == pytest.approx(mean, abs=1e-6)
     assert metrics["val/macro_pass@1"] == pytest.approx(sum(means) / 3, abs=1e-6)
+
+
+def test_macro_mean_weights_tasks_equally_with_partial_credit() -> None:
+    from logra_pl.metrics import MacroMean
+
+    metric = MacroMean(["a", "b", "c"])
+    metric.update(torch.tensor([[0.5, 1.0], [0.0, 0.25]]), ["a", "a"])
+    metric.update(torch.tensor([[1.0, 1.0]]), ["b"])
+    out = metric.compute()
+    assert out["a/reward"] == pytest.approx(1.75 / 4) and out["b/reward"] == pytest.approx(1.0)
+    assert "c/reward" not in out  # no samples: not part of the macro mean
+    assert out["macro_reward"] == pytest.approx((1.75 / 4 + 1.0) / 2)  # not the pooled mean 3.75 / 6
+    with pytest.raises(ValueError, match="unknown task"):
+        metric.update(torch.ones(1, 2), ["d"])
