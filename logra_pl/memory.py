@@ -50,7 +50,7 @@ class PlanRow:
 
 def load_config(source: str | Path | PretrainedConfig | dict[str, Any]) -> PretrainedConfig:
     """A transformers config from a config object, a dict (``model_type`` required), a ``config.json``, a folder,
-    ``tiny[:preset]`` or a hub id (read from the local cache when offline)."""
+    ``tiny[:preset]``, a ``.gguf`` file, ``smollm2`` or a hub id (read from the local cache when offline)."""
     if isinstance(source, PretrainedConfig):
         return source
     if isinstance(source, dict):
@@ -67,6 +67,11 @@ def load_config(source: str | Path | PretrainedConfig | dict[str, Any]) -> Pretr
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".json":
         return load_config(json.loads(path.read_text()))
+    if text == "smollm2" or path.suffix == ".gguf":
+        from logra_pl.models.load import resolve_source
+
+        resolved = resolve_source(text)
+        return AutoConfig.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
     try:
         return AutoConfig.from_pretrained(text)
     except OSError as err:

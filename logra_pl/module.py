@@ -232,13 +232,8 @@ class LoGRAPolicyModule(pl.LightningModule):
             return
         from logra_pl.memory import load_config
 
-        source = resolve_source(self.policy_source)
-        if source.gguf_file is not None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
-        else:
-            config = load_config(self.policy_source if source.is_hub_id else source.location)
+        resolve_source(self.policy_source)  # a source that cannot exist gets its clear PolicyLoadError here
+        config = load_config(self.policy_source)
         with torch.device("meta"):
             from transformers import AutoModelForCausalLM
 

@@ -13,7 +13,7 @@ from typing import Any
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.losses import LossSpec, resolve_loss
 
-log = logging.getLogger("logra_pl.module")
+log = logging.getLogger(__name__)
 
 
 @dataclass

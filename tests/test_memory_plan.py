@@ -83,3 +83,11 @@ def test_plan_errors_name_the_problem() -> None:
         plan(QWEN25_7B, optimizers=["sgd"])
     with pytest.raises(ValueError, match=r"no model config for 'nobody/no-such-model'.*local Hugging Face cache"):
         plan("nobody/no-such-model")  # offline in tests: not in the cache
+
+
+def test_config_of_a_gguf_policy() -> None:
+    """``smollm2`` (a GGUF file) gives its config without loading weights: the planner and the rank check use it."""
+    from logra_pl.memory import load_config
+
+    config = load_config("smollm2")
+    assert config.hidden_size == 576 and config.num_hidden_layers == 30

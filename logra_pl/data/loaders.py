@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
+from logra_pl.data.schema import prompt_key
 from logra_pl.errors import ConfigError, ResumeMismatchError
 
 
@@ -65,7 +66,7 @@ class PromptLoader(DataLoader):
         """What the saved position refers to: the sampler's seed and the training prompts."""
         digest = hashlib.blake2b(digest_size=8)
         for item in self.dataset:
-            digest.update(str(item.get("question", item.get("messages", ""))).encode())
+            digest.update(prompt_key(item).encode())
         return {"seed": self.sampler.seed, "num_prompts": len(self.dataset), "digest": digest.hexdigest()}
 
     def state_dict(self) -> dict[str, Any]:
