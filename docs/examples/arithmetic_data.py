@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from logra_pl.data import make_item
-from logra_pl.data.hf import prompt_loader
+from logra_pl.data.loaders import prompt_loader, trainer_positions
 
 
 class ArithmeticDataModule(pl.LightningDataModule):
@@ -62,8 +62,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
             self.seed,
             world_size=trainer.world_size,
             rank=trainer.global_rank,
-            batches_done=lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed,
-            position=lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+            **trainer_positions(trainer),  # where a resumed run continues in the stream
         )
 
     def val_dataloader(self) -> DataLoader:
