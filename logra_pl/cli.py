@@ -261,6 +261,12 @@ def _console() -> None:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     quiet_noise()
+    try:  # transformers' per-file bars ("Loading weights", "Writing model shards"): the CLI prints its own lines
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 def main(args: list[str] | None = None) -> None:
