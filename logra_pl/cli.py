@@ -94,7 +94,9 @@ class LoGRACLI(LightningCLI):
             if not path.exists():
                 raise ConfigError(f"--ckpt_path {text}: no such checkpoint file")
         self.resume_path = path
-        self.resume_checkpoint = ckpt = _read_checkpoint(path)
+        ckpt = _read_checkpoint(path)
+        # Keep only the loop counters (for TensorBoard's purge step), not a handle on the whole checkpoint.
+        self.resume_checkpoint = {"loops": ckpt.get("loops"), "global_step": ckpt.get("global_step", 0)}
         state = ckpt.get("logra_pl") or {}
         saved = state.get("run_config") or {
             "model": state.get("settings") or ckpt.get("hyper_parameters") or {},
