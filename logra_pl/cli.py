@@ -155,8 +155,8 @@ class LoGRACLI(LightningCLI):
         if limit is not None and world > limit:
             raise ConfigError(
                 f"model.engine={module.engine_kind} runs one engine in the training process, but the trainer starts "
-                f"{world} processes (trainer.devices × trainer.num_nodes): use model.engine=hf with several ranks, "
-                "or trainer.devices=1"
+                f"{world} processes (trainer.devices × trainer.num_nodes): use model.engine=remote (engines started "
+                "with `logra-pl serve`) or hf with several ranks, or trainer.devices=1"
             )
         per_step = getattr(data, "prompts_per_step", None)
         if per_step is not None and world > 1 and per_step % world:
@@ -272,7 +272,7 @@ def _console() -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Console-script entry point: LightningCLI subcommands (``fit``, ``validate``), ``plan`` and ``export``."""
+    """Console-script entry point: LightningCLI subcommands (``fit``, ``validate``), ``plan``, ``export``, ``serve``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # about LightningCLI's internals, not the user
     argv = sys.argv[1:] if args is None else list(args)
@@ -286,6 +286,14 @@ def main(args: list[str] | None = None) -> None:
 
         export_main(argv[1:])
         return
+    if argv[:1] == ["serve"]:
+        from logra_pl.rollout.server import main as serve_main
+
+        try:
+            sys.exit(serve_main(argv[1:]))
+        except LoGRAError as err:
+            print(f"logra-pl serve: error: {err}", file=sys.stderr)
+            sys.exit(1)
     _console()
     cli: LoGRACLI | None = None
     try:

@@ -33,6 +33,22 @@ class PolicyDivergedError(LoGRAError, RuntimeError):
     """Training stopped because the policy diverged (rejected updates in a row, or non-finite logits)."""
 
 
+class EngineUnavailableError(LoGRAError, ConnectionError):
+    """A served rollout engine did not answer within the retry window; the message names its URL."""
+
+
+class StaleEngineError(LoGRAError, RuntimeError):
+    """A served engine holds other weights than the trainer expects (a lost update, a restarted engine).
+
+    The module repairs it with a full resync before generating again; it reaches the user only if that fails.
+    """
+
+    def __init__(self, message: str, url: str = "", version: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.version = version
+
+
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name} must be a number, got {value!r}")

@@ -31,7 +31,7 @@ from logra_pl.callbacks.progress import (
 )
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
-from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError
+from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, StaleEngineError
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.losses import Baseline, length_weights
@@ -41,6 +41,7 @@ from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adam
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from logra_pl.rollout.registry import EngineRequest, resolve_engine
+from logra_pl.rollout.remote import RemoteSettings
 from logra_pl.rollout.vllm import VLLMSettings
 from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, memory_report, select_targets
@@ -101,9 +102,11 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
-        engine: rollout engine: ``"hf"`` (transformers, a private copy of the policy), ``"vllm"``, another name
-            registered with :func:`~logra_pl.rollout.registry.register_engine`, or a builder's dotted path.
+        engine: rollout engine: ``"hf"`` (transformers, a private copy of the policy), ``"vllm"``, ``"remote"``
+            (engines served by ``logra-pl serve``), another name registered with
+            :func:`~logra_pl.rollout.registry.register_engine`, or a builder's dotted path.
         vllm: vLLM engine settings (``engine="vllm"``).
+        remote: served engines (``engine="remote"``): URLs of ``logra-pl serve`` engines, API key, retries.
         guard: the divergence guard: updates too large or non-finite are rejected before they touch the weights,
             and too many in a row stop the run.
         scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
@@ -128,6 +131,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         seed: int = 0,
         engine: str = "hf",
         vllm: VLLMSettings | None = None,
+        remote: RemoteSettings | None = None,
         guard: DivergenceGuard | None = None,
         scoring: ScoringSettings | None = None,
         verifier: Verifier | None = None,
@@ -164,6 +168,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.seed = seed
         self.engine_kind = engine
         self.vllm_settings = vllm or VLLMSettings()
+        self.remote_settings = remote or RemoteSettings()
         self.guard = guard or DivergenceGuard()
         self.run_config: dict[str, Any] | None = None  # set by the CLI: the resolved config, kept in checkpoints
         self.resume_from: str | None = None  # set by the CLI when resuming: the warm start is then not needed
@@ -172,6 +177,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.rejected_in_a_row = 0
         self.last_relative_update = 0.0
         self.external_sync = False  # set by a PolicySync callback, which then owns engine updates
+        self.engine_resyncs = 0  # full resyncs of served engines found stale (lost update, restart)
         self.policy: torch.nn.Module | None = None
         self.tokenizer: Any = None
         self.engine: RolloutEngine | None = None
@@ -338,6 +344,51 @@ class LoGRAPolicyModule(pl.LightningModule):
     def _microbatches(self, rows: list[int]) -> list[list[int]]:
         return [rows[i : i + self.microbatch_size] for i in range(0, len(rows), self.microbatch_size)]
 
+    def generate_rollout(
+        self, prompts: list[list[int]], sampling: SamplingConfig, prompt_seeds: list[int] | None = None
+    ) -> Rollout:
+        """``engine.generate``, made safe for engines that can hold other weights than the trainer's.
+
+        A served engine (:class:`~logra_pl.rollout.remote.RemoteEngine`) refuses to generate from weights other
+        than the ones the trainer expects — a lost update, a restarted engine — with
+        :class:`~logra_pl.errors.StaleEngineError`. Every rank then agrees (one all-reduce) that a repair is due,
+        the full weights are resent (gathered on all ranks, sent by rank 0) and the call is repeated; each repair
+        is counted in ``sync/engine_resyncs``. Engines that cannot go stale are called directly.
+        """
+        engine = self.engine
+        if not getattr(engine, "can_go_stale", False):
+            return engine.generate(prompts, sampling, prompt_seeds=prompt_seeds)
+        last: StaleEngineError | None = None
+        for _ in range(3):
+            self.ensure_engine_current()
+            rollout = None
+            try:
+                rollout = engine.generate(prompts, sampling, prompt_seeds=prompt_seeds)
+            except StaleEngineError as err:
+                last = err
+                engine.stale.add(err.url)
+            if not self._any_rank(rollout is None):
+                return rollout
+        raise StaleEngineError(f"engines stayed out of sync after 3 full resyncs (last: {last})")
+
+    def ensure_engine_current(self) -> None:
+        """Resend the full weights when any rank knows an engine to be stale (collective on all ranks)."""
+        if self._any_rank(not self.engine.check_current()):
+            first = getattr(self.engine, "expected", "") is None  # never synced: a first sync, not a repair
+            stale = ", ".join(sorted(getattr(self.engine, "stale", ()))) or "an engine"
+            self.sync_engine(full=True)
+            if not first:
+                self.engine_resyncs += 1
+                if self._trainer is None or self.trainer.is_global_zero:
+                    log.warning("%s held other weights than the trainer: full weights resent", stale)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """``flag`` OR-ed over the training processes (one all-reduce; none with one process)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size <= 1:
+            return bool(flag)
+        return bool(trainer.strategy.reduce_boolean_decision(bool(flag), all=False))
+
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
@@ -353,7 +404,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         # do not depend on batch or rank layout.
         seeds = [self._sampling_seed("train", prompt_key(it)) for it in items]
         try:
-            rollout = self.engine.generate(prompts, sampling, prompt_seeds=seeds)
+            rollout = self.generate_rollout(prompts, sampling, prompt_seeds=seeds)
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
         rewards = self.score(rollout, items)
@@ -424,6 +475,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         }
         for name, value in self.scorer.last_components.items():
             metrics[f"reward/{name}"] = value
+        if getattr(self.engine, "can_go_stale", False):
+            metrics["sync/engine_resyncs"] = float(self.engine_resyncs)
         metrics["guard/rejected_updates"] = float(self.rejected_updates)
         metrics["guard/relative_update"] = (
             self.sketcher.last_relative_update if self.sketcher is not None else self.last_relative_update
@@ -588,7 +641,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             max_new_tokens=rs.max_new_tokens,
             seed=self._sampling_seed(f"val{batch_idx}"),
         )
-        rollout = self.engine.generate(self.encode_prompts(batch), sampling)
+        rollout = self.generate_rollout(self.encode_prompts(batch), sampling)
         rewards = self.score(rollout, batch)
         correct = (rewards >= 1.0).reshape(len(batch), rs.val_responses)  # rows are grouped by prompt
         self.val_pass.update(correct.to(self.device))

@@ -111,7 +111,7 @@ class PolicySync(pl.Callback):
         seconds = time.perf_counter() - start
         self.syncs += 1
         checks: dict[str, float] = {}
-        if self.verify_every and self.syncs % self.verify_every == 0:
+        if self.verify_every and (self.syncs == 1 or self.syncs % self.verify_every == 0):
             checks = self.verify_and_repair(pl_module)
         metrics = {
             "sync/payload_bytes": sent,
@@ -128,6 +128,18 @@ class PolicySync(pl.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(checks, step=trainer.global_step)
         ctx.metrics.update(metrics | checks)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The last update is verified too, whatever ``verify_every`` is: a run never ends on unchecked weights."""
+        if not self.verify_every or self.probe is None or pl_module.engine is None or self.syncs == 0:
+            return
+        if self.syncs == 1 or self.syncs % self.verify_every == 0:
+            return  # this update was verified in on_train_batch_end
+        checks = self.verify_and_repair(pl_module)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(checks, step=trainer.global_step)
 
     def verify_and_repair(self, pl_module: Any) -> dict[str, float]:
         """Compare engine and trainer on the probe; on a mismatch beyond tolerance, full resync and re-check."""
@@ -169,16 +181,21 @@ class PolicySync(pl.Callback):
         """Max |engine − trainer| log-prob over the probe's greedy response tokens."""
         if self.probe is None:
             raise RuntimeError("the probe is built at the first training batch; verify after it")
-        rollout = pl_module.engine.generate(
-            self.probe, SamplingConfig(temperature=0.0, max_new_tokens=self.probe_new_tokens)
-        )
+        sampling = SamplingConfig(temperature=0.0, max_new_tokens=self.probe_new_tokens)
+        generate = getattr(pl_module, "generate_rollout", pl_module.engine.generate)
+        rollout = generate(self.probe, sampling)
         packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pl_module.tokenizer.pad_token_id)
         trainer_lp = pl_module.trainer_logprobs(packed, 1.0).to(torch.float64)
         engine_lp = torch.zeros_like(trainer_lp)
         for b, lp in enumerate(rollout.logprobs):
             engine_lp[b, : len(lp)] = torch.tensor(lp, dtype=torch.float64)
         mask = packed.response_mask.to(torch.bool)
-        return float((engine_lp - trainer_lp).abs()[mask].max())
+        diff = (engine_lp - trainer_lp).abs()[mask].max()
+        trainer = getattr(pl_module, "_trainer", None)
+        if trainer is not None and trainer.world_size > 1:
+            # Every rank probes its own engine; they must agree on whether to resync (a collective).
+            diff = trainer.strategy.reduce(diff.to(pl_module.device), reduce_op="max")
+        return float(diff)
 
     @staticmethod
     def full_bf16_bytes(pl_module: Any) -> int:

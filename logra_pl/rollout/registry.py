@@ -81,11 +81,29 @@ def build_hf_engine(request: EngineRequest) -> RolloutEngine:
     )
 
 
+def engine_model_folder(source: str, resolved: Any, dtype: str, load: Callable[[], tuple[Any, Any]]) -> Path:
+    """A safetensors folder of the policy ``source`` that vLLM (and the worker's master copy) can read.
+
+    A folder with safetensors files is used as it is; anything else (a GGUF file, a hub id, a folder of ``.bin``
+    files) is written once, atomically, to the cache — keyed by source and dtype — from the model ``load()`` returns.
+    """
+    from logra_pl.export import policy_folder_complete, save_policy_folder
+    from logra_pl.models.tiny import cache_root
+
+    folder = Path(resolved.location)
+    if resolved.gguf_file is None and not resolved.is_hub_id and any(folder.glob("*.safetensors")):
+        return folder
+    digest = hashlib.blake2b(f"{source}/{dtype}".encode(), digest_size=8).hexdigest()
+    folder = cache_root() / "engine" / digest
+    if not policy_folder_complete(folder):  # written atomically: a complete folder is a valid one
+        model, tokenizer = load()
+        save_policy_folder(model, tokenizer, folder, provenance={"source": source, "engine_cache": True})
+    return folder
+
+
 def build_vllm_engine(request: EngineRequest) -> RolloutEngine:
     """One vLLM engine in the trainer process, on a safetensors folder of the policy (cached when written)."""
-    from logra_pl.export import policy_folder_complete, save_policy_folder
     from logra_pl.models.load import resolve_source
-    from logra_pl.models.tiny import cache_root
     from logra_pl.rollout.vllm import VLLMEngine
 
     module = request.module
@@ -94,22 +112,48 @@ def build_vllm_engine(request: EngineRequest) -> RolloutEngine:
     if request.world_size > 1:
         raise ConfigError(
             "model.engine=vllm runs one vLLM engine in the trainer process, so it needs one training process "
-            f"(got {request.world_size}); use model.engine=hf with several ranks, or train on one rank"
+            f"(got {request.world_size}); use model.engine=remote (engines started with `logra-pl serve`) or hf "
+            "with several ranks, or train on one rank"
         )
     resolved = resolve_source(request.source)
-    folder = Path(resolved.location)
-    if resolved.gguf_file is not None or resolved.is_hub_id or not any(folder.glob("*.safetensors")):
-        # vLLM (and the worker's master copy) read safetensors folders: write one once, cached by source.
-        digest = hashlib.blake2b(f"{request.source}/{module.dtype_name}".encode(), digest_size=8).hexdigest()
-        folder = cache_root() / "engine" / digest
-        if not policy_folder_complete(folder):  # written atomically: a complete folder is a valid one
-            save_policy_folder(
-                request.model, request.tokenizer, folder, provenance={"source": request.source, "engine_cache": True}
-            )
+    folder = engine_model_folder(
+        request.source, resolved, module.dtype_name, lambda: (request.model, request.tokenizer)
+    )
     return VLLMEngine(folder, request.eos, module.vllm_settings, trainer_dtype=module.dtype_name)
 
 
 build_vllm_engine.max_training_processes = 1  # type: ignore[attr-defined]  (checked by the CLI before spawning)
 
+
+def build_remote_engine(request: EngineRequest) -> RolloutEngine:
+    """A client of ``logra-pl serve`` engines (``model.remote.urls``); any number of training processes."""
+    import uuid
+
+    from logra_pl.rollout.remote import RemoteEngine
+    from logra_pl.sketch.targets import select_targets
+
+    module = request.module
+    if module.rollout_settings.share_weights:
+        raise ConfigError("rollout.share_weights applies to the HF engine; served engines hold their own weights")
+    trainer = getattr(module, "_trainer", None)
+    rank = int(trainer.global_rank) if trainer is not None else 0
+    run_id = uuid.uuid4().hex[:12]
+    if trainer is not None and request.world_size > 1:
+        run_id = trainer.strategy.broadcast(run_id, src=0)  # every rank names the same weight versions
+    targets = select_targets(request.model, module.logra_config.targets)
+    matrices = {name: (m.out_features, m.in_features) for name, m in targets.items()}
+    return RemoteEngine(
+        module.remote_settings,
+        request.eos,
+        rank=rank,
+        world_size=request.world_size,
+        run_id=run_id,
+        trainer_dtype=module.dtype_name,
+        matrices=matrices,
+        vocab_size=int(request.model.config.vocab_size),
+    )
+
+
 register_engine("hf", build_hf_engine)
 register_engine("vllm", build_vllm_engine)
+register_engine("remote", build_remote_engine)

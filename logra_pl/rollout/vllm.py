@@ -110,39 +110,12 @@ class VLLMEngine:
         settings: VLLMSettings | None = None,
         trainer_dtype: str = "float32",
     ) -> None:
-        # vLLM logs two INFO lines per weight update; keep its log at warnings unless the user chose a level.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        vllm = import_vllm()
-        from vllm.platforms import current_platform
-
         self.settings = s = settings or VLLMSettings()
         self.eos = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
         self.model_dir = str(model)
-        self.is_cpu = bool(current_platform.is_cpu())
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if s.in_process else "1"}
-        if self.is_cpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{s.kv_cache_gib:g}"
-        if Path(self.model_dir).is_dir():
-            env.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
-        os.environ.update(env)
-        vllm.envs.disable_envs_cache()  # an earlier engine in this process froze the variables; re-read them
-        kwargs: dict[str, Any] = dict(
-            model=self.model_dir,
-            dtype=trainer_dtype if s.dtype == "auto" else s.dtype,
-            tensor_parallel_size=s.tensor_parallel_size,
-            enforce_eager=s.enforce_eager,
-            seed=s.seed,
-            max_num_seqs=s.max_num_seqs,
-            enable_prefix_caching=s.enable_prefix_caching,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-        if s.max_model_len is not None:
-            kwargs["max_model_len"] = s.max_model_len
-        if not self.is_cpu:
-            kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
-        kwargs.update(s.extra)
+        vllm = import_vllm()
+        kwargs = engine_kwargs(s, self.model_dir, trainer_dtype, in_process=s.in_process)
+        self.is_cpu = is_cpu_platform()
         start = time.perf_counter()
         # In process, vLLM seeds the global RNGs with its own seed; the trainer's random streams must not move.
         states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
@@ -205,46 +178,104 @@ class VLLMEngine:
         the prompt's ``n`` responses when ``prompt_seeds`` is given, else from ``sampling.seed`` and its row —
         so a prompt's responses do not depend on the batch they are sampled in.
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
         rows, index, seeds = expand_prompts(prompts, sampling, self.context_limit, prompt_seeds)
-        if seeds is None:
-            seeds = [(sampling.seed * 1_000_003 + k) % 2**63 for k in range(len(rows))]
-        params = [
-            SamplingParams(
-                n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_new_tokens,
-                logprobs=0,
-                seed=seed,
-                stop_token_ids=list(self.eos),
-                detokenize=False,
-            )
-            for seed in seeds
-        ]
+        params = request_params(sampling, seeds if seeds is not None else row_seeds(sampling, len(rows)), self.eos)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
-        responses: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        reasons: list[FinishReason] = []
-        for out in outputs:
-            seq = out.outputs[0]
-            ids = list(seq.token_ids)
-            responses.append(ids)
-            lps = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)]
-            if not all(math.isfinite(lp) for lp in lps):
-                raise PolicyDivergedError(
-                    "vLLM reported non-finite log-probs for sampled tokens: the policy weights are no longer finite"
-                )
-            logprobs.append(lps)
-            reasons.append("stop" if seq.finish_reason == "stop" else "length")
-        return Rollout(
-            prompt_ids=rows,
-            response_ids=responses,
-            logprobs=logprobs,
-            finish_reasons=reasons,
-            prompt_index=index,
-            timings={"generate_s": time.perf_counter() - start},
+        return rollout_from_outputs(outputs, rows, index, start)
+
+
+def is_cpu_platform() -> bool:
+    """vLLM runs on CPUs here (the ``vllm-cpu`` build)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def engine_kwargs(s: VLLMSettings, model_dir: str, trainer_dtype: str, *, in_process: bool) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for ``s``, and the environment vLLM reads at start.
+
+    Shared by the in-process engine and ``logra-pl serve``, so both sample the same way: processed log-probs
+    (the sampled distribution), vLLM's own generation defaults (no hidden top-k from a model folder), and the
+    LoGRA worker extension in every worker.
+    """
+    # vLLM logs two INFO lines per weight update; keep its log at warnings unless the user chose a level.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    vllm = import_vllm()
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    if is_cpu_platform():
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{s.kv_cache_gib:g}"
+    if Path(model_dir).is_dir():
+        env.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
+    os.environ.update(env)
+    vllm.envs.disable_envs_cache()  # an earlier engine in this process froze the variables; re-read them
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        dtype=trainer_dtype if s.dtype == "auto" else s.dtype,
+        tensor_parallel_size=s.tensor_parallel_size,
+        enforce_eager=s.enforce_eager,
+        seed=s.seed,
+        max_num_seqs=s.max_num_seqs,
+        enable_prefix_caching=s.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    if s.max_model_len is not None:
+        kwargs["max_model_len"] = s.max_model_len
+    if not is_cpu_platform():
+        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    kwargs.update(s.extra)
+    return kwargs
+
+
+def row_seeds(sampling: SamplingConfig, rows: int) -> list[int]:
+    """Seeds of a call's rows when no per-prompt seeds are given: from ``sampling.seed`` and the row."""
+    return [(sampling.seed * 1_000_003 + k) % 2**63 for k in range(rows)]
+
+
+def request_params(sampling: SamplingConfig, seeds: Sequence[int], eos: Sequence[int]) -> list[Any]:
+    """One vLLM ``SamplingParams`` per row (``n=1``, its own seed), with the sampled token's log-prob returned."""
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,
+            seed=int(seed),
+            stop_token_ids=list(eos),
+            detokenize=False,
         )
+        for seed in seeds
+    ]
+
+
+def rollout_from_outputs(outputs: Sequence[Any], rows: list[list[int]], index: list[int], start: float) -> Rollout:
+    """A :class:`Rollout` from vLLM ``RequestOutput``s (one per row, in row order)."""
+    responses: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    reasons: list[FinishReason] = []
+    for out in outputs:
+        seq = out.outputs[0]
+        ids = list(seq.token_ids)
+        responses.append(ids)
+        lps = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)]
+        if not all(math.isfinite(lp) for lp in lps):
+            raise PolicyDivergedError(
+                "vLLM reported non-finite log-probs for sampled tokens: the policy weights are no longer finite"
+            )
+        logprobs.append(lps)
+        reasons.append("stop" if seq.finish_reason == "stop" else "length")
+    return Rollout(
+        prompt_ids=rows,
+        response_ids=responses,
+        logprobs=logprobs,
+        finish_reasons=reasons,
+        prompt_index=index,
+        timings={"generate_s": time.perf_counter() - start},
+    )

@@ -22,6 +22,7 @@ computed with the old weights and would otherwise be reused silently.
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import time
@@ -104,6 +105,19 @@ def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return st_save(out)
 
 
+def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A 16-hex-digit BLAKE2b digest of named tensors: names, dtypes, shapes and bytes, in name order.
+
+    The trainer and an engine compute it on their own copies; equal digests mean bit-identical weights.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class LoGRAWorkerExtension:
     """Methods vLLM mixes into its worker class; called through ``collective_rpc`` (see the module docstring)."""
 
@@ -151,8 +165,12 @@ class LoGRAWorkerExtension:
             apply_payload_to_slices(payload, self._logra_slices, params)
         return {"matrices": float(len(payload.factors)), "seconds": time.perf_counter() - start}
 
-    def logra_load_weights(self, data: bytes) -> dict[str, float]:
-        """Overwrite named tensors (checkpoint names, trainer wrappers stripped) with the serialized values."""
+    def logra_load_weights(self, data: bytes, reload: bool = True) -> dict[str, float]:
+        """Overwrite named tensors (checkpoint names, trainer wrappers stripped) with the serialized values.
+
+        ``reload=False`` (``shadow`` mode) only updates the master copy, so a load sent in several chunks reloads
+        vLLM's weights once, at :meth:`logra_reload` after the last chunk.
+        """
         start = time.perf_counter()
         tensors = {_checkpoint_key(k): v for k, v in st_load(data).items()}
         if self._logra_mode == "shadow":
@@ -163,7 +181,8 @@ class LoGRAWorkerExtension:
             for key, value in tensors.items():
                 if key in self._logra_shadow:
                     self._logra_shadow[key].copy_(value)
-            self._logra_reload()
+            if reload:
+                self._logra_reload()
         else:
             self.model_runner.get_model().load_weights(weights=iter(tensors.items()))
         return {"tensors": float(len(tensors)), "seconds": time.perf_counter() - start}
@@ -183,6 +202,15 @@ class LoGRAWorkerExtension:
             sl = self._logra_slices[key[: -len(".weight")]]
             out[key] = params[sl.param].data[sl.local_row : sl.local_row + sl.num_rows]
         return tensors_to_bytes(out)
+
+    def logra_digest(self, names: list[str]) -> dict[str, str]:
+        """``{name: digest}`` of the engine's values of ``<module>.weight`` tensors (see :func:`tensor_digest`)."""
+        return {name: tensor_digest({name: t}) for name, t in st_load(self.logra_get_weights(names)).items()}
+
+    def logra_reload(self) -> None:
+        """Hand the master copy to vLLM after a chunked load (``shadow`` mode; a no-op in ``inplace`` mode)."""
+        if self._logra_mode == "shadow":
+            self._logra_reload()
 
     def _logra_reload(self) -> None:
         """Hand the whole master copy to vLLM's ``reload_weights`` (it re-fuses and repacks each layer).

@@ -1,0 +1,434 @@
+"""``RemoteEngine``: the rollout-engine contract over HTTP, against ``logra-pl serve`` engines (algorithm.md §9).
+
+``model.engine: remote`` with ``model.remote.urls: [http://host:8100, ...]``. Every training rank has one
+``RemoteEngine``; each sends its own prompts, spread over the engines (rank ``r`` starts at engine ``r mod E``), and
+gets its responses with the exact log-probs of the sampled tokens. Weight changes are sent by global rank 0 only —
+the merged LoGRA payload is identical on every rank (sketches are all-reduced before the proposal), so nothing needs
+gathering for it — once to every engine. Full weights (the first sync, a repair) are all-gathered by the module on
+every rank and sent by rank 0, in chunks or through a shared folder.
+
+Every weight change creates a new version ``<run id>/<n>``; every rank counts the changes it took part in, so all
+ranks know the version the engines should hold without talking to each other. A generate request carries that
+version and the engine refuses it (409 → :class:`~logra_pl.errors.StaleEngineError`) when it holds other weights:
+nothing is sampled from stale weights. The module then agrees over all ranks that an engine is stale and repairs it
+with a full resync (:meth:`logra_pl.module.LoGRAPolicyModule.generate_rollout`).
+
+An engine that does not answer is retried with exponential backoff for ``retry_for_s`` seconds (a restarting
+engine comes back within that window and is then resynced), after which the run stops with an error naming its URL.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from logra_pl.errors import (
+    ConfigError,
+    EngineUnavailableError,
+    LoGRAError,
+    PolicyDivergedError,
+    StaleEngineError,
+    check_range,
+)
+from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
+from logra_pl.sketch.payload import Payload
+
+API_VERSION = 1
+API_KEY_ENV = "LOGRA_PL_API_KEY"
+EXPECT_HEADER = "X-LoGRA-Expect-Version"
+NEW_HEADER = "X-LoGRA-New-Version"
+CHUNK_HEADER = "X-LoGRA-Chunk"
+FULL_HEADER = "X-LoGRA-Full"
+_RETRY_STATUS = (502, 503, 504)
+
+
+@dataclass
+class RemoteSettings:
+    """How the trainer reaches served engines (``model.engine: remote``).
+
+    Arguments:
+        urls: base URLs of ``logra-pl serve`` engines; prompts are spread over them, updates go to all.
+        api_key: token for weight-changing requests (the server's ``--api-key``); default ``$LOGRA_PL_API_KEY``.
+        timeout_s: longest wait for one response (a large generate batch takes a while).
+        retry_for_s: how long an engine that does not answer is retried before the run stops with an error.
+        backoff_s: first wait between retries; doubled after each, up to ``max_backoff_s``.
+        max_backoff_s: longest wait between retries.
+        chunk_mib: full weights are sent in requests of at most this size (keep below the server's
+            ``--max-request-mib``).
+        weights_path: a folder the trainer and the engines share (NFS, Lustre...): full weights are written there
+            as safetensors and the engines read them, instead of receiving them over HTTP. None: over HTTP.
+    """
+
+    urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8100"])
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    retry_for_s: float = 120.0
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    chunk_mib: float = 256.0
+    weights_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.urls, str):
+            self.urls = [self.urls]
+        if not self.urls:
+            raise ConfigError("model.remote.urls is empty: give the URL of at least one `logra-pl serve` engine")
+        bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"model.remote.urls must be http(s) URLs such as http://127.0.0.1:8100, got {bad}")
+        self.urls = [str(u).rstrip("/") for u in self.urls]
+        check_range("remote.timeout_s", self.timeout_s, 0.0, low_open=True)
+        check_range("remote.retry_for_s", self.retry_for_s, 0.0)
+        check_range("remote.backoff_s", self.backoff_s, 0.0, low_open=True)
+        check_range("remote.max_backoff_s", self.max_backoff_s, 0.0, low_open=True)
+        check_range("remote.chunk_mib", self.chunk_mib, 0.0, low_open=True)
+
+
+class RemoteEngine:
+    """Rollouts from, and weight updates to, ``logra-pl serve`` engines over HTTP.
+
+    Arguments:
+        settings: URLs, key, timeouts.
+        eos_token_id: token (or tokens) that end a response.
+        rank: this trainer process's global rank (rank 0 sends weight changes).
+        world_size: training processes.
+        run_id: the same string on every rank (the module broadcasts it); it names this run's weight versions.
+        trainer_dtype: the trainer's parameter dtype; a ``shadow`` engine's master copy must have it.
+        matrices: ``{name: (d_out, d_in)}`` of the trainer's target matrices, checked against every engine.
+        vocab_size: the trainer's vocabulary size, checked against every engine.
+    """
+
+    can_go_stale = True  # the engine can hold other weights than expected: the module checks before generating
+    shares_weights = False
+
+    def __init__(
+        self,
+        settings: RemoteSettings | None = None,
+        eos_token_id: int | Sequence[int] = (),
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        run_id: str | None = None,
+        trainer_dtype: str = "float32",
+        matrices: Mapping[str, tuple[int, int]] | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        import httpx
+
+        self.settings = s = settings or RemoteSettings()
+        self.eos = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.trainer_dtype = trainer_dtype
+        self.api_key = s.api_key or os.environ.get(API_KEY_ENV) or None
+        self.http = httpx.Client(timeout=httpx.Timeout(s.timeout_s, connect=min(10.0, s.timeout_s)))
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(s.urls)), thread_name_prefix="logra-remote")
+        self.seq = 0
+        self.expected: str | None = None  # the version every engine should hold; None until the first full sync
+        self.stale: set[str] = set()  # engines known (on this rank) to hold other weights
+        self.last_sync: dict[str, float] = {}
+        self.counts = {"retries": 0, "stale_refusals": 0, "full_loads": 0, "payloads": 0}
+        self.infos = {url: self.health(url) for url in s.urls}
+        self._check_engines(matrices, vocab_size)
+        self.context_limit = min(int(i["max_model_len"]) for i in self.infos.values())
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _check_engines(self, matrices: Mapping[str, tuple[int, int]] | None, vocab_size: int | None) -> None:
+        for url, info in self.infos.items():
+            if int(info.get("api", 0)) != API_VERSION:
+                raise ConfigError(f"{url} speaks engine API {info.get('api')}, the trainer {API_VERSION}: upgrade both")
+            if vocab_size is not None and int(info.get("vocab_size", vocab_size)) != int(vocab_size):
+                raise ConfigError(
+                    f"{url} serves a model with vocabulary {info.get('vocab_size')}, the trainer's policy has "
+                    f"{vocab_size}: start `logra-pl serve --model` with the trainer's policy"
+                )
+            served = {k: tuple(v) for k, v in info.get("matrices", {}).items()}
+            mine = dict(matrices or {})
+            wrong = {n: (tuple(shape), served.get(n)) for n, shape in mine.items() if served.get(n) != tuple(shape)}
+            if wrong:
+                name, (ours, theirs) = next(iter(wrong.items()))
+                raise ConfigError(
+                    f"{url} serves another model: {len(wrong)} trainer matrices differ, e.g. {name!r} is {ours} in the "
+                    f"trainer and {theirs} in the engine; start `logra-pl serve --model` with the trainer's policy"
+                )
+            if info.get("sync_mode") == "shadow" and info.get("master_dtype") != self.trainer_dtype:
+                raise ConfigError(
+                    f"{url} keeps its master copy in {info.get('master_dtype')}, the trainer's weights are "
+                    f"{self.trainer_dtype}: merges would not match; restart it with --master-dtype {self.trainer_dtype}"
+                )
+
+    def check_current(self) -> bool:
+        """True when, as far as this rank knows, every engine holds the expected weights (no network call)."""
+        return self.expected is not None and not self.stale
+
+    def place(self, device: torch.device) -> bool:
+        """Served engines run on their own devices: nothing to move."""
+        return False
+
+    def close(self) -> None:
+        """Close the HTTP connections (the served engines keep running)."""
+        self.http.close()
+        self.pool.shutdown(wait=False)
+
+    # -------------------------------------------------------------------------------------------- HTTP
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        headers = dict(extra or {})
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def request(self, method: str, url: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """One API call with retries: transport errors and 502/503/504 back off and retry until ``retry_for_s``.
+
+        409 raises :class:`StaleEngineError`; other errors raise with the server's message.
+        """
+        import httpx
+
+        s = self.settings
+        deadline = time.monotonic() + s.retry_for_s
+        wait = s.backoff_s
+        kwargs["headers"] = self._headers(kwargs.get("headers"))
+        while True:
+            try:
+                response = self.http.request(method, f"{url}{path}", **kwargs)
+            except httpx.TransportError as err:
+                problem = f"{type(err).__name__}: {err}"
+            else:
+                if response.status_code not in _RETRY_STATUS:
+                    return self._answer(url, path, response)
+                problem = f"HTTP {response.status_code}"
+            if time.monotonic() + wait > deadline:
+                raise EngineUnavailableError(
+                    f"rollout engine {url} did not answer {path} for {s.retry_for_s:g} s (last: {problem}): is "
+                    "`logra-pl serve` running there? Restart it and resume with --ckpt_path last; "
+                    "model.remote.retry_for_s sets how long to wait"
+                )
+            self.counts["retries"] += 1
+            time.sleep(wait)
+            wait = min(wait * 2, s.max_backoff_s)
+
+    def _answer(self, url: str, path: str, response: Any) -> dict[str, Any]:
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"error": response.text[:500]}
+        status = response.status_code
+        if status < 400:
+            return body
+        message = body.get("error", body)
+        if status == 409:
+            self.counts["stale_refusals"] += 1
+            raise StaleEngineError(f"{url}: {message}", url=url, version=body.get("version"))
+        if status == 401:
+            raise ConfigError(f"{url} refused {path}: {message} (model.remote.api_key or ${API_KEY_ENV})")
+        if status == 422 and "non-finite" in str(message):
+            raise PolicyDivergedError(f"{url}: {message}")
+        raise LoGRAError(f"{url} answered {path} with HTTP {status}: {message}")
+
+    def health(self, url: str) -> dict[str, Any]:
+        """``GET /v1/health`` of one engine (retried while it starts)."""
+        return self.request("GET", url, "/v1/health")
+
+    # ---------------------------------------------------------------------------------------- sampling
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, prompt_seeds: Sequence[int] | None = None
+    ) -> Rollout:
+        """Sample ``sampling.n`` responses per prompt on the engines; rows grouped by prompt, as every engine does.
+
+        Each response has its own seed (from its prompt's seed, else from ``sampling.seed`` and its row), so what
+        a prompt gets does not depend on which engine or batch it lands in. Raises :class:`StaleEngineError` when
+        an engine holds other weights than the trainer expects.
+        """
+        from logra_pl.rollout.vllm import row_seeds
+
+        start = time.perf_counter()
+        rows, index, seeds = expand_prompts(prompts, sampling, self.context_limit, prompt_seeds)
+        if seeds is None:
+            seeds = row_seeds(sampling, len(rows))
+        urls = self.settings.urls
+        parts = _split(len(prompts), len(urls))
+        jobs = []
+        for k, (lo, hi) in enumerate(parts):
+            url = urls[(self.rank + k) % len(urls)]
+            body = {
+                "prompts": [list(map(int, p)) for p in prompts[lo:hi]],
+                "n": sampling.n,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "max_new_tokens": sampling.max_new_tokens,
+                "seeds": seeds[lo * sampling.n : hi * sampling.n],
+                "stop_token_ids": self.eos,
+                "expect_version": self.expected,
+            }
+            jobs.append(self.pool.submit(self.request, "POST", url, "/v1/generate", json=body))
+        answers, errors = [], []
+        for job in jobs:
+            try:
+                answers.append(job.result())
+            except Exception as err:  # wait for every part before raising
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        responses = [r for a in answers for r in a["responses"]]
+        reasons: list[FinishReason] = ["stop" if r["finish_reason"] == "stop" else "length" for r in responses]
+        return Rollout(
+            prompt_ids=rows,
+            response_ids=[list(r["token_ids"]) for r in responses],
+            logprobs=[[float(x) for x in r["logprobs"]] for r in responses],
+            finish_reasons=reasons,
+            prompt_index=index,
+            timings={"generate_s": time.perf_counter() - start},
+        )
+
+    # ----------------------------------------------------------------------------------------- weights
+    def _next_version(self) -> tuple[str | None, str]:
+        self.seq += 1
+        prev, self.expected = self.expected, f"{self.run_id}/{self.seq}"
+        return prev, self.expected
+
+    def _each_engine(self, send: Any) -> list[Any]:
+        """Run ``send(url)`` for every engine at once; return results, re-raising the first error."""
+        jobs = [self.pool.submit(send, url) for url in self.settings.urls]
+        results, errors = [], []
+        for job in jobs:
+            try:
+                results.append(job.result())
+            except Exception as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        return results
+
+    def apply_payload(self, payload: Payload) -> None:
+        """Rank 0 sends the payload to every engine; an engine that refuses it (409) is marked stale."""
+        prev, new = self._next_version()
+        data = payload.to_bytes()
+        self.last_sync = {"bytes": float(len(data) * len(self.settings.urls)), "seconds": 0.0}
+        if self.rank != 0:
+            return
+        start = time.perf_counter()
+
+        def send(url: str) -> None:
+            headers = {EXPECT_HEADER: prev or "", NEW_HEADER: new, "Content-Type": "application/octet-stream"}
+            try:
+                self.request("POST", url, "/v1/payload", content=data, headers=headers)
+                self.counts["payloads"] += 1
+            except StaleEngineError:
+                self.stale.add(url)
+
+        self._each_engine(send)
+        self.last_sync["seconds"] = time.perf_counter() - start
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Rank 0 sends full tensors to every engine, in chunks of ``chunk_mib`` (or through ``weights_path``).
+
+        A load that covers every tensor the engine serves repairs any engine (restarted, missed updates); a load
+        of some tensors only (a dense update's) must apply to the expected weights, like a payload.
+        """
+        from logra_pl.rollout.vllm_worker import _checkpoint_key, tensors_to_bytes
+
+        prev, new = self._next_version()
+        named = {_checkpoint_key(k): v for k, v in tensors.items()}
+        size = sum(t.numel() * t.element_size() for t in named.values())
+        self.last_sync = {"bytes": float(size * len(self.settings.urls)), "seconds": 0.0}
+        if self.rank != 0:
+            return
+        start = time.perf_counter()
+        chunks = [tensors_to_bytes(c) for c in _chunks(named, int(self.settings.chunk_mib * 2**20))]
+        folder = self._write_shared(named, new) if self.settings.weights_path else None
+
+        def send(url: str) -> None:
+            served = set(self.infos[url].get("tensors", []))
+            full = bool(served) and served <= set(named) | {"lm_head.weight"}
+            for _attempt in range(3):
+                try:
+                    if folder is not None:
+                        body = {"path": str(folder), "expect_version": prev, "new_version": new, "full": full}
+                        self.request("POST", url, "/v1/weights/path", json=body)
+                    else:
+                        for i, data in enumerate(chunks):
+                            headers = {
+                                EXPECT_HEADER: prev or "",
+                                NEW_HEADER: new,
+                                CHUNK_HEADER: f"{i}/{len(chunks)}",
+                                FULL_HEADER: "1" if full else "0",
+                                "Content-Type": "application/octet-stream",
+                            }
+                            self.request("POST", url, "/v1/weights", content=data, headers=headers)
+                    self.stale.discard(url)
+                    self.counts["full_loads"] += 1
+                    return
+                except StaleEngineError:
+                    if not full:  # a partial load cannot repair an engine that missed something
+                        self.stale.add(url)
+                        return
+                    # a full transfer was interrupted (the engine restarted mid-way): start it again
+            self.stale.add(url)
+
+        self._each_engine(send)
+        self.last_sync["seconds"] = time.perf_counter() - start
+
+    def _write_shared(self, tensors: Mapping[str, torch.Tensor], version: str) -> Path:
+        """Write ``tensors`` as one safetensors file in a fresh folder under ``weights_path`` (atomic rename)."""
+        from safetensors.torch import save_file
+
+        root = Path(str(self.settings.weights_path))
+        folder = root / version.replace("/", "-")
+        tmp = root / f".{folder.name}.tmp-{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        seen: set[tuple[int, int]] = set()
+        unique = {}
+        for k, v in tensors.items():
+            ident = (v.untyped_storage().data_ptr(), v.storage_offset())
+            if ident not in seen:
+                seen.add(ident)
+                unique[k] = v.detach().contiguous().cpu()
+        save_file(unique, str(tmp / "model.safetensors"))
+        os.replace(tmp, folder)
+        for old in root.iterdir():  # keep only the newest set of weights
+            if old.is_dir() and old != folder and not old.name.startswith("."):
+                for f in old.glob("*"):
+                    f.unlink()
+                old.rmdir()
+        return folder
+
+    # ------------------------------------------------------------------------------------ verification
+    def weights_digest(self, names: Sequence[str], url: str | None = None) -> dict[str, str]:
+        """``{name: digest}`` of an engine's current weights (:func:`~logra_pl.rollout.vllm_worker.tensor_digest`)."""
+        answer = self.request("POST", url or self.settings.urls[0], "/v1/weights/digest", json={"names": list(names)})
+        return dict(answer["digests"])
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of ``n`` items over at most ``parts`` engines, sizes differing by at most one."""
+    parts = max(1, min(parts, n))
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for k in range(parts):
+        hi = lo + base + (1 if k < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def _chunks(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Group tensors into dicts of at most ``limit`` bytes (a larger single tensor gets a dict of its own)."""
+    out: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in tensors.items():
+        nbytes = value.numel() * value.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append({})
+            size = 0
+        out[-1][key] = value
+        size += nbytes
+    return out
