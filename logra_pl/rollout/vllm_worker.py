@@ -225,6 +225,14 @@ class LoGRAWorkerExtension:
             self.reload_weights(weights_iterator=iter(list(self._logra_shadow.items())), is_checkpoint_format=True)
         finally:
             quiet.setLevel(level)
+        # A tied ``lm_head`` has no checkpoint tensor, so the reload skips it — but on CPUs its GEMM runs on a
+        # copy packed from the embedding at load time, which would keep computing logits with the old embedding.
+        # Re-pack it from the (reloaded, shared) embedding weight.
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False) and method is not None:
+            method.process_weights_after_loading(head)
 
 
 def _checkpoint_key(key: str) -> str:
