@@ -5,6 +5,7 @@ from logra_pl.callbacks.export import HFExport
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
 from logra_pl.callbacks.memory import MemoryMonitor
 from logra_pl.callbacks.mismatch import RolloutMismatch, observed_mismatch
+from logra_pl.callbacks.rollouts import RolloutLog, read_rollouts
 from logra_pl.callbacks.summary import RunSummary
 from logra_pl.callbacks.sync import PolicySync
 
@@ -15,9 +16,11 @@ __all__ = [
     "MemoryMonitor",
     "PolicySync",
     "PredictedKLControl",
+    "RolloutLog",
     "RolloutMismatch",
     "RunSummary",
     "UpdateCheckpoint",
     "observed_mismatch",
+    "read_rollouts",
     "step_multiplier",
 ]

@@ -33,7 +33,6 @@ parsed and checked — names, shapes, finiteness — before it reaches the engin
 leaves the weights untouched.
 """
 
-
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`Request`) as objects.
 import argparse
 import asyncio

