@@ -67,11 +67,26 @@ def step_multiplier(pred: float, budget: float, alpha_max: float) -> float:
     return min(alpha_max, math.sqrt(budget / pred))
 
 
+def _rank_world(trainer: Any) -> tuple[int, int]:
+    if trainer is None:
+        return 0, 1
+    return int(trainer.global_rank), int(trainer.world_size)
+
+
+def _global_row(local_row: int, n: int, rank: int, world: int) -> int:
+    """Index in the step's global batch of a rank's local response row (rank ``r`` holds every ``world``-th prompt)."""
+    j, k = divmod(local_row, n)
+    return (world * j + rank) * n + k
+
+
 class PredictedKLControl(pl.Callback):
     """Probe each LoGRA proposal before it merges and set its step multiplier α from the predicted KL.
 
-    The probe runs on the first ``probe_responses`` responses of the step (same count on every rank), on
-    generated-token positions only (at most ``max_probe_tokens``), at the sampling temperature. A NaN or
+    The probe runs on the first ``probe_responses`` responses of the step's global batch — wherever they were
+    sampled: the prompt loaders give rank ``r`` every ``world``-th prompt, so global response ``(world·j + r)·n + k``
+    is local response ``j·n + k`` of rank ``r`` — on generated-token positions only (at most ``max_probe_tokens``
+    per rank), at the sampling temperature. The prediction is thus the same on 1 rank or N (a rank with nothing
+    to probe still runs the forward its sharded model needs, on no positions). A NaN or
     negative prediction skips the update (weights untouched) and is counted. With a
     :class:`RolloutMismatch` in the trainer's callbacks the budget is reduced by its EMA; without one, the
     budget is used as is. Callback order does not matter.
@@ -115,12 +130,18 @@ class PredictedKLControl(pl.Callback):
         self._pending: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------- probe
-    def _probe_inputs(self, ctx: Any, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _probe_inputs(
+        self, ctx: Any, device: torch.device, trainer: Any = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Model inputs of the probed responses and the flat indices of their generated positions."""
         packed = ctx.packed
-        rows = list(range(min(self.probe_responses, packed.input_ids.shape[0])))
+        rank, world = _rank_world(trainer)
+        n = max(1, len(ctx.rollout) // max(1, len(ctx.items)))  # responses per prompt (rows grouped by prompt)
+        rows = [b for b in range(packed.input_ids.shape[0]) if _global_row(b, n, rank, world) < self.probe_responses]
+        probed = bool(rows)
+        rows = rows or [0]  # nothing to probe here: run the forward on one row, read no position
         ids = packed.input_ids[rows]
-        lengths = packed.response_mask[rows].sum(dim=1).long().tolist()
+        lengths = packed.response_mask[rows].sum(dim=1).long().tolist() if probed else [0]
         positions, budget = [], self.max_probe_tokens
         width = ids.shape[1]
         for b, n in enumerate(lengths):
@@ -137,7 +158,7 @@ class PredictedKLControl(pl.Callback):
 
     def predict(self, pl_module: Any, proposal: Any, ctx: Any) -> tuple[float, dict[str, Any]]:
         """Mean predicted KL per probed position at α = 1 (averaged over ranks), and what calibration needs."""
-        inputs, flat = self._probe_inputs(ctx, pl_module.device)
+        inputs, flat = self._probe_inputs(ctx, pl_module.device, pl_module._trainer)
         modules = {name: m.module for name, m in pl_module.sketcher.matrices.items()}
         logits, tangent = logit_tangent(pl_module.policy, modules, proposal, inputs, self.probe, self.fd_step)
         vocab = logits.shape[-1]
@@ -208,9 +229,11 @@ class PredictedKLControl(pl.Callback):
         with torch.no_grad():
             after = pl_module.policy(**pending["inputs"]).logits
         after = after.reshape(-1, after.shape[-1])[pending["flat"]]
-        realized = float(realized_kl_terms(pending["logits"], after, pending["temperature"]).mean())
+        terms = realized_kl_terms(pending["logits"], after, pending["temperature"])
+        total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
         if trainer.world_size > 1:
-            realized = float(trainer.strategy.reduce(torch.tensor(realized, dtype=torch.float64), reduce_op="mean"))
+            total = trainer.strategy.reduce(total, reduce_op="sum")
+        realized = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
         pl_module.log("kl/realized", realized, on_step=True, batch_size=1)
         if self.history:
             self.history[-1]["realized"] = realized
