@@ -25,9 +25,9 @@ from logra_pl.sketch import select_targets
 class PolicySync(pl.Callback):
     """Owns the engine's weight updates for a :class:`~logra_pl.module.LoGRAPolicyModule` run.
 
-    Logged per update: ``sync/payload_bytes`` (bytes sent), ``sync/full_bytes`` (what sending the changed
-    matrices in bf16 would take — the dense frameworks' cost, for comparison), ``sync/seconds``, and on
-    verification ``sync/max_logprob_diff`` and ``sync/full_resyncs`` (running count).
+    Logged per update: ``sync/payload_bytes`` (bytes sent, over all engines), ``sync/full_bytes`` (what sending
+    the changed matrices in bf16 to the same engines would take — the dense frameworks' cost, for comparison),
+    ``sync/seconds``, and on verification ``sync/max_logprob_diff`` and ``sync/full_resyncs`` (running count).
 
     Arguments:
         mode: ``"factors"`` (LoGRA payloads; needs ``optimizer="logra"``) or ``"full"`` (changed tensors).
@@ -115,7 +115,7 @@ class PolicySync(pl.Callback):
             checks = self.verify_and_repair(pl_module)
         metrics = {
             "sync/payload_bytes": sent,
-            "sync/full_bytes": float(self.full_bf16_bytes(pl_module)),
+            "sync/full_bytes": float(self.full_bf16_bytes(pl_module) * _receivers(engine)),
             "sync/seconds": seconds,
             "sync/full_resyncs": float(self.full_resyncs),
         }
@@ -216,6 +216,12 @@ class PolicySync(pl.Callback):
         self.full_resyncs = int(state_dict.get("full_resyncs", 0))
         self.syncs = int(state_dict.get("syncs", 0))
         self.probe = state_dict.get("probe")
+
+
+def _receivers(engine: Any) -> int:
+    """Engines one update is sent to (served engines: every URL), so both byte metrics count the same copies."""
+    settings = getattr(engine, "settings", None)
+    return len(getattr(settings, "urls", None) or [None])
 
 
 def _sent_bytes(engine: Any, fallback: Any) -> float:
