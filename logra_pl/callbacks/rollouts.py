@@ -4,16 +4,17 @@ RL runs are debugged by reading samples: which prompts, what the policy answered
 and the trainer scored the tokens. ``RolloutLog`` appends one JSON object per response to
 ``<dirpath>/rollouts.rank<R>.jsonl``:
 
-``{"update", "rank", "item_id", "task", "prompt_index", "prompt_ids", "response_ids", "response", "reward",
+``{"update", "rank", "write", "item_id", "task", "prompt_index", "prompt_ids", "response_ids", "response", "reward",
 "advantage", "finish_reason", "rollout_logprobs"}``
 
-``update`` is the 1-based index of the update the response trained. A resumed run appends to the same files, so a
-reader keeps, per update, the rows of the last run that wrote it.
+``update`` is the 1-based index of the update the response trained; ``write`` identifies one call. A resumed run
+appends to the same files; :func:`read_rollouts` keeps, per update, the rows of its last write.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,14 @@ class RolloutLog(pl.Callback):
             return
         r = ctx.rollout
         tokenizer = getattr(pl_module, "tokenizer", None)
+        write = uuid.uuid4().hex[:12]  # one id per write: a resumed run's rows of an update replace the earlier ones
         with self.path.open("a") as f:
             for row, i in enumerate(r.prompt_index):
                 item = ctx.items[i]
                 record = {
                     "update": update,
                     "rank": trainer.global_rank,
+                    "write": write,
                     "item_id": item.get("id"),
                     "task": item.get("task"),
                     "prompt_index": i,
@@ -81,15 +84,14 @@ class RolloutLog(pl.Callback):
 
 def read_rollouts(dirpath: str | Path) -> list[dict[str, Any]]:
     """Every row of every rank's file under ``dirpath``, by update and rank; an update written twice (a resumed
-    run repeats the updates after its checkpoint) keeps its last block of rows."""
+    run repeats the updates after its checkpoint) keeps the rows of its last write."""
     blocks: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted(Path(dirpath).glob("rollouts.rank*.jsonl")):
-        previous = None
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             key = (rec["update"], rec["rank"])
-            if key != previous:
-                blocks[key] = []  # a new block of this update replaces an earlier one
-                previous = key
-            blocks[key].append(rec)
+            rows = blocks.setdefault(key, [])
+            if rows and rows[-1].get("write") != rec.get("write"):
+                rows.clear()  # a later write of this update replaces the earlier one
+            rows.append(rec)
     return [r for key in sorted(blocks) for r in blocks[key]]

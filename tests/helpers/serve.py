@@ -29,8 +29,9 @@ class Server:
         flags: more ``logra-pl serve`` flags.
     """
 
-    def __init__(self, log_dir: Path, *flags: str, port: int | None = None) -> None:
+    def __init__(self, log_dir: Path, *flags: str, port: int | None = None, engines: int = 1) -> None:
         self.port = port or free_port()
+        self.engines = engines  # ready lines to wait for (``--data-parallel-size``)
         self.flags = list(flags)
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
@@ -51,7 +52,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log.read_text(errors="replace")
-            if READY_LINE in text:
+            if text.count(READY_LINE) >= self.engines:
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"logra-pl serve exited with {self.proc.returncode}:\n{text[-3000:]}")

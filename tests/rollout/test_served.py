@@ -27,6 +27,7 @@ from logra_pl.callbacks import read_rollouts
 from logra_pl.errors import ConfigError, EngineUnavailableError
 from logra_pl.logprobs import pack_responses, response_logprobs
 from logra_pl.models.load import load_policy
+from logra_pl.rollout.base import SamplingConfig
 from logra_pl.rollout.remote import EXPECT_HEADER, NEW_HEADER, RemoteEngine, RemoteSettings
 from logra_pl.rollout.vllm_worker import tensor_digest
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, select_targets
@@ -188,6 +189,61 @@ def test_unreachable_engine_names_its_url() -> None:
     assert time.monotonic() - start < 15
 
 
+def test_two_engines_share_prompts_and_receive_every_update(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``--data-parallel-size 2``: two engines on two ports; full weights through a shared folder."""
+    tmp = tmp_path_factory.mktemp("serve-dp2")
+    srv = Server(tmp, "--data-parallel-size", "2", engines=2).start()
+    try:
+        urls = [srv.url, f"http://127.0.0.1:{srv.port + 1}"]
+        model, tok = load_policy("tiny")
+        shared = RemoteSettings(urls=urls, weights_path=str(tmp / "shared"), retry_for_s=30)
+        engine = RemoteEngine(shared, tok.eos_token_id)
+        assert len({engine.infos[u]["engine_id"] for u in urls}) == 2
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        engine.load_weights(model.state_dict())
+        assert [p.name for p in (tmp / "shared").iterdir()] == [engine.expected.replace("/", "-")]
+        cfg = LoGRAConfig(rank=16)
+        sketcher = LoGRASketcher(model, cfg)
+        ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+        engine.apply_payload(sketcher.apply(sketcher.propose()))
+        names = sorted(k for k in model.state_dict() if k.endswith("proj.weight"))
+        for url in urls:
+            assert engine.weights_digest(names, url) == _digests(model.state_dict(), names), url
+        prompts = [
+            torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(5, 11)
+        ]
+        sampling = SamplingConfig(n=2, max_new_tokens=6)
+        both = engine.generate(prompts, sampling, prompt_seeds=list(range(6)))
+        assert all(engine.health(u)["counts"]["generate_requests"] == 1 for u in urls)  # 3 prompts each
+        single = RemoteEngine(RemoteSettings(urls=urls[1:], retry_for_s=30), tok.eos_token_id)
+        single.expected = engine.expected
+        alone = single.generate(prompts, sampling, prompt_seeds=list(range(6)))
+        assert both.response_ids == alone.response_ids and both.logprobs == alone.logprobs
+        assert both.prompt_index == [i for i in range(6) for _ in range(2)]
+        engine.close()
+        single.close()
+    finally:
+        srv.kill()
+
+
+def test_serve_settings_refuse_unsafe_binds() -> None:
+    from logra_pl.rollout.server import ServeSettings, is_loopback, parse_args
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    with pytest.raises(ConfigError, match="--api-key"):
+        ServeSettings(host="0.0.0.0")
+    assert ServeSettings(host="0.0.0.0", api_key="k").api_key == "k"
+    s = parse_args(["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--devices", "4,5,6,7"])
+    assert s.device_groups() == ["4,5", "6,7"]
+    with pytest.raises(ConfigError, match="need 4 devices"):
+        parse_args(["--data-parallel-size", "4", "--devices", "0,1"]).device_groups()
+
+
 # ------------------------------------------------------------------------------------ trainers over HTTP
 def _fit(tmp: Path, name: str, url: str, *extra: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     cmd = [
@@ -268,7 +324,9 @@ def test_two_fsdp_ranks_on_a_served_engine(fits: dict[str, Path], server: Server
 
 
 def _kill_after(server: Server, payloads: int, restart: bool, done: threading.Event) -> threading.Thread:
-    """Kill the server once it applied ``payloads`` updates (of the current run); optionally start it again."""
+    """Kill the server once it applied ``payloads`` more updates (from now); optionally start it again."""
+    base = httpx.get(f"{server.url}/v1/health", timeout=10).json()["counts"]["payloads"]
+    payloads += base
 
     def watch() -> None:
         with httpx.Client(timeout=5) as http:
@@ -290,8 +348,7 @@ def _kill_after(server: Server, payloads: int, restart: bool, done: threading.Ev
 
 
 def test_server_killed_and_restarted_mid_run(server: Server, tmp_path: Path) -> None:
-    server.kill()
-    server.start()  # a fresh engine: its payload count starts at 0 for this run
+    starts = server.starts
     done = threading.Event()
     watcher = _kill_after(server, payloads=3, restart=True, done=done)
     proc = _fit(tmp_path, "restart", server.url, "--trainer.max_steps=8", "--model.remote.retry_for_s=240")
@@ -302,12 +359,10 @@ def test_server_killed_and_restarted_mid_run(server: Server, tmp_path: Path) -> 
     scalars = _scalars(tmp_path / "restart" / "version_0")
     assert scalars["sync/engine_resyncs"][-1][1] >= 1
     assert scalars["sync/max_logprob_diff"][-1] == (8, pytest.approx(0.0, abs=TOL))
-    assert server.starts >= 3
+    assert server.starts == starts + 1
 
 
 def test_engine_stays_down_then_resume(server: Server, tmp_path: Path) -> None:
-    server.kill()
-    server.start()
     done = threading.Event()
     watcher = _kill_after(server, payloads=4, restart=False, done=done)
     flags = ("--trainer.max_steps=8", "--model.remote.retry_for_s=3", "--checkpoint.every_n_updates=2")
