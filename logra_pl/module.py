@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -599,7 +600,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         if self.engine.place(self.device):
             full = True  # the engine moved: resend everything
         if full:
-            self.engine.load_weights(self.full_state())
+            self.engine.load_weights(GatheredState(self.policy.state_dict()))
             return
         if self.optimizer_name == "logra":
             payload = self.optimizers().optimizer.last_payload
@@ -797,6 +798,33 @@ def _optimizer_kind(states: list[dict[str, Any]]) -> str | None:
     if not states:
         return None
     return "logra" if "logra" in states[0] else ("adamw" if "param_groups" in states[0] else None)
+
+
+class GatheredState(Mapping[str, torch.Tensor]):
+    """A state dict whose FSDP shards are all-gathered one tensor at a time, when read.
+
+    Reading a value is a collective under FSDP: every rank must read the same keys in the same order (engines'
+    ``load_weights`` iterate in key order on every rank). An engine that streams — :class:`RemoteEngine` sends
+    chunks as it reads them — then never holds more than one chunk of gathered weights, instead of the whole
+    model on every rank. :meth:`spec` gives a tensor's global shape and dtype without gathering it.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        value = self._state[key]
+        return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        value = self._state[key]
+        return value.shape, value.dtype
 
 
 def item_task(item: dict[str, Any]) -> str:

@@ -19,6 +19,8 @@ engine comes back within that window and is then resynced), after which the run 
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import time
 import uuid
@@ -56,7 +58,9 @@ class RemoteSettings:
 
     Arguments:
         urls: base URLs of ``logra-pl serve`` engines; prompts are spread over them, updates go to all.
-        api_key: token for weight-changing requests (the server's ``--api-key``); default ``$LOGRA_PL_API_KEY``.
+        api_key_env: name of the environment variable that holds the key of weight-changing requests (the
+            server's ``--api-key``). The key itself is never a setting: settings are saved with the run and in its
+            checkpoints.
         timeout_s: longest wait for one response (a large generate batch takes a while).
         retry_for_s: how long an engine that does not answer is retried before the run stops with an error.
         backoff_s: first wait between retries; doubled after each, up to ``max_backoff_s``.
@@ -68,7 +72,7 @@ class RemoteSettings:
     """
 
     urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8100"])
-    api_key: str | None = None
+    api_key_env: str = API_KEY_ENV
     timeout_s: float = 600.0
     retry_for_s: float = 120.0
     backoff_s: float = 0.5
@@ -129,7 +133,7 @@ class RemoteEngine:
         self.world_size = world_size
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.trainer_dtype = trainer_dtype
-        self.api_key = s.api_key or os.environ.get(API_KEY_ENV) or None
+        self.api_key = os.environ.get(s.api_key_env) or None
         self.http = httpx.Client(timeout=httpx.Timeout(s.timeout_s, connect=min(10.0, s.timeout_s)))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(s.urls)), thread_name_prefix="logra-remote")
         self.seq = 0
@@ -229,7 +233,10 @@ class RemoteEngine:
             self.counts["stale_refusals"] += 1
             raise StaleEngineError(f"{url}: {message}", url=url, version=body.get("version"))
         if status == 401:
-            raise ConfigError(f"{url} refused {path}: {message} (model.remote.api_key or ${API_KEY_ENV})")
+            raise ConfigError(
+                f"{url} refused {path}: {message}; put the server's key in ${self.settings.api_key_env} "
+                "(model.remote.api_key_env names the variable)"
+            )
         if status == 422 and "non-finite" in str(message):
             raise PolicyDivergedError(f"{url}: {message}")
         raise LoGRAError(f"{url} answered {path} with HTTP {status}: {message}")
@@ -329,77 +336,74 @@ class RemoteEngine:
         self.last_sync["seconds"] = time.perf_counter() - start
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Rank 0 sends full tensors to every engine, in chunks of ``chunk_mib`` (or through ``weights_path``).
+        """Stream tensors to every engine in chunks of ``chunk_mib`` (or through ``weights_path``); rank 0 sends.
 
-        A load that covers every tensor the engine serves repairs any engine (restarted, missed updates); a load
-        of some tensors only (a dense update's) must apply to the expected weights, like a payload.
+        ``tensors`` may gather each value when it is read (the module passes FSDP shards that all-gather on
+        access, a collective): every rank reads the same keys in the same order, one chunk at a time, so no rank
+        ever holds more than one chunk of gathered weights. Only the tensors the engine serves are read (a tied
+        ``lm_head`` is not sent twice). A load that covers every served tensor repairs any engine; a load of some
+        tensors only (a dense update's) must apply to the expected weights, like a payload. An engine that refuses
+        or loses a transfer part-way is marked stale; the module's next check resends everything.
         """
         from logra_pl.rollout.vllm_worker import _checkpoint_key, tensors_to_bytes
 
         prev, new = self._next_version()
-        named = {_checkpoint_key(k): v for k, v in tensors.items()}
-        size = sum(t.numel() * t.element_size() for t in named.values())
-        self.last_sync = {"bytes": float(size * len(self.settings.urls)), "seconds": 0.0}
+        served = set(next(iter(self.infos.values())).get("tensors", []))
+        names = [k for k in tensors if not served or _checkpoint_key(k) in served]
+        full = bool(served) and served <= {_checkpoint_key(k) for k in names}
+        sizes = {k: _nbytes(tensors, k) for k in names}
+        plan = _plan_chunks(sizes, int(self.settings.chunk_mib * 2**20))
+        self.last_sync = {"bytes": float(sum(sizes.values()) * len(self.settings.urls)), "seconds": 0.0}
+        start = time.perf_counter()
+        folder = Path(str(self.settings.weights_path)) / new.replace("/", "-") if self.settings.weights_path else None
+        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}") if folder is not None else None
+        failed: set[str] = set()
+        for index, keys in enumerate(plan):
+            chunk = {_checkpoint_key(k): tensors[k] for k in keys}  # gathered here, on every rank
+            if self.rank != 0:
+                continue
+            if tmp is not None:
+                _write_chunk(chunk, tmp, index)
+                continue
+            data = tensors_to_bytes(chunk)
+            headers = {
+                EXPECT_HEADER: prev or "",
+                NEW_HEADER: new,
+                CHUNK_HEADER: f"{index}/{len(plan)}",
+                FULL_HEADER: "1" if full else "0",
+                "Content-Type": "application/octet-stream",
+            }
+
+            def send(url: str, data: bytes = data, headers: dict[str, str] = headers) -> None:
+                if url in failed:
+                    return
+                try:
+                    self.request("POST", url, "/v1/weights", content=data, headers=headers)
+                except StaleEngineError:
+                    failed.add(url)
+
+            self._each_engine(send)
+            del chunk, data
         if self.rank != 0:
             return
-        start = time.perf_counter()
-        chunks = [tensors_to_bytes(c) for c in _chunks(named, int(self.settings.chunk_mib * 2**20))]
-        folder = self._write_shared(named, new) if self.settings.weights_path else None
+        if folder is not None and tmp is not None:
+            _publish(tmp, folder)
 
-        def send(url: str) -> None:
-            served = set(self.infos[url].get("tensors", []))
-            full = bool(served) and served <= set(named) | {"lm_head.weight"}
-            for _attempt in range(3):
+            def send_path(url: str) -> None:
+                body = {"path": str(folder), "expect_version": prev, "new_version": new, "full": full}
                 try:
-                    if folder is not None:
-                        body = {"path": str(folder), "expect_version": prev, "new_version": new, "full": full}
-                        self.request("POST", url, "/v1/weights/path", json=body)
-                    else:
-                        for i, data in enumerate(chunks):
-                            headers = {
-                                EXPECT_HEADER: prev or "",
-                                NEW_HEADER: new,
-                                CHUNK_HEADER: f"{i}/{len(chunks)}",
-                                FULL_HEADER: "1" if full else "0",
-                                "Content-Type": "application/octet-stream",
-                            }
-                            self.request("POST", url, "/v1/weights", content=data, headers=headers)
-                    self.stale.discard(url)
-                    self.counts["full_loads"] += 1
-                    return
+                    self.request("POST", url, "/v1/weights/path", json=body)
                 except StaleEngineError:
-                    if not full:  # a partial load cannot repair an engine that missed something
-                        self.stale.add(url)
-                        return
-                    # a full transfer was interrupted (the engine restarted mid-way): start it again
-            self.stale.add(url)
+                    failed.add(url)
 
-        self._each_engine(send)
+            self._each_engine(send_path)
+        for url in self.settings.urls:
+            if url in failed:
+                self.stale.add(url)
+            else:
+                self.stale.discard(url)
+                self.counts["full_loads"] += 1
         self.last_sync["seconds"] = time.perf_counter() - start
-
-    def _write_shared(self, tensors: Mapping[str, torch.Tensor], version: str) -> Path:
-        """Write ``tensors`` as one safetensors file in a fresh folder under ``weights_path`` (atomic rename)."""
-        from safetensors.torch import save_file
-
-        root = Path(str(self.settings.weights_path))
-        folder = root / version.replace("/", "-")
-        tmp = root / f".{folder.name}.tmp-{os.getpid()}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        seen: set[tuple[int, int]] = set()
-        unique = {}
-        for k, v in tensors.items():
-            ident = (v.untyped_storage().data_ptr(), v.storage_offset())
-            if ident not in seen:
-                seen.add(ident)
-                unique[k] = v.detach().contiguous().cpu()
-        save_file(unique, str(tmp / "model.safetensors"))
-        os.replace(tmp, folder)
-        for old in root.iterdir():  # keep only the newest set of weights
-            if old.is_dir() and old != folder and not old.name.startswith("."):
-                for f in old.glob("*"):
-                    f.unlink()
-                old.rmdir()
-        return folder
 
     # ------------------------------------------------------------------------------------ verification
     def weights_digest(self, names: Sequence[str], url: str | None = None) -> dict[str, str]:
@@ -420,15 +424,42 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def _chunks(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
-    """Group tensors into dicts of at most ``limit`` bytes (a larger single tensor gets a dict of its own)."""
-    out: list[dict[str, torch.Tensor]] = [{}]
+def _nbytes(tensors: Mapping[str, Any], key: str) -> int:
+    """Bytes of ``tensors[key]`` without reading it (a lazily gathered mapping reports global shapes)."""
+    spec = getattr(tensors, "spec", None)
+    shape, dtype = spec(key) if spec is not None else (tensors[key].shape, tensors[key].dtype)
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _plan_chunks(sizes: Mapping[str, int], limit: int) -> list[list[str]]:
+    """Group names into chunks of at most ``limit`` bytes, in order (a larger single tensor is a chunk of its own)."""
+    out: list[list[str]] = [[]]
     size = 0
-    for key, value in tensors.items():
-        nbytes = value.numel() * value.element_size()
+    for key, nbytes in sizes.items():
         if out[-1] and size + nbytes > limit:
-            out.append({})
+            out.append([])
             size = 0
-        out[-1][key] = value
+        out[-1].append(key)
         size += nbytes
-    return out
+    return out if out[0] else []
+
+
+def _write_chunk(chunk: Mapping[str, torch.Tensor], folder: Path, index: int) -> None:
+    """One chunk of a shared-folder load as ``model-<index>.safetensors`` (the engine reads every file)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in chunk.items()}
+    save_file(tensors, str(folder / f"model-{index:05d}.safetensors"))
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Rename the finished temp folder into place and remove older loads (only the newest is kept)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, folder)
+    for old in folder.parent.iterdir():
+        if old.is_dir() and old != folder and not old.name.startswith("."):
+            for f in old.glob("*.safetensors"):
+                f.unlink()
+            with contextlib.suppress(OSError):
+                old.rmdir()

@@ -12,7 +12,7 @@ from logra_pl.callbacks import read_rollouts
 from logra_pl.callbacks.kl_control import _global_row
 from logra_pl.data.loaders import prompt_loader
 from logra_pl.errors import ConfigError
-from logra_pl.rollout.remote import RemoteSettings, _chunks, _split
+from logra_pl.rollout.remote import RemoteSettings, _nbytes, _plan_chunks, _split
 
 
 def test_remote_settings_are_checked() -> None:
@@ -33,9 +33,11 @@ def test_prompts_split_evenly_over_engines() -> None:
 
 def test_weight_chunks_respect_the_limit() -> None:
     tensors = {f"t{i}": torch.zeros(256) for i in range(5)}  # 1 KiB each
-    chunks = _chunks(tensors, 2048)
-    assert [list(c) for c in chunks] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
-    assert [list(c) for c in _chunks({"big": torch.zeros(4096), "s": torch.zeros(1)}, 1024)] == [["big"], ["s"]]
+    sizes = {k: _nbytes(tensors, k) for k in tensors}
+    assert sizes["t0"] == 1024
+    assert _plan_chunks(sizes, 2048) == [["t0", "t1"], ["t2", "t3"], ["t4"]]
+    assert _plan_chunks({"big": 4096, "s": 4}, 1024) == [["big"], ["s"]]
+    assert _plan_chunks({}, 1024) == []
 
 
 def test_global_probe_rows_follow_the_prompt_layout() -> None:

@@ -37,6 +37,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_cpu_served.yaml"
 KEY = "served-test-key"
+KEY_ENV = "LOGRA_PL_SERVED_TEST_KEY"  # the trainer reads its key from the environment, never from a setting
+os.environ[KEY_ENV] = KEY
 TOL = 1e-4
 PROBE_LENGTHS = (29, 140, 200)  # the CPU KV block holds 128 tokens: two prompts span two blocks
 
@@ -50,7 +52,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
 
 def _engine(server: Server, **kw) -> tuple[RemoteEngine, torch.nn.Module, object]:
     model, tok = load_policy("tiny")
-    settings = RemoteSettings(urls=[server.url], api_key=KEY, retry_for_s=kw.pop("retry_for_s", 60.0), **kw)
+    settings = RemoteSettings(urls=[server.url], api_key_env=KEY_ENV, retry_for_s=kw.pop("retry_for_s", 60.0), **kw)
     return RemoteEngine(settings, tok.eos_token_id, vocab_size=model.config.vocab_size), model, tok
 
 
@@ -177,8 +179,10 @@ def test_malformed_requests_get_4xx_and_leave_weights(server: Server) -> None:
         r = http.post(f"{server.url}/v1/generate", json={"prompts": [[1, 2]], "expect_version": "other/1"})
         assert r.status_code == 409  # never sampled from other weights than expected
     assert engine.weights_digest(names) == before and engine.health(server.url)["version"] == version
-    with pytest.raises(ConfigError, match="api_key"):
-        RemoteEngine(RemoteSettings(urls=[server.url]), 0).load_weights(model.state_dict())
+    with pytest.raises(ConfigError, match="SERVED_TEST_NO_KEY"):
+        RemoteEngine(RemoteSettings(urls=[server.url], api_key_env="SERVED_TEST_NO_KEY"), 0).load_weights(
+            model.state_dict()
+        )
     engine.close()
 
 
@@ -316,7 +320,7 @@ def test_two_fsdp_ranks_on_a_served_engine(fits: dict[str, Path], server: Server
     state = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items()}
     model, tok = load_policy("tiny")
     model.load_state_dict(state)
-    engine = RemoteEngine(RemoteSettings(urls=[server.url], api_key=KEY), tok.eos_token_id)
+    engine = RemoteEngine(RemoteSettings(urls=[server.url], api_key_env=KEY_ENV), tok.eos_token_id)
     names = sorted(k for k in state if k.endswith("proj.weight"))
     assert engine.weights_digest(names) == _digests(state, names)
     assert _probe_matches(engine, model, tok.pad_token_id) <= TOL
