@@ -14,7 +14,6 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,7 +39,7 @@ from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
-from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig
+from logra_pl.rollout.base import GatheredState, Rollout, RolloutEngine, SamplingConfig, cast_floats
 from logra_pl.rollout.registry import EngineRequest, resolve_engine
 from logra_pl.rollout.remote import RemoteSettings
 from logra_pl.rollout.vllm import VLLMSettings
@@ -599,15 +598,16 @@ class LoGRAPolicyModule(pl.LightningModule):
             return  # the engine generates with the trainer's weights: always current
         if self.engine.place(self.device):
             full = True  # the engine moved: resend everything
+        wire = getattr(self.engine, "wire_dtype", None)
         if full:
-            self.engine.load_weights(GatheredState(self.policy.state_dict()))
+            self.engine.load_weights(GatheredState(self.policy.state_dict(), dtype=wire))
             return
         if self.optimizer_name == "logra":
             payload = self.optimizers().optimizer.last_payload
             if payload is not None:
                 self.engine.apply_payload(payload)
         else:
-            self.engine.load_weights(self.trained_tensors())
+            self.engine.load_weights(cast_floats(self.trained_tensors(), wire))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every tensor of the policy, gathered whole (FSDP shards are all-gathered)."""
@@ -798,33 +798,6 @@ def _optimizer_kind(states: list[dict[str, Any]]) -> str | None:
     if not states:
         return None
     return "logra" if "logra" in states[0] else ("adamw" if "param_groups" in states[0] else None)
-
-
-class GatheredState(Mapping[str, torch.Tensor]):
-    """A state dict whose FSDP shards are all-gathered one tensor at a time, when read.
-
-    Reading a value is a collective under FSDP: every rank must read the same keys in the same order (engines'
-    ``load_weights`` iterate in key order on every rank). An engine that streams — :class:`RemoteEngine` sends
-    chunks as it reads them — then never holds more than one chunk of gathered weights, instead of the whole
-    model on every rank. :meth:`spec` gives a tensor's global shape and dtype without gathering it.
-    """
-
-    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
-        self._state = state
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        value = self._state[key]
-        return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
-
-    def __len__(self) -> int:
-        return len(self._state)
-
-    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
-        value = self._state[key]
-        return value.shape, value.dtype
 
 
 def item_task(item: dict[str, Any]) -> str:

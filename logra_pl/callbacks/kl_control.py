@@ -180,7 +180,11 @@ class PredictedKLControl(pl.Callback):
         if proposal is None or ctx is None:
             return
         self.updates += 1
-        budget = self.schedule(self.updates)
+        # The schedule's position is the index of the update this proposal would become: merges that happened,
+        # plus one. Proposals vetoed here or rejected by the guard do not advance it (the paper's horizons count
+        # optimizer updates, D.1).
+        applied = getattr(getattr(pl_module, "sketcher", None), "num_applied", self.updates - 1)
+        budget = self.schedule(applied + 1)
         if budget is None:
             return
         mismatch = next((cb for cb in trainer.callbacks if isinstance(cb, RolloutMismatch)), None)

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from logra_pl.logprobs import pack_responses
-from logra_pl.rollout.base import SamplingConfig
+from logra_pl.rollout.base import SamplingConfig, cast_floats
 from logra_pl.sketch import select_targets
 
 
@@ -37,6 +37,8 @@ class PolicySync(pl.Callback):
         probe_lengths: token lengths of the probe prompts (keep some above the engine's KV block size).
         probe_new_tokens: greedy tokens generated and compared per probe prompt.
         resync_on_mismatch: do a full resync when verification fails (else only log and warn).
+        wire_dtype: dtype of the tensors ``full`` mode sends: ``auto`` follows the engine (bf16 to a bf16 engine,
+            as dense frameworks send; the trainer's dtype to a master copy), or ``float32``/``bfloat16``/``float16``.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class PolicySync(pl.Callback):
         probe_lengths: tuple[int, ...] | list[int] = (48, 160, 320),
         probe_new_tokens: int = 8,
         resync_on_mismatch: bool = True,
+        wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
     ) -> None:
         if mode not in ("factors", "full"):
             raise ValueError(f"unknown sync mode {mode!r}: use 'factors' or 'full'")
@@ -62,6 +65,9 @@ class PolicySync(pl.Callback):
         self.probe_lengths = [int(n) for n in probe_lengths]
         self.probe_new_tokens = probe_new_tokens
         self.resync_on_mismatch = resync_on_mismatch
+        if wire_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown wire_dtype {wire_dtype!r}: use auto, float32, bfloat16 or float16")
+        self.wire_dtype = wire_dtype
         self.probe: list[list[int]] | None = None
         self.full_resyncs = 0
         self.syncs = 0
@@ -105,7 +111,7 @@ class PolicySync(pl.Callback):
                 engine.apply_payload(payload)
                 sent += _sent_bytes(engine, lambda p=payload: len(p.to_bytes()))
         else:
-            tensors = pl_module.trained_tensors()
+            tensors = cast_floats(pl_module.trained_tensors(), self.wire_dtype_for(engine))
             engine.load_weights(tensors)
             sent += _sent_bytes(engine, lambda: sum(t.numel() * t.element_size() for t in tensors.values()))
         seconds = time.perf_counter() - start
@@ -128,6 +134,12 @@ class PolicySync(pl.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(checks, step=trainer.global_step)
         ctx.metrics.update(metrics | checks)
+
+    def wire_dtype_for(self, engine: Any) -> torch.dtype | None:
+        """The dtype ``full`` mode sends in: the setting, or with ``auto`` the engine's stored dtype."""
+        if self.wire_dtype != "auto":
+            return getattr(torch, self.wire_dtype)
+        return getattr(engine, "wire_dtype", None)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

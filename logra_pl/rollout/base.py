@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -81,6 +81,10 @@ class RolloutEngine(Protocol):
     Attributes:
         context_limit: longest prompt + response the engine accepts (tokens).
         shares_weights: the engine samples with the trainer's own parameters (nothing to sync).
+
+    Optional attributes, read with ``getattr``: ``wire_dtype`` (the dtype the engine stores its weights in: full
+    loads are cast to it before they are sent), ``can_go_stale`` with ``check_current()`` (an engine that can hold
+    other weights than expected: :meth:`~logra_pl.module.LoGRAPolicyModule.generate_rollout` repairs it).
     """
 
     context_limit: int
@@ -144,3 +148,42 @@ def expand_prompts(
     if prompt_seeds is not None:
         seeds = [(int(s) * 1_000_003 + k) % 2**63 for s in prompt_seeds for k in range(sampling.n)]
     return rows, index, seeds
+
+
+class GatheredState(Mapping[str, torch.Tensor]):
+    """A state dict whose FSDP shards are all-gathered one tensor at a time, when read.
+
+    Reading a value is a collective under FSDP: every rank must read the same keys in the same order (engines'
+    ``load_weights`` iterate in key order on every rank). An engine that streams — :class:`RemoteEngine` sends
+    chunks as it reads them — then never holds more than one chunk of gathered weights, instead of the whole
+    model on every rank. :meth:`spec` gives a tensor's global shape and dtype without gathering it.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+        self._state = state
+        self.dtype = dtype  # floating tensors are cast to it after the gather (the engine's wire dtype)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        value = self._state[key]
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if self.dtype is not None and value.is_floating_point():
+            value = value.to(self.dtype)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        value = self._state[key]
+        cast = self.dtype is not None and value.is_floating_point()
+        return value.shape, self.dtype if cast else value.dtype
+
+
+def cast_floats(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``tensors`` with floating ones cast to ``dtype`` (None: unchanged) — what a full sync puts on the wire."""
+    if dtype is None:
+        return dict(tensors)
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}

@@ -144,6 +144,9 @@ class RemoteEngine:
         self.infos = {url: self.health(url) for url in s.urls}
         self._check_engines(matrices, vocab_size)
         self.context_limit = min(int(i["max_model_len"]) for i in self.infos.values())
+        first = next(iter(self.infos.values()))
+        stored = first.get("master_dtype") if first.get("sync_mode") == "shadow" else first.get("dtype")
+        self.wire_dtype = getattr(torch, str(stored), None)  # full loads travel in the dtype the engine stores
 
     # ------------------------------------------------------------------------------------------- checks
     def _check_engines(self, matrices: Mapping[str, tuple[int, int]] | None, vocab_size: int | None) -> None:

@@ -132,6 +132,10 @@ class VLLMEngine:
         self.startup_s = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}
         self.shares_weights = False
+        # What the engine stores: the master copy (trainer dtype) in shadow mode, vLLM's weights otherwise. Full
+        # loads are sent in it (a bf16 engine gets bf16 bytes, as dense frameworks send).
+        mode = self.worker_info[0].get("mode")
+        self.wire_dtype = getattr(torch, trainer_dtype if mode == "shadow" else str(kwargs["dtype"]))
 
     def place(self, device: torch.device) -> bool:
         """vLLM runs on its own devices: nothing to move."""

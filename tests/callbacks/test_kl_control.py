@@ -11,6 +11,7 @@ import torch
 
 from logra_pl.callbacks import BudgetSchedule, PredictedKLControl, RolloutMismatch, step_multiplier
 from logra_pl.data import ReasoningGymDataModule
+from logra_pl.guard import DivergenceGuard
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
@@ -41,13 +42,14 @@ def test_step_multiplier() -> None:
     assert step_multiplier(0.0, 1e-4, 3.0) == 1.0
 
 
-def _run(callbacks, steps: int = 3, seed: int = 0, prompts: int = 8):
+def _run(callbacks, steps: int = 3, seed: int = 0, prompts: int = 8, guard: DivergenceGuard | None = None):
     pl.seed_everything(seed)
     module = LoGRAPolicyModule(
         policy="tiny",
         logra=LoGRAConfig(rank=16, update_ratio=1e-2),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,
+        guard=guard,
     )
     data = ReasoningGymDataModule(
         {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=prompts
@@ -64,6 +66,18 @@ def _run(callbacks, steps: int = 3, seed: int = 0, prompts: int = 8):
     )
     trainer.fit(module, datamodule=data)
     return module, trainer
+
+
+def test_budget_schedule_counts_applied_updates_only() -> None:
+    """The schedule advances with merged updates, not proposals: rejected ones do not move it (paper D.1)."""
+    schedule = BudgetSchedule("cosine", delta_max=1e-3, delta_min=1e-4, horizon=3)
+    kl = PredictedKLControl(schedule)
+    _run([kl])
+    assert [h["effective_budget"] for h in kl.history] == pytest.approx([schedule(1), schedule(2), schedule(3)])
+    rejected = PredictedKLControl(schedule)
+    module, _ = _run([rejected], guard=DivergenceGuard(max_update_ratio=1e-12, max_consecutive=10))
+    assert module.rejected_updates == 3 and module.sketcher.num_applied == 0
+    assert [h["effective_budget"] for h in rejected.history] == pytest.approx([schedule(1)] * 3)
 
 
 def _weights(module) -> dict[str, torch.Tensor]:
