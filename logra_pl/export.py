@@ -423,6 +423,15 @@ def export_checkpoint(
         model, tokenizer = load_policy(policy, dtype=as_dtype(hp["dtype"]) or torch.float32)
     except (PolicyLoadError, OSError) as err:
         raise ExportError(f"the checkpoint's base policy {policy!r} cannot be loaded here: {err}") from err
+    if hp.get("optimizer") == "lora":  # adapters are merged into the matrices: the export is a plain model
+        from logra_pl.lora import LoRAConfig, merge_lora_state
+
+        if state is None:
+            raise ExportError(f"{path}: exporting a sharded LoRA checkpoint is not supported; save a full one")
+        lora = hp.get("lora") or LoRAConfig()
+        alpha = float(lora.alpha if isinstance(lora, LoRAConfig) else lora.get("alpha", LoRAConfig().alpha))
+        plain = {k.removeprefix(_POLICY_PREFIX): v for k, v in state.items() if k.startswith(_POLICY_PREFIX)}
+        state = {_POLICY_PREFIX + k: v for k, v in merge_lora_state(plain, alpha).items()}
     if state is None:
         _load_distributed_policy_tensors(model, path, policy)
     else:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_pl.sketch import DEFAULT_TARGETS, select_targets
@@ -89,11 +90,19 @@ def _shard_bytes(t: torch.Tensor, ranks: int, dtype: torch.dtype | None = None) 
     return math.ceil(rows / ranks) * per_row * size
 
 
+def _adapter_shapes(linear: nn.Linear, rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Meta tensors shaped like a LoRA layer's ``A`` (r × d_in) and ``B`` (d_out × r)."""
+    return [
+        torch.empty(rank, linear.in_features, dtype=dtype, device="meta"),
+        torch.empty(linear.out_features, rank, dtype=dtype, device="meta"),
+    ]
+
+
 def plan(
     config: str | Path | PretrainedConfig | dict[str, Any],
     ranks: int = 1,
     rank_r: int = 64,
-    optimizers: Sequence[str] = ("adamw", "logra"),
+    optimizers: Sequence[str] = ("adamw", "lora", "logra"),
     weight_dtype: str = "float32",
     targets: Sequence[str] = DEFAULT_TARGETS,
     train_all: bool = False,
@@ -103,17 +112,18 @@ def plan(
     Arguments:
         config: the model (see :func:`load_config`).
         ranks: data-parallel ranks the parameters (and dense optimizer state) are sharded over.
-        rank_r: LoGRA sketch rank ``r``.
-        optimizers: which to plan: ``"adamw"`` (dense baseline) and/or ``"logra"``.
+        rank_r: LoGRA sketch rank ``r``, and the LoRA adapters' rank.
+        optimizers: which to plan: ``"adamw"`` (dense baseline), ``"lora"`` (adapters on the targets, AdamW on
+            them) and/or ``"logra"``.
         weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
         targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
         train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
     """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    unknown = set(optimizers) - {"adamw", "logra"}
+    unknown = set(optimizers) - {"adamw", "lora", "logra"}
     if unknown:
-        raise ValueError(f"unknown optimizers {sorted(unknown)}: plan 'adamw' and/or 'logra'")
+        raise ValueError(f"unknown optimizers {sorted(unknown)}: plan 'adamw', 'lora' and/or 'logra'")
     cfg = load_config(config)
     dtype = _DTYPES[weight_dtype]
     with torch.device("meta"):
@@ -133,6 +143,13 @@ def plan(
         # torch's AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype, plus a float32 step scalar.
         state = sum(2 * _shard_bytes(p, ranks) + 4 for p in trained)
         out["adamw"] = PlanRow("adamw", ranks, MemoryReport(weights=weights, gradients=grads, optimizer_state=state))
+    if "lora" in optimizers:
+        # peft builds A (r × d_in) and B (d_out × r) in the base layer's dtype; FSDP shards them on dim 0 too.
+        adapters = [t for lin in matrices.values() for t in _adapter_shapes(lin, rank_r, dtype)]
+        size = sum(_shard_bytes(t, ranks) for t in adapters)
+        state = sum(2 * _shard_bytes(t, ranks) + 4 for t in adapters)
+        report = MemoryReport(weights=weights, gradients=size, adapters=size, adapter_optimizer_state=state)
+        out["lora"] = PlanRow("lora", ranks, report)
     if "logra" in optimizers:
         report = MemoryReport(weights=weights)
         for linear in matrices.values():
@@ -146,15 +163,25 @@ def plan(
 
 def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
     """A table in GiB, one column per optimizer, and the LoGRA/AdamW ratio of the totals."""
-    kinds = ["weights", "gradients", "optimizer_state", "sketches", "projections", "row_statistics"]
+    kinds = [
+        "weights",
+        "gradients",
+        "optimizer_state",
+        "adapters",
+        "adapter_optimizer_state",
+        "sketches",
+        "projections",
+        "row_statistics",
+    ]
     names = list(rows)
     lines = [title] if title else []
-    lines.append(f"{'per rank (GiB)':<18}" + "".join(f"{n:>12}" for n in names))
+    lines.append(f"{'per rank (GiB)':<25}" + "".join(f"{n:>12}" for n in names))
     for kind in kinds:
-        lines.append(f"{kind:<18}" + "".join(f"{getattr(rows[n].report, kind) / GiB:>12.3f}" for n in names))
-    lines.append(f"{'total':<18}" + "".join(f"{rows[n].report.total / GiB:>12.3f}" for n in names))
-    if "adamw" in rows and "logra" in rows:
-        lines.append(f"logra / adamw total: {rows['logra'].report.total / rows['adamw'].report.total:.3f}")
+        lines.append(f"{kind:<25}" + "".join(f"{getattr(rows[n].report, kind) / GiB:>12.3f}" for n in names))
+    lines.append(f"{'total':<25}" + "".join(f"{rows[n].report.total / GiB:>12.3f}" for n in names))
+    for name in ("lora", "logra"):
+        if "adamw" in rows and name in rows:
+            lines.append(f"{name} / adamw total: {rows[name].report.total / rows['adamw'].report.total:.3f}")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ data from :attr:`LoGRAPolicyModule.step_context`, never from each other.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -29,11 +30,13 @@ from logra_pl.callbacks.progress import (
     RichUpdateProgressBar,
     UpdateProgressBar,
 )
+from logra_pl.checkpointing import enable_activation_checkpointing
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
-from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, StaleEngineError
+from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, StaleEngineError, check_int
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
+from logra_pl.lora import LoRAConfig, MergedState, attach_lora, lora_layers, merged_tensors
 from logra_pl.losses import Baseline, length_weights
 from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
 from logra_pl.models.load import load_policy, resolve_source
@@ -92,13 +95,21 @@ class LoGRAPolicyModule(pl.LightningModule):
     Arguments:
         policy: ``tiny[:preset]``, ``smollm2``, a ``.gguf`` file, a ``save_pretrained`` folder or a hub id.
         warm_start: optional supervised warm start (cached) before RL; eval questions are excluded.
-        optimizer: ``"logra"`` (sketches, merged updates) or ``"adamw"`` (dense baseline).
+        optimizer: ``"logra"`` (sketches, merged updates), ``"adamw"`` (dense baseline) or ``"lora"`` (peft
+            adapters on the same matrices, trained by ``adamw``'s AdamW; the engine receives merged weights).
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
         adamw: AdamW hyper-parameters and schedule (``optimizer="adamw"``).
         loss: the surrogate.
         baseline: the advantage baseline: running (algorithm.md §8), or per-prompt ``group`` / ``rloo``.
         rollout: sampling settings.
-        microbatch_size: responses per forward/backward pass.
+        microbatch_size: responses per forward/backward pass (at most).
+        max_tokens_per_microbatch: token budget of one forward/backward pass (rows × longest row, padding
+            included): consecutive responses are grouped while they fit, so a few long responses get small
+            microbatches instead of running out of memory; None: ``microbatch_size`` responses each time.
+        activation_checkpointing: recompute each decoder layer in backward instead of keeping its activations
+            (:mod:`logra_pl.checkpointing`; works in eval mode, unlike transformers' own switch).
+        attn_implementation: transformers' attention kernel (``eager``, ``sdpa``, ``flash_attention_2``); None:
+            its default. The KL probe's forward-mode pass always uses eager attention.
         answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
@@ -119,13 +130,17 @@ class LoGRAPolicyModule(pl.LightningModule):
         self,
         policy: str = "tiny",
         warm_start: WarmStart | None = None,
-        optimizer: Literal["logra", "adamw"] = "logra",
+        optimizer: Literal["logra", "adamw", "lora"] = "logra",
         logra: LoGRAConfig | None = None,
         adamw: AdamWConfig | None = None,
+        lora: LoRAConfig | None = None,
         loss: LossConfig | None = None,
         baseline: Baseline | None = None,
         rollout: RolloutSettings | None = None,
         microbatch_size: int = 16,
+        max_tokens_per_microbatch: int | None = None,
+        activation_checkpointing: bool = False,
+        attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None,
         answer_format: Literal["auto", "tags", "plain"] = "auto",
         dtype: Literal["float32", "bfloat16", "float64"] = "float32",
         seed: int = 0,
@@ -137,8 +152,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         verifier: Verifier | None = None,
     ) -> None:
         super().__init__()
-        if optimizer not in ("logra", "adamw"):
-            raise ValueError(f"unknown optimizer {optimizer!r}: use 'logra' or 'adamw'")
+        if optimizer not in ("logra", "adamw", "lora"):
+            raise ValueError(f"unknown optimizer {optimizer!r}: use 'logra', 'adamw' or 'lora'")
         if microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
         resolve_engine(engine)  # an unknown engine fails here, before any model is loaded
@@ -149,6 +164,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.optimizer_name = optimizer
         self.logra_config = logra or LoGRAConfig()
         self.adamw_config = adamw or AdamWConfig()
+        self.lora_config = lora or LoRAConfig()
         self.loss_config = loss or LossConfig()
         self.baseline = baseline or Baseline()
         self.rollout_settings = rollout or RolloutSettings()
@@ -158,6 +174,11 @@ class LoGRAPolicyModule(pl.LightningModule):
                 "rollout.responses_per_prompt >= 2 (or use baseline.kind: running)"
             )
         self.microbatch_size = microbatch_size
+        if max_tokens_per_microbatch is not None:
+            check_int("max_tokens_per_microbatch", max_tokens_per_microbatch, 1)
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.activation_checkpointing = activation_checkpointing
+        self.attn_implementation = attn_implementation
         self.scoring = scoring or ScoringSettings()
         if verifier is None:
             verifier = ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
@@ -214,7 +235,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         else:
             self.check_model_fits()
             source = self._resolve_source()
-        model, tokenizer = load_policy(source, dtype=_DTYPES[self.dtype_name])
+        dtype, attn = _DTYPES[self.dtype_name], self.attn_implementation
+        model, tokenizer = load_policy(source, dtype=dtype, attn_implementation=attn)
         if tokenizer.chat_template is None:
             raise ValueError(
                 f"the tokenizer of policy {source!r} has no chat template: prompts are chats; use an instruct "
@@ -228,6 +250,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         world = trainer.world_size if trainer is not None else 1
         request = EngineRequest(source, model, tokenizer, sorted(eos), self, world)
         self.engine = resolve_engine(self.engine_kind)(request)
+        if self.optimizer_name == "lora":  # after the engine's copy: the engine holds plain (merged) matrices
+            attach_lora(self.policy, self.logra_config.targets, self.lora_config)
+        if self.activation_checkpointing:  # after the engine's copy: it generates without recomputation
+            enable_activation_checkpointing(self.policy)
 
     def check_model_fits(self) -> None:
         """Settings that depend on the model's shapes, read from its config (no weights): ``rank ≤ d_in``.
@@ -277,6 +303,9 @@ class LoGRAPolicyModule(pl.LightningModule):
             self.sketcher = LoGRASketcher(self.policy, self.logra_config)
             return LoGRAOptimizer(self.sketcher)
         cfg = self.adamw_config
+        if self.optimizer_name == "lora":
+            opt, sched = cfg.build(attach_lora(self.policy, self.logra_config.targets, self.lora_config))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
         if cfg.train_all:
             params = [p for p in self.policy.parameters()]
             for p in params:
@@ -337,12 +366,30 @@ class LoGRAPolicyModule(pl.LightningModule):
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The trainer's log-probs of the packed responses, microbatched, without grad."""
         out = []
-        for rows in self._microbatches(list(range(packed.input_ids.shape[0]))):
-            out.append(response_logprobs(self.policy, _select(packed, rows).to(self.device), temperature))
+        trim = self.max_tokens_per_microbatch is not None
+        for rows in self._microbatches(list(range(packed.input_ids.shape[0])), packed):
+            out.append(response_logprobs(self.policy, _select(packed, rows, trim).to(self.device), temperature))
         return torch.cat(out).cpu()
 
-    def _microbatches(self, rows: list[int]) -> list[list[int]]:
-        return [rows[i : i + self.microbatch_size] for i in range(0, len(rows), self.microbatch_size)]
+    def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> list[list[int]]:
+        """Consecutive groups of ``rows``: ``microbatch_size`` each, or while they fit the token budget."""
+        budget = self.max_tokens_per_microbatch
+        if budget is None or packed is None:
+            return [rows[i : i + self.microbatch_size] for i in range(0, len(rows), self.microbatch_size)]
+        lengths = packed.attention_mask.sum(dim=1).tolist()
+        out: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for row in rows:
+            width = max(longest, int(lengths[row]))
+            if current and ((len(current) + 1) * width > budget or len(current) >= self.microbatch_size):
+                out.append(current)
+                current, width = [], int(lengths[row])
+            current.append(row)
+            longest = width
+        if current:
+            out.append(current)
+        return out
 
     def generate_rollout(
         self, prompts: list[list[int]], sampling: SamplingConfig, prompt_seeds: list[int] | None = None
@@ -485,7 +532,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             metrics["logra/skipped_updates"] = float(self.sketcher.num_skipped)
             metrics["logra/merge_s"] = self.optimizers().optimizer.last_merge_s
         metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
-        optimizer = self.optimizers().optimizer if self.optimizer_name == "adamw" else None
+        optimizer = self.optimizers().optimizer if self.optimizer_name != "logra" else None
         metrics["memory/persistent_state_bytes"] = float(
             memory_report(self.policy, optimizer=optimizer, sketcher=self.sketcher).persistent
         )
@@ -508,8 +555,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         spec, params = cfg.spec, cfg.hyper_parameters()
         reference = ctx.logp_rollout if spec.reference == "rollout" else ctx.logp_trainer
         total = 0.0
-        for mb in self._microbatches(rows):
-            packed = _select(ctx.packed, mb).to(self.device)
+        trim = self.max_tokens_per_microbatch is not None
+        for mb in self._microbatches(rows, ctx.packed):
+            packed = _select(ctx.packed, mb, trim).to(self.device)
             logp = response_logprobs(self.policy, packed, ctx.temperature)
             adv = ctx.advantages[mb].to(self.device)
             weights = length_weights(packed.lengths, cfg.length_reference)
@@ -523,7 +571,7 @@ class LoGRAPolicyModule(pl.LightningModule):
                     acc[0] += num
                     acc[1] += den
         t1 = time.perf_counter()
-        if self.optimizer_name == "adamw":
+        if self.optimizer_name != "logra":  # dense AdamW, or AdamW on LoRA adapters
             rejected = self._guard_adamw(opt.optimizer)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -582,7 +630,7 @@ class LoGRAPolicyModule(pl.LightningModule):
                 limit,
             )
         if self.rejected_in_a_row >= limit:
-            knob = "lr" if self.optimizer_name == "adamw" or self.logra_config.step_mode == "lr" else "update_ratio"
+            knob = "lr" if self.optimizer_name != "logra" or self.logra_config.step_mode == "lr" else "update_ratio"
             ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
             raise PolicyDivergedError(
                 f"policy diverged at update {update}: {limit} updates in a row were not applied (last: {rejected}). "
@@ -600,7 +648,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             full = True  # the engine moved: resend everything
         wire = getattr(self.engine, "wire_dtype", None)
         if full:
-            self.engine.load_weights(GatheredState(self.policy.state_dict(), dtype=wire))
+            if self.optimizer_name == "lora":  # adapters merged into plain matrices, as engines hold them
+                self.engine.load_weights(MergedState(self.policy, dtype=wire))
+            else:
+                self.engine.load_weights(GatheredState(self.policy.state_dict(), dtype=wire))
             return
         if self.optimizer_name == "logra":
             payload = self.optimizers().optimizer.last_payload
@@ -611,10 +662,15 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every tensor of the policy, gathered whole (FSDP shards are all-gathered)."""
+        if self.optimizer_name == "lora":  # LoRA runs export and sync the merged matrices, not adapters
+            return dict(MergedState(self.policy))
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()}
 
     def trained_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors an update changes: LoGRA's target matrices, or the dense optimizer's parameters."""
+        """The tensors an update changes: LoGRA's target matrices, the dense optimizer's parameters, or LoRA's
+        merged matrices (under their plain names, as an engine holds them)."""
+        if self.optimizer_name == "lora":
+            return merged_tensors(self.policy)
         if self.optimizer_name == "logra":
             targets = select_targets(self.policy, self.logra_config.targets)
             params = {f"{n}.weight": m.weight for n, m in targets.items()}
@@ -756,6 +812,15 @@ class LoGRAPolicyModule(pl.LightningModule):
         if self.policy is None:
             return ""
         n = self.trained_parameter_count()
+        if self.optimizer_name == "lora":
+            grad = sum(p.numel() * p.element_size() for p in self.policy.parameters() if p.requires_grad)
+            cfg = self.lora_config
+            return (
+                f"LoRA trains {_count(n)} adapter parameters (rank {cfg.rank}, alpha {cfg.alpha:g}) on "
+                f"{len(lora_layers(self.policy))} matrices ({', '.join(self.logra_config.targets)}); the base weights "
+                f"are frozen. Its state: {_bytes(grad)} of adapters, as much again of gradients and "
+                f"{_bytes(2 * grad)} of Adam moments"
+            )
         if self.sketcher is None:
             grad = sum(p.numel() * p.element_size() for p in self.policy.parameters() if p.requires_grad)
             what = "every parameter" if self.adamw_config.train_all else "the attention/MLP matrices"
@@ -806,7 +871,17 @@ def item_task(item: dict[str, Any]) -> str:
     return str(task) if task else "all"
 
 
-def _select(packed: PackedResponses, rows: list[int]) -> PackedResponses:
-    """Rows of a packed batch (columns kept; all-padding tail columns are harmless)."""
+def _select(packed: PackedResponses, rows: list[int], trim: bool = False) -> PackedResponses:
+    """Rows of a packed batch. Columns are kept (all-padding tail columns are harmless), or with ``trim`` the
+    input columns beyond the longest selected row are dropped (rows are right-padded; response columns stay)."""
     idx = torch.tensor(rows, dtype=torch.long)
-    return PackedResponses(*(getattr(packed, f)[idx] for f in packed.__dataclass_fields__))
+    out = PackedResponses(*(getattr(packed, f)[idx] for f in packed.__dataclass_fields__))
+    if trim:
+        width = max(int(out.attention_mask.sum(dim=1).max()), 1)
+        out = dataclasses.replace(
+            out,
+            input_ids=out.input_ids[:, :width],
+            attention_mask=out.attention_mask[:, :width],
+            position_ids=out.position_ids[:, :width],
+        )
+    return out

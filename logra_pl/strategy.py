@@ -24,21 +24,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
+from logra_pl.checkpointing import checkpointed_layers, decoder_layers, enable_activation_checkpointing
 from logra_pl.optim import LoGRAOptimizer
 
+__all__ = ["LoGRAStrategy", "decoder_layers", "row_offset"]
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one (``_no_split_modules`` of a transformers model)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} declares no decoder layers (`_no_split_modules`): LoGRAStrategy shards "
-            "transformers decoder-only causal LMs"
-        )
-    return layers
 
 
 def row_offset(weight: torch.Tensor) -> int:
@@ -104,9 +95,10 @@ class LoGRAStrategy(ModelParallelStrategy):
         """``fully_shard`` every decoder layer, then the root, on the data-parallel mesh."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        layers = decoder_layers(policy)
         if self.activation_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(policy)
+        # Shard each decoder layer — through its checkpoint wrapper when there is one, so the replay re-gathers.
+        layers = checkpointed_layers(policy) or decoder_layers(policy)
         mesh = self.device_mesh["data_parallel"]
         kwargs: dict[str, Any] = {"mesh": mesh}
         if self.param_dtype is not None:

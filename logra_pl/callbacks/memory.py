@@ -148,7 +148,7 @@ class MemoryMonitor(pl.Callback):
     def state(self, pl_module: Any) -> MemoryReport:
         """Training state by kind from the module's policy, optimizer and sketcher."""
         optimizer = None
-        if getattr(pl_module, "optimizer_name", None) == "adamw" and pl_module.trainer.optimizers:
+        if getattr(pl_module, "optimizer_name", None) in ("adamw", "lora") and pl_module.trainer.optimizers:
             optimizer = pl_module.trainer.optimizers[0]
         return memory_report(pl_module.policy, optimizer=optimizer, sketcher=getattr(pl_module, "sketcher", None))
 

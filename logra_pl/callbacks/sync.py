@@ -212,6 +212,8 @@ class PolicySync(pl.Callback):
     @staticmethod
     def full_bf16_bytes(pl_module: Any) -> int:
         """Bytes of the tensors an update changes, in bf16 (global shapes; nothing is gathered)."""
+        if pl_module.optimizer_name == "lora":  # the engine receives the merged matrices
+            return 2 * sum(t.numel() for t in pl_module.trained_tensors().values())
         if pl_module.optimizer_name == "logra":
             tensors = [m.weight for m in select_targets(pl_module.policy, pl_module.logra_config.targets).values()]
         else:

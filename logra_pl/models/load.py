@@ -87,13 +87,14 @@ def _offline() -> bool:
 
 
 def load_policy(
-    source: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+    source: str | os.PathLike[str], dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` from ``source`` (see the module docstring).
 
     Arguments:
         source: ``tiny[:preset]``, ``smollm2``, a ``.gguf`` path, a ``save_pretrained`` folder, or a hub id.
         dtype: parameter dtype; fp32 master weights are the LoGRA default (algorithm.md §5).
+        attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2`` (transformers' setting); None: its default.
 
     A hub id that is not in the local cache while the hub cannot be reached raises :class:`PolicyLoadError`
     naming the id and the ways out, instead of a bare connection error.
@@ -102,9 +103,12 @@ def load_policy(
     kwargs: dict[str, object] = {}
     if resolved.gguf_file is not None:
         kwargs["gguf_file"] = resolved.gguf_file
+    model_kwargs = dict(kwargs)
+    if attn_implementation is not None:
+        model_kwargs["attn_implementation"] = attn_implementation
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved.location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(resolved.location, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(resolved.location, dtype=dtype, **model_kwargs)
     except OSError as err:
         if not resolved.is_hub_id:
             raise

@@ -54,13 +54,16 @@ class MatrixSketch:
         if not torch.is_grad_enabled():
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
         x = args[0]
-        z = torch.matmul(x.detach().reshape(-1, self.d_in).to(torch.float32), self.projection.T)
+        # fp32 even under autocast (bf16-mixed training): the sketch is exact for the bf16 activations it sees.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            z = torch.matmul(x.detach().reshape(-1, self.d_in).to(torch.float32), self.projection.T)
         return SketchGrad.apply(output, z, self.anchor, self)
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
         """``S += dYᵀ Z`` in fp32."""
         dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
-        self.sketch.addmm_(dy.T, z)
+        with torch.autocast(device_type=dy.device.type, enabled=False):
+            self.sketch.addmm_(dy.T, z)
 
 
 class SketchGrad(torch.autograd.Function):

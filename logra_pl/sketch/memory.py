@@ -26,6 +26,8 @@ class MemoryReport:
     weights: int = 0
     gradients: int = 0
     optimizer_state: int = 0
+    adapters: int = 0
+    adapter_optimizer_state: int = 0
     sketches: int = 0
     projections: int = 0
     row_statistics: int = 0
@@ -38,11 +40,12 @@ class MemoryReport:
 
     @property
     def persistent(self) -> int:
-        """Bytes that live across updates: weights, gradients, optimizer state, row statistics.
+        """Bytes that live across updates: weights, gradients, optimizer state (adapters and theirs), row statistics.
 
         Sketches and projections are per-update working buffers (reset every update), so they are not counted.
         """
-        return self.weights + self.gradients + self.optimizer_state + self.row_statistics
+        held = self.weights + self.gradients + self.optimizer_state + self.row_statistics
+        return held + self.adapters + self.adapter_optimizer_state
 
     def as_mib(self) -> dict[str, float]:
         """Every field and the total in MiB."""
@@ -74,15 +77,33 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) 
 def memory_report(
     module: nn.Module, optimizer: torch.optim.Optimizer | None = None, sketcher: LoGRASketcher | None = None
 ) -> MemoryReport:
-    """Bytes held by ``module``'s parameters and buffers, their ``.grad``, ``optimizer``'s state and the sketcher."""
+    """Bytes held by ``module``'s parameters and buffers, their ``.grad``, ``optimizer``'s state and the sketcher.
+
+    LoRA adapters (parameters named ``...lora_A...``/``...lora_B...``) and their optimizer state are kinds of their
+    own; their gradients count as gradients.
+    """
     seen: set[tuple[str, int]] = set()
     report = MemoryReport()
-    params = list(module.parameters())
+    named = list(module.named_parameters())
+    adapters = [p for n, p in named if ".lora_" in n]
+    ids = {id(p) for p in adapters}
+    params = [p for _, p in named]
+    report.adapters = _storage_bytes(adapters, seen)
     report.weights = _storage_bytes(params, seen) + _storage_bytes(module.buffers(), seen)
     report.gradients = _storage_bytes((p.grad for p in params if p.grad is not None), seen)
     if optimizer is not None:
-        state_tensors = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        report.optimizer_state = _storage_bytes(state_tensors, seen)
+
+        def state_of(keep: bool) -> list[torch.Tensor]:
+            return [
+                v
+                for p, st in optimizer.state.items()
+                if (id(p) in ids) == keep
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            ]
+
+        report.adapter_optimizer_state = _storage_bytes(state_of(True), seen)
+        report.optimizer_state = _storage_bytes(state_of(False), seen)
     if sketcher is not None:
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
         report.projections = _storage_bytes((m.projection for m in sketcher.matrices.values()), seen)

@@ -234,6 +234,31 @@ def test_two_engines_share_prompts_and_receive_every_update(tmp_path_factory: py
         srv.kill()
 
 
+def test_lora_run_sends_merged_weights_to_a_served_engine(server: Server, rl_run, tmp_path: Path) -> None:
+    """``model.optimizer: lora`` against vLLM: the engine holds ``W + (α/r)·B A``, never the adapters."""
+    from logra_pl.callbacks import PolicySync
+    from logra_pl.lora import LoRAConfig, merged_tensors
+    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+    from logra_pl.optim import AdamWConfig
+
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        optimizer="lora",
+        lora=LoRAConfig(rank=8, alpha=16.0),
+        adamw=AdamWConfig(lr=1e-3, warmup_steps=0),
+        engine="remote",
+        remote=RemoteSettings(urls=[server.url], api_key_env=KEY_ENV),
+        rollout=RolloutSettings(max_new_tokens=6),
+        microbatch_size=8,
+    )
+    sync = PolicySync(mode="full", verify_every=1, tolerance=TOL)
+    rl_run(module, tmp_path, 3, [sync])
+    merged = merged_tensors(module.policy)
+    assert module.engine.weights_digest(sorted(merged)) == _digests(merged, sorted(merged))
+    assert sync.last_diff is not None and sync.last_diff <= TOL and sync.full_resyncs == 0
+    module.engine.close()
+
+
 def test_serve_settings_refuse_unsafe_binds() -> None:
     from logra_pl.rollout.server import ServeSettings, is_loopback, parse_args
 

@@ -28,6 +28,23 @@ from logra_pl.strategy import LoGRAStrategy
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 
 
+class CountLayerForwards(pl.Callback):
+    """Forward calls of the decoder layers made with grad enabled (loss forwards, and checkpoint replays)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from logra_pl.checkpointing import decoder_layers
+
+        def count(*_args) -> None:
+            if torch.is_grad_enabled():
+                self.calls += 1
+
+        for layer in decoder_layers(pl_module.policy):
+            layer.register_forward_hook(count)
+
+
 class Record(pl.Callback):
     """What each rank trained on: (update, question, response ids) per response."""
 
@@ -49,6 +66,7 @@ def main() -> None:
     parser.add_argument("--ckpt-resume", default=None)
     parser.add_argument("--optimizer", default="logra", choices=["logra", "adamw"])
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--param-dtype", default=None, help="FSDP2 compute dtype (bfloat16: bf16 compute, fp32 master)")
     parser.add_argument("--distributed-ckpt", action="store_true", help="save sharded checkpoints")
     parser.add_argument("--hf-export", default=None, help="HFExport every 3 updates and at the end to this folder")
     args = parser.parse_args()
@@ -63,7 +81,7 @@ def main() -> None:
         microbatch_size=4,
     )
     data = ReasoningGymDataModule({"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8)
-    callbacks: list[pl.Callback] = [record := Record()]
+    callbacks: list[pl.Callback] = [record := Record(), counter := CountLayerForwards()]
     if args.ckpt_dir:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
@@ -75,7 +93,9 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices,
         strategy=LoGRAStrategy(
-            activation_checkpointing=args.activation_checkpointing, save_distributed_checkpoint=args.distributed_ckpt
+            activation_checkpointing=args.activation_checkpointing,
+            save_distributed_checkpoint=args.distributed_ckpt,
+            param_dtype=args.param_dtype,
         ),
         logger=False,
         enable_checkpointing=bool(args.ckpt_dir),
@@ -96,6 +116,10 @@ def main() -> None:
                 "rows": sorted(r for part in rows for r in part),
                 "engine": module.engine.model.state_dict(),
                 "stats": trainer.strategy.stats,
+                "layer_forwards": counter.calls,
+                "sketch_dtypes": sorted({str(s.dtype) for s in module.sketcher.sketches().values()})
+                if module.sketcher is not None
+                else [],
                 "persistent_bytes": memory_report(
                     module.policy, optimizer=module.optimizers().optimizer, sketcher=module.sketcher
                 ).persistent,
