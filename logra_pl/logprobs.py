@@ -64,7 +64,13 @@ def response_logprobs(model: torch.nn.Module, packed: PackedResponses, temperatu
     grad for the loss. Only the response positions' logits are gathered, so the ``(B, T, V)`` log-softmax is
     never materialised beyond the logits the model returns.
     """
-    out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids)
+    # No KV cache: scoring needs none, and a cache would be appended to again when a checkpointed layer replays.
+    out = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        use_cache=False,
+    )
     logits = out.logits
     r_width = packed.targets.shape[1]
     index = packed.starts.unsqueeze(1) + torch.arange(r_width, device=logits.device).unsqueeze(0)

@@ -231,7 +231,7 @@ class PredictedKLControl(pl.Callback):
         if getattr(pl_module.optimizers().optimizer, "last_payload", None) is None:
             return  # skipped for another reason: nothing merged
         with torch.no_grad():
-            after = pl_module.policy(**pending["inputs"]).logits
+            after = pl_module.policy(**pending["inputs"], use_cache=False).logits
         after = after.reshape(-1, after.shape[-1])[pending["flat"]]
         terms = realized_kl_terms(pending["logits"], after, pending["temperature"])
         total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)

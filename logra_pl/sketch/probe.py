@@ -88,7 +88,7 @@ def logit_tangent(
                 return hook
 
             with _math_attention(model), fwad.dual_level(), _output_hooks(modules, hook_for):
-                out = model(**model_inputs).logits
+                out = model(**model_inputs, use_cache=False).logits
                 primal, tangent = fwad.unpack_dual(out)
                 primal, tangent = primal.clone(), (torch.zeros_like(primal) if tangent is None else tangent.clone())
             return primal, tangent
@@ -106,7 +106,7 @@ def logit_tangent(
                 return hook
 
             with _output_hooks(modules, hook_for):
-                logits[sign] = model(**model_inputs).logits
+                logits[sign] = model(**model_inputs, use_cache=False).logits
         tangent = (logits[1.0].double() - logits[-1.0].double()) / (2 * fd_step)
         return logits[0.0], tangent.to(logits[0.0].dtype)
 

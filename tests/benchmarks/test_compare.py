@@ -1,8 +1,10 @@
-"""benchmarks/compare.py end to end on the tiny model: two fresh processes, JSON with runs and ratios."""
+"""benchmarks/compare.py end to end on the tiny model: three fresh processes (adamw, lora, logra), JSON with runs
+and ratios."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,8 +33,8 @@ def test_compare_writes_runs_and_ratios(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["order"] == ["adamw", "logra"]
-    for name in ("adamw", "logra"):
+    assert report["order"] == ["adamw", "lora", "logra"]
+    for name in ("adamw", "lora", "logra"):
         run = report["runs"][name]
         assert run["updates"] == 3 and run["optimizer"] == name
         for key in (
@@ -44,7 +46,7 @@ def test_compare_writes_runs_and_ratios(tmp_path: Path) -> None:
             "update_seconds_median",
             "sync_payload_bytes",
         ):
-            assert run[key] > 0, (name, key)
+            assert math.isfinite(run[key]) and run[key] > 0, (name, key)
         assert run["planned_state_bytes"] == run["state_bytes"]  # the planner, checked on the measured run
         assert run["peak_rss_bytes"] > run["baseline_rss_bytes"]
     ratios = report["ratios"]
@@ -54,4 +56,24 @@ def test_compare_writes_runs_and_ratios(tmp_path: Path) -> None:
     )
     assert ratios["logra_vs_adamw_state"] < 0.6  # tiny model, r=64 of d_in=128: still well under dense Adam
     assert {"logra_vs_adamw_peak", "logra_vs_adamw_step_time"} <= set(ratios)
-    assert "logra/adamw" in proc.stdout  # the printed table
+    # the LoRA column: adapters and their AdamW state as kinds of their own, no dense optimizer state
+    lora, adamw = report["runs"]["lora"], report["runs"]["adamw"]
+    kinds = lora["state_by_kind"]
+    assert kinds["adapters"] > 0 and kinds["adapter_optimizer_state"] > 0 and kinds["optimizer_state"] == 0
+    assert kinds["adapter_optimizer_state"] >= 2 * kinds["adapters"]  # exp_avg and exp_avg_sq
+    assert lora["adapter_parameters"] > 0 and lora["rank"] == 64 and lora["lora_alpha"] == 128
+    assert lora["parameters"] == adamw["parameters"]  # the base model, adapters counted apart
+    assert lora["sync_payload_bytes"] == adamw["sync_payload_bytes"]  # merged target matrices in bf16
+    for pair in ("lora_vs_adamw", "logra_vs_adamw", "logra_vs_lora"):
+        for metric in ("state", "peak", "step_time", "train_time", "update_time", "sync_bytes"):
+            value = ratios[f"{pair}_{metric}"]
+            assert value is not None and math.isfinite(value) and value > 0, (pair, metric)
+    assert ratios["lora_vs_adamw_state"] == lora["state_bytes"] / adamw["state_bytes"]
+    assert ratios["lora_vs_adamw_state"] < 1  # rank-64 adapters and their Adam state: less than dense Adam's
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if "logra/adamw" in line)  # the printed table
+    assert header.split() == ["adamw", "lora", "logra", "lora/adamw", "logra/adamw", "logra/lora"]
+    for label in ("adapters", "adapter optimizer state", "peak RSS in updates", "step s"):
+        row = next(line for line in lines if line.strip().startswith(label))
+        numbers = [float(x) for x in row[30:].split() if x != "-"]
+        assert numbers and all(math.isfinite(x) for x in numbers), row

@@ -42,7 +42,7 @@ class CountLayerForwards(pl.Callback):
                 self.calls += 1
 
         for layer in decoder_layers(pl_module.policy):
-            layer.register_forward_hook(count)
+            layer.register_forward_pre_hook(count)  # a pre-hook: a replay stops early, before post-hooks
 
 
 class Record(pl.Callback):
