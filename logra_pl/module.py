@@ -674,6 +674,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         if self.optimizer_name == "logra":
             targets = select_targets(self.policy, self.logra_config.targets)
             params = {f"{n}.weight": m.weight for n, m in targets.items()}
+            params.update(self.sketcher.dense if self.sketcher is not None else {})
         else:
             params = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}

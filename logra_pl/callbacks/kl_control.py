@@ -160,7 +160,8 @@ class PredictedKLControl(pl.Callback):
         """Mean predicted KL per probed position at α = 1 (averaged over ranks), and what calibration needs."""
         inputs, flat = self._probe_inputs(ctx, pl_module.device, pl_module._trainer)
         modules = {name: m.module for name, m in pl_module.sketcher.matrices.items()}
-        logits, tangent = logit_tangent(pl_module.policy, modules, proposal, inputs, self.probe, self.fd_step)
+        dense = pl_module.sketcher.dense
+        logits, tangent = logit_tangent(pl_module.policy, modules, proposal, inputs, self.probe, self.fd_step, dense)
         vocab = logits.shape[-1]
         z = logits.reshape(-1, vocab)[flat]
         t = tangent.reshape(-1, vocab)[flat]

@@ -373,6 +373,8 @@ class EngineState:
                 )
             if not bool(torch.isfinite(factor).all()):
                 raise RequestError(400, f"payload factor of {name!r} is not finite: refused, weights unchanged")
+        if payload.dense:  # new values of densely trained parameters: names, shapes, finite
+            self._check_named(dict(payload.dense))
         return payload
 
     def check_tensors(self, data: bytes) -> dict[str, torch.Tensor]:

@@ -161,8 +161,10 @@ class LoGRAWorkerExtension:
             apply_payload(payload, self._logra_shadow)
             self._logra_reload()
         else:
-            params = dict(self.model_runner.get_model().named_parameters())
-            apply_payload_to_slices(payload, self._logra_slices, params)
+            model = self.model_runner.get_model()
+            apply_payload_to_slices(payload, self._logra_slices, dict(model.named_parameters()))
+            if payload.dense:  # new values of densely trained parameters (logra.dense_params), loaded as they are
+                model.load_weights(weights=iter(payload.dense.items()))
         return {"matrices": float(len(payload.factors)), "seconds": time.perf_counter() - start}
 
     def logra_load_weights(self, data: bytes, reload: bool = True) -> dict[str, float]:

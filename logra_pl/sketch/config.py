@@ -21,7 +21,16 @@ _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 
 # Keys that change what the saved LoGRA state means: a checkpoint written with one value cannot be resumed
 # under another (row statistics of another rank/target set, projections from another seed or distribution).
-STRUCTURAL_KEYS: tuple[str, ...] = ("targets", "rank", "distribution", "refresh", "base_seed", "update_rule", "beta2")
+STRUCTURAL_KEYS: tuple[str, ...] = (
+    "targets",
+    "rank",
+    "distribution",
+    "refresh",
+    "base_seed",
+    "update_rule",
+    "beta2",
+    "dense_params",
+)
 
 
 class LoGRAConfigError(ConfigError):
@@ -49,6 +58,13 @@ class LoGRAConfig:
         lr: learning rate (lr mode only).
         factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
         merge_chunk_rows: rows merged per chunk, bounding the temporary ``rows × d_in`` delta.
+        dense_params: opt-in (algorithm.md §1): glob patterns of parameter names (``"*norm.weight"``,
+            ``"model.embed_tokens.weight"``) trained beside the sketches by a small dense Adam — their step joins
+            the proposal, is scaled by the same α and probed by the KL controller, and ships to engines as new
+            values. Empty (default): everything but the targets stays frozen.
+        dense_lr: the dense Adam's learning rate.
+        dense_betas: its ``(β1, β2)``.
+        dense_eps: its ``eps``.
     """
 
     targets: tuple[str, ...] = DEFAULT_TARGETS
@@ -65,6 +81,10 @@ class LoGRAConfig:
     lr: float = 1e-4
     factor_dtype: str = "bfloat16"
     merge_chunk_rows: int = 256
+    dense_params: tuple[str, ...] = ()
+    dense_lr: float = 1e-5
+    dense_betas: tuple[float, float] = (0.9, 0.999)
+    dense_eps: float = 1e-8
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
@@ -93,6 +113,15 @@ class LoGRAConfig:
             raise LoGRAConfigError(f"unknown factor_dtype {self.factor_dtype!r}: use one of {sorted(_FACTOR_DTYPES)}")
         if self.merge_chunk_rows <= 0:
             raise LoGRAConfigError(f"merge_chunk_rows must be > 0, got {self.merge_chunk_rows!r}")
+        self.dense_params = tuple(self.dense_params)
+        self.dense_betas = (float(self.dense_betas[0]), float(self.dense_betas[1]))
+        try:
+            check_range("logra.dense_lr", self.dense_lr, 0.0, low_open=True)
+            check_range("logra.dense_betas[0]", self.dense_betas[0], 0.0, 1.0, high_open=True)
+            check_range("logra.dense_betas[1]", self.dense_betas[1], 0.0, 1.0, high_open=True)
+            check_range("logra.dense_eps", self.dense_eps, 0.0)
+        except ConfigError as err:
+            raise LoGRAConfigError(str(err)) from None
         if not isinstance(self.base_seed, int) or self.base_seed < 0:
             raise LoGRAConfigError(f"base_seed must be a non-negative integer, got {self.base_seed!r}")
 
@@ -105,6 +134,8 @@ class LoGRAConfig:
         """Plain-Python form (lists, not tuples) for checkpoints and payloads."""
         out = dataclasses.asdict(self)
         out["targets"] = list(self.targets)
+        out["dense_params"] = list(self.dense_params)
+        out["dense_betas"] = list(self.dense_betas)
         return out
 
     @classmethod
@@ -121,8 +152,8 @@ class LoGRAConfig:
         mine = self.to_dict()
         diff: dict[str, tuple[Any, Any]] = {}
         for key in STRUCTURAL_KEYS:
-            theirs = other.get(key)
-            if key == "targets" and theirs is not None:
+            theirs = other.get(key, [] if key == "dense_params" else None)  # older checkpoints: no dense params
+            if key in ("targets", "dense_params") and theirs is not None:
                 theirs = list(theirs)
             if theirs != mine[key]:
                 diff[key] = (theirs, mine[key])

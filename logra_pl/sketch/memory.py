@@ -105,6 +105,8 @@ def memory_report(
         report.adapter_optimizer_state = _storage_bytes(state_of(True), seen)
         report.optimizer_state = _storage_bytes(state_of(False), seen)
     if sketcher is not None:
+        dense_state = [v for st in getattr(sketcher, "dense_state", {}).values() for v in st.values()]
+        report.optimizer_state += _storage_bytes(dense_state, seen)  # the dense_params' Adam moments
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
         report.projections = _storage_bytes((m.projection for m in sketcher.matrices.values()), seen)
         report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)

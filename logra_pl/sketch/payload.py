@@ -24,6 +24,7 @@ from logra_pl.sketch.projection import projection_seed
 from logra_pl.sketch.targets import canonical_name
 
 PAYLOAD_FORMAT = "logra-pl/payload/v1"
+DENSE_PREFIX = "dense::"  # safetensors names of dense parameter values in a serialized payload
 
 
 @dataclass
@@ -33,6 +34,19 @@ class MatrixProposal:
     factor: torch.Tensor  # U, fp32, (d_out, r)
     seed: int
     projection: torch.Tensor  # P, fp32, (r, d_in): kept for probing; never serialised
+
+
+@dataclass
+class DenseProposal:
+    """The proposed step of one densely trained parameter (``logra.dense_params``): ``p ← p + α·delta``.
+
+    ``delta`` is the dense Adam step at α = 1 (fp32, the local shard under FSDP); ``exp_avg``/``exp_avg_sq`` are the
+    moments to commit if the update is applied.
+    """
+
+    delta: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
 
 
 @dataclass
@@ -50,6 +64,7 @@ class Proposal:
         veto: set by :meth:`skip`: the update is then skipped and counted instead of merged.
         weight_sq_norms: ``{name: ‖W_i‖²}`` the scale was formed from (whole matrices, summed over shards); the
             divergence guard compares the update with them before merging.
+        dense: ``{parameter name: DenseProposal}`` of ``logra.dense_params`` (empty by default).
     """
 
     matrices: dict[str, MatrixProposal]
@@ -64,6 +79,7 @@ class Proposal:
     stats: dict[str, float] = field(default_factory=dict)
     veto: str | None = None
     weight_sq_norms: dict[str, float] = field(default_factory=dict)
+    dense: dict[str, DenseProposal] = field(default_factory=dict)
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
@@ -89,6 +105,7 @@ class Payload:
     """What is merged and shipped for one update: bf16 ``U·α`` per matrix plus the seeds' ingredients.
 
     A receiver rebuilds each ``P`` from ``(base_seed, update_index, name)`` and applies ``W ← W − F P``.
+    ``dense`` holds the new values of densely trained parameters (``logra.dense_params``), copied as they are.
     """
 
     factors: dict[str, torch.Tensor]
@@ -98,6 +115,7 @@ class Payload:
     distribution: str
     refresh: bool
     alpha: float = 1.0
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def seed(self, name: str) -> int:
         """Seed of matrix ``name``'s projection (a fixed basis uses update index 0)."""
@@ -105,8 +123,9 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of factor data (the part that scales with model size)."""
-        return sum(f.numel() * f.element_size() for f in self.factors.values())
+        """Bytes of factor data and dense parameter values (the parts that scale with model size)."""
+        tensors = [*self.factors.values(), *self.dense.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def header(self) -> dict[str, Any]:
         """The scalar fields, as JSON-able metadata."""
@@ -123,6 +142,7 @@ class Payload:
     def to_bytes(self) -> bytes:
         """Serialise as safetensors (factors as tensors, scalars as JSON metadata)."""
         tensors = {name: f.detach().contiguous().cpu() for name, f in self.factors.items()}
+        tensors.update({DENSE_PREFIX + name: v.detach().contiguous().cpu() for name, v in self.dense.items()})
         return st_save(tensors, metadata={"logra": json.dumps(self.header())})
 
     @classmethod
@@ -138,7 +158,9 @@ class Payload:
         if header.get("format") != PAYLOAD_FORMAT:
             raise ValueError(f"not a logra-pl payload (format {header.get('format')!r}, expected {PAYLOAD_FORMAT!r})")
         header.pop("format")
-        return cls(factors=dict(tensors), **header)
+        factors = {k: v for k, v in tensors.items() if not k.startswith(DENSE_PREFIX)}
+        dense = {k[len(DENSE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(DENSE_PREFIX)}
+        return cls(factors=factors, dense=dense, **header)
 
 
 def weight_tensors(target: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -176,4 +198,24 @@ def apply_payload(
         operand, scale = merge_operand(payload.seed(name), payload.rank, weight.shape[1], payload.distribution)
         offset = 0 if row_offsets is None else int(row_offsets.get(name, 0))
         merge_rows_(weight.data, factor, operand, scale, row_offset=offset, chunk_rows=chunk_rows)
-    return list(payload.factors)
+    if payload.dense:
+        named = named_tensors(target)
+        absent = [n for n in payload.dense if n not in named]
+        if absent:
+            raise KeyError(f"payload dense parameters {absent[:5]} are not in the target")
+        with torch.no_grad():
+            for name, value in payload.dense.items():
+                local = local_tensor(named[name])
+                offset = 0 if row_offsets is None else int(row_offsets.get(name, 0))
+                local.data.copy_(value[offset : offset + local.shape[0]] if local.dim() else value)
+    return [*payload.factors, *payload.dense]
+
+
+def named_tensors(target: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{canonical parameter name: tensor}`` of a module's parameters or a state dict (wrapper prefixes gone)."""
+    items = target.named_parameters() if isinstance(target, nn.Module) else target.items()
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in items:
+        module, _, leaf = key.rpartition(".")
+        out[f"{canonical_name(module)}.{leaf}" if module else key] = tensor
+    return out

@@ -17,6 +17,7 @@ import torch
 import torch.autograd.forward_ad as fwad
 from torch import nn
 
+from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.payload import Proposal
 
 ProbeMode = Literal["jvp", "fd"]
@@ -61,6 +62,7 @@ def logit_tangent(
     model_inputs: Mapping[str, torch.Tensor],
     mode: ProbeMode = "jvp",
     fd_step: float = 1e-3,
+    dense: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, dz/dα)``: logits at α=0 and their rate of change along the proposal, both ``(B, T, V)``.
 
@@ -71,6 +73,10 @@ def logit_tangent(
         model_inputs: keyword inputs of the forward (``input_ids``, ``attention_mask``, ``position_ids``).
         mode: ``"jvp"`` (one forward-mode pass, eager attention) or ``"fd"`` (two perturbed passes).
         fd_step: ``h`` of the central difference, in units of the nominal step.
+        dense: ``{name: parameter}`` of densely trained parameters (``logra.dense_params``); their steps
+            ``proposal.dense`` add their tangents (algorithm.md §6). In ``jvp`` mode that part is a central
+            difference over two more forwards (the parameters are moved by ``±h·delta`` and restored exactly):
+            forward-mode AD would have to replace parameters that FSDP manages.
     """
     missing = [n for n in proposal.matrices if n not in modules]
     if missing:
@@ -91,6 +97,10 @@ def logit_tangent(
                 out = model(**model_inputs, use_cache=False).logits
                 primal, tangent = fwad.unpack_dual(out)
                 primal, tangent = primal.clone(), (torch.zeros_like(primal) if tangent is None else tangent.clone())
+            if dense and proposal.dense:
+                plus = _dense_moved(model, model_inputs, dense, proposal, fd_step)
+                minus = _dense_moved(model, model_inputs, dense, proposal, -fd_step)
+                tangent = tangent + ((plus.double() - minus.double()) / (2 * fd_step)).to(tangent.dtype)
             return primal, tangent
         if mode != "fd":
             raise ValueError(f"unknown probe mode {mode!r}: use 'jvp' or 'fd'")
@@ -105,10 +115,39 @@ def logit_tangent(
 
                 return hook
 
-            with _output_hooks(modules, hook_for):
+            with _output_hooks(modules, hook_for), _dense_shift(dense or {}, proposal, sign * fd_step):
                 logits[sign] = model(**model_inputs, use_cache=False).logits
         tangent = (logits[1.0].double() - logits[-1.0].double()) / (2 * fd_step)
         return logits[0.0], tangent.to(logits[0.0].dtype)
+
+
+@contextlib.contextmanager
+def _dense_shift(dense: Mapping[str, torch.Tensor], proposal: Proposal, h: float) -> Iterator[None]:
+    """Move each dense parameter by ``h·delta`` (its local shard) for the block; restore its exact values after."""
+    saved = {}
+    try:
+        for name, step in proposal.dense.items():
+            if h == 0.0 or name not in dense:
+                continue
+            local = local_tensor(dense[name])
+            saved[name] = local.detach().clone()
+            local.data.add_((h * step.delta).to(local.dtype))
+        yield
+    finally:
+        for name, value in saved.items():
+            local_tensor(dense[name]).data.copy_(value)
+
+
+def _dense_moved(
+    model: nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    dense: Mapping[str, torch.Tensor],
+    proposal: Proposal,
+    h: float,
+) -> torch.Tensor:
+    """Logits with the dense parameters moved by ``h·delta`` (sketched matrices at α = 0)."""
+    with _dense_shift(dense, proposal, h):
+        return model(**inputs, use_cache=False).logits
 
 
 def predicted_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -13,6 +13,7 @@ One update, in order (algorithm.md §3-5):
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +25,7 @@ from logra_pl.sketch.accumulate import MatrixSketch
 from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
 from logra_pl.sketch.guard import rejection_reason, relative_update
 from logra_pl.sketch.merge import local_tensor
-from logra_pl.sketch.payload import MatrixProposal, Payload, Proposal, apply_payload
+from logra_pl.sketch.payload import DenseProposal, MatrixProposal, Payload, Proposal, apply_payload, named_tensors
 from logra_pl.sketch.projection import make_projection, projection_seed
 from logra_pl.sketch.targets import select_targets
 from logra_pl.sketch.update import lifted_sq_norm, ratio_scale, rowadam_direction, sgd_direction
@@ -73,6 +74,17 @@ class LoGRASketcher:
             for name, m in self.matrices.items()
         }
         self._pending_row_stats: dict[str, torch.Tensor] | None = None
+        self.dense = select_dense(model, self.config.dense_params, set(self.matrices))
+        for p in self.dense.values():
+            p.requires_grad_(True)
+        # The dense Adam's moments (fp32, the local shard under FSDP) and its step count (= applied updates).
+        self.dense_state: dict[str, dict[str, torch.Tensor]] = {
+            n: {
+                "exp_avg": torch.zeros_like(local_tensor(p).detach(), dtype=torch.float32),
+                "exp_avg_sq": torch.zeros_like(local_tensor(p).detach(), dtype=torch.float32),
+            }
+            for n, p in self.dense.items()
+        }
         self._install_projections()
 
     # ----------------------------------------------------------------------------------------------- hooks
@@ -98,9 +110,11 @@ class LoGRASketcher:
         return {name: m.sketch for name, m in self.matrices.items()}
 
     def zero_sketches(self) -> None:
-        """Reset every ``S`` to zero (start of an update)."""
+        """Reset every ``S`` to zero (start of an update), and the dense parameters' gradients."""
         for m in self.matrices.values():
             m.sketch.zero_()
+        for p in self.dense.values():
+            p.grad = None
 
     # ------------------------------------------------------------------------------------------- proposal
     def weight_sq_norms(self) -> dict[str, float]:
@@ -120,8 +134,10 @@ class LoGRASketcher:
         """
         cfg = self.config
         bad = [name for name, m in self.matrices.items() if not torch.isfinite(m.sketch).all()]
+        grads = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
+        bad += [n for n, g in grads.items() if not torch.isfinite(local_tensor(g)).all()]
         if bad:
-            self.skip(f"non-finite sketch in {len(bad)} matrices, e.g. {bad[0]!r}")
+            self.skip(f"non-finite sketch or gradient in {len(bad)} tensors, e.g. {bad[0]!r}")
             return None
         step = self.num_applied + 1
         directions: dict[str, torch.Tensor] = {}
@@ -162,7 +178,25 @@ class LoGRASketcher:
             scale=scale,
             stats={"weight_sq_norm": sum(w_sq.values()), "direction_sq_norm": sum(lifted.values())},
             weight_sq_norms=w_sq,
+            dense=self._dense_proposals(step, grad_scale),
         )
+
+    def _dense_proposals(self, step: int, grad_scale: float) -> dict[str, DenseProposal]:
+        """Adam steps of the dense parameters at α = 1 (torch's AdamW without weight decay, step ``step``)."""
+        cfg = self.config
+        beta1, beta2 = cfg.dense_betas
+        out: dict[str, DenseProposal] = {}
+        for name, p in self.dense.items():
+            if p.grad is None:
+                continue
+            g = local_tensor(p.grad).detach().to(torch.float32) * grad_scale
+            st = self.dense_state[name]
+            m = st["exp_avg"] * beta1 + g * (1 - beta1)
+            v = st["exp_avg_sq"] * beta2 + g.square() * (1 - beta2)
+            denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(cfg.dense_eps)
+            delta = (m / denom) * (-cfg.dense_lr / (1 - beta1**step))
+            out[name] = DenseProposal(delta=delta, exp_avg=m, exp_avg_sq=v)
+        return out
 
     def apply(
         self, proposal: Proposal, alpha: float | None = None, max_relative_update: float | None = None
@@ -198,8 +232,22 @@ class LoGRASketcher:
         if reason is not None:
             self.reject(reason)
             return None
+        new_dense = {
+            n: (local_tensor(self.dense[n]).detach().float() + payload.alpha * d.delta).to(self.dense[n].dtype)
+            for n, d in proposal.dense.items()
+        }
+        if not all(bool(torch.isfinite(v).all()) for v in new_dense.values()):
+            self.reject("the dense parameters' step would make them non-finite")
+            return None
         weights = {f"{name}.weight": m.module.weight for name, m in self.matrices.items()}
         apply_payload(payload, weights, row_offsets=self.row_offsets, chunk_rows=self.config.merge_chunk_rows)
+        with torch.no_grad():
+            for n, value in new_dense.items():
+                local_tensor(self.dense[n]).copy_(value)
+                self.dense_state[n]["exp_avg"].copy_(proposal.dense[n].exp_avg)
+                self.dense_state[n]["exp_avg_sq"].copy_(proposal.dense[n].exp_avg_sq)
+        # Engines receive the new values whole (FSDP shards gathered: a collective, on every rank).
+        payload.dense = {n: _full(self.dense[n]).detach().clone() for n in new_dense}
         if self._pending_row_stats:
             for name, v in self._pending_row_stats.items():
                 self.row_stats[name].copy_(v)
@@ -241,6 +289,9 @@ class LoGRASketcher:
             "num_skipped": self.num_skipped,
             "num_rejected": self.num_rejected,
             "row_stats": {name: v.detach().cpu().clone() for name, v in self.row_stats.items()},
+            "dense_state": {
+                n: {k: v.detach().cpu().clone() for k, v in st.items()} for n, st in self.dense_state.items()
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -269,6 +320,15 @@ class LoGRASketcher:
                 )
         for name, v in saved.items():
             self.row_stats[name].copy_(v)
+        dense = state.get("dense_state", {})
+        if set(dense) != set(self.dense_state):
+            raise LoGRAConfigError(
+                f"LoGRA checkpoint's dense parameters {sorted(dense)[:3]} differ from this run's "
+                f"{sorted(self.dense_state)[:3]}: resume with the checkpoint's logra.dense_params"
+            )
+        for name, st in dense.items():
+            for key, v in st.items():
+                self.dense_state[name][key].copy_(v)
         self.update_index = int(state["update_index"])
         self.num_applied = int(state["num_applied"])
         self.num_skipped = int(state["num_skipped"])
@@ -276,3 +336,27 @@ class LoGRASketcher:
         self._pending_row_stats = None
         self.zero_sketches()
         self._install_projections()
+
+
+def select_dense(model: nn.Module, patterns: tuple[str, ...], targets: set[str]) -> dict[str, nn.Parameter]:
+    """``{canonical name: parameter}`` matching any glob in ``patterns`` (never a target matrix's weight).
+
+    A pattern that matches nothing is an error naming it, so a typo does not silently train nothing.
+    """
+    if not patterns:
+        return {}
+    named = named_tensors(model)
+    out: dict[str, nn.Parameter] = {}
+    for pattern in patterns:
+        hits = [n for n in named if fnmatch.fnmatchcase(n, pattern) and n.removesuffix(".weight") not in targets]
+        if not hits:
+            raise LoGRAConfigError(
+                f"logra.dense_params pattern {pattern!r} matches no parameter outside the sketched matrices; "
+                f"names look like {sorted(named)[:3]}"
+            )
+        out.update({n: named[n] for n in hits})
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -162,3 +162,37 @@ def test_state_round_trip() -> None:
     fresh = RolloutMismatch()
     fresh.load_state_dict(mm.state_dict())
     assert fresh.value == 0.0123
+
+
+def test_dense_params_in_a_trainer_run() -> None:
+    """``logra.dense_params``: norms trained beside the sketches, probed by the controller, shipped to the engine."""
+    pl.seed_everything(0)
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16, update_ratio=1e-2, dense_params=("*norm.weight",), dense_lr=1e-3),
+        rollout=RolloutSettings(max_new_tokens=6),
+        microbatch_size=8,
+    )
+    kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True)
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=[kl],
+    )
+    trainer.fit(
+        module,
+        datamodule=ReasoningGymDataModule(
+            {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8
+        ),
+    )
+    assert module.sketcher.num_applied == 3 and len(module.sketcher.dense) == 5
+    trainer_state, engine_state = module.policy.state_dict(), module.engine.model.state_dict()
+    assert all(torch.equal(trainer_state[k], engine_state[k]) for k in engine_state)
+    assert not torch.equal(trainer_state["model.norm.weight"], torch.ones_like(trainer_state["model.norm.weight"]))
+    for h in kl.history:
+        assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.05
