@@ -53,7 +53,7 @@ def test_dense_tangent_is_the_logit_change(qwen2_factory) -> None:
     proposal = sketcher.propose()
     modules = {n: m.module for n, m in sketcher.matrices.items()}
     inputs = {"input_ids": ids}
-    z, t_jvp = logit_tangent(model, modules, proposal, inputs, mode="jvp", dense=sketcher.dense)
+    _, t_jvp = logit_tangent(model, modules, proposal, inputs, mode="jvp", dense=sketcher.dense)
     _, t_fd = logit_tangent(model, modules, proposal, inputs, mode="fd", fd_step=1e-3, dense=sketcher.dense)
     _, t_matrices = logit_tangent(model, modules, proposal, inputs, mode="jvp")
     assert float((t_jvp - t_matrices).norm() / t_jvp.norm()) > 1e-3  # the dense part is there
