@@ -68,6 +68,25 @@ def test_policy_sync_modes_keep_engine_equal(tmp_path, mode: str) -> None:
             assert row["sync/payload_bytes"] == 2 * full
 
 
+def test_full_sync_wire_dtype(tmp_path) -> None:
+    """``wire_dtype``: what full mode puts on the wire — bf16 here, as dense frameworks send to bf16 engines."""
+    module = LoGRAPolicyModule(
+        policy="tiny", logra=LoGRAConfig(rank=16, update_ratio=1e-2), rollout=RolloutSettings(max_new_tokens=4)
+    )
+    sync = PolicySync(mode="full", wire_dtype="bfloat16", verify_every=0)
+    assert PolicySync().wire_dtype_for(object()) is None  # auto, an engine without a stored dtype: as trained
+    assert sync.wire_dtype_for(object()) == torch.bfloat16
+    metrics = Metrics()
+    _fit(module, sync, 2, tmp_path, [metrics])
+    targets = select_targets(module.policy, module.logra_config.targets)
+    assert all(row["sync/payload_bytes"] == row["sync/full_bytes"] for row in metrics.rows)  # 2 bytes a weight
+    engine = module.engine.model.state_dict()
+    for name, m in targets.items():
+        assert torch.equal(engine[f"{name}.weight"], m.weight.detach().to(torch.bfloat16).float()), name
+    with pytest.raises(ValueError, match="wire_dtype"):
+        PolicySync(wire_dtype="int8")
+
+
 def test_policy_sync_refuses_factors_with_dense_optimizer(tmp_path) -> None:
     module = LoGRAPolicyModule(policy="tiny", optimizer="adamw", rollout=RolloutSettings(max_new_tokens=4))
     with pytest.raises(ValueError, match="use mode='full'"):

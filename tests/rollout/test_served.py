@@ -87,6 +87,7 @@ def test_health_generate_and_full_load(server: Server) -> None:
     info = engine.infos[server.url]
     assert info["api"] == 1 and info["sync_mode"] == "shadow" and info["master_dtype"] == "float32"
     assert info["version"].startswith("base:") and engine.context_limit == info["max_model_len"]
+    assert engine.wire_dtype == torch.float32  # a shadow engine stores the trainer's dtype: full loads travel in it
     # Other weights than the served ones: every tensor perturbed (embedding and tied lm_head included).
     torch.manual_seed(1)
     with torch.no_grad():
