@@ -101,12 +101,12 @@ def test_bf16_mixed_keeps_fp32_master_and_sketches(fit, tmp_path: Path) -> None:
     before, after = load_policy("tiny")[0].state_dict(), _weights(module)
     moved = [k for k in after if k.endswith("proj.weight") and not torch.equal(before[k], after[k])]
     assert len(moved) == 14 and all(bool(torch.isfinite(after[k]).all()) for k in after)
-    # The KL controller still predicts what happens. In fp32 the realized KL matches α²·pred within 5%; with bf16
-    # logits (8 mantissa bits, relative rounding ~4e-3 on logits of size ~10) the realized KL of a 1e-4 step carries
-    # rounding noise of the same order as the change itself per position; averaged over the probe it stays within 50%.
+    # The KL controller still predicts what happens: measured over 6 updates of this setup, |realized − α²·pred| /
+    # realized stayed ≤ 2.4% in bf16-mixed (≤ 2.2% in fp32): the probe and the realized KL both see bf16 logits, whose
+    # rounding (~4e-3 relative) is far below the 1e-4 step's effect averaged over the probe. 10% leaves CPU-to-CPU room.
     for h in kl.history:
         assert h["realized"] > 0
-        assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.5
+        assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.1
 
 
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])

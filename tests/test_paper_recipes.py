@@ -40,8 +40,8 @@ MODELS = PAPER / "models"
 BASE = PAPER / "math_1.5b_logra.yaml"
 RECIPES = sorted(PAPER.glob("*.yaml"))
 OVERLAYS = sorted((PAPER / "ablations").glob("*.yaml"))
-# Each overlay changes exactly these resolved keys of its base (besides the logger's run name); lora_r256 is checked
-# on its own below.
+# Each overlay changes exactly these resolved keys of its base (besides the logger's run name); `kl.` stands for the
+# PredictedKLControl callback's init_args. lora_r256 is checked on its own below.
 OVERLAY_CHANGES: dict[str, dict[str, Any]] = {
     "rank_4": {"model.logra.rank": 4},
     "rank_16": {"model.logra.rank": 16},

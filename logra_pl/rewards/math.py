@@ -8,6 +8,7 @@ plain expressions into sympy objects and compares them by value, as sets or inte
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +38,8 @@ class MathVerifier:
             limit that always holds. In the main thread this replaces any ``SIGALRM`` timer the process had set.
 
     The answer read from a response is :func:`~logra_pl.rewards.base.extract_final_answer` (``<answer>`` tags, else
-    the last ``\\boxed{}``), which math-verify parses as one LaTeX/plain expression; a response with neither is given
+    the last ``\\boxed{}``), else the last line ``Answer: …`` (the format DAPO-Math's prompts ask for; ``$`` signs
+    around it dropped), which math-verify parses as one LaTeX/plain expression; a response with none of these is given
     to math-verify whole (stripped), which takes its last expression or the one after "the final answer is" — and
     then the whole response counts against ``max_answer_chars``. The gold ``item["answer"]`` is parsed the same way.
 
@@ -67,7 +69,7 @@ class MathVerifier:
 
     def extract(self, response: str) -> str:
         """The text math-verify reads: the tagged or boxed answer, else the whole response (stripped)."""
-        answer = extract_final_answer(response)
+        answer = extract_final_answer(response) or answer_line(response)
         return response.strip() if answer is None else answer
 
     def _timeout(self) -> int | None:
@@ -88,7 +90,7 @@ class MathVerifier:
             log.warning("malformed verifier item: %s (reward 0)", err)
             return 0.0
         try:
-            boxed = extract_final_answer(response)
+            boxed = extract_final_answer(response) or answer_line(response)
             answer = response.strip() if boxed is None else boxed
             if len(answer) > self.max_answer_chars:
                 self.long_answers += 1
@@ -112,3 +114,17 @@ class MathVerifier:
         return (
             f"{type(self).__name__}(max_answer_chars={self.max_answer_chars}, parsing_timeout={self.parsing_timeout})"
         )
+
+
+_ANSWER_LINE = re.compile(r"^[ \t]*\**answer\**[ \t]*:[ \t]*(.+?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
+
+
+def answer_line(response: str) -> str | None:
+    """The last ``Answer: …`` line's answer (DAPO-Math's requested format), without ``$…$``; None if there is none."""
+    found = _ANSWER_LINE.findall(response)
+    if not found:
+        return None
+    text = found[-1].strip()
+    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        text = text.strip("$").strip()
+    return text or None

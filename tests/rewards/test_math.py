@@ -34,6 +34,8 @@ EQUIVALENT = [
     ("Adding them gives 12, so the final answer is 42", "42"),  # no tags or box: math-verify's own extraction
     (r"\boxed{5 \text{ cm}}", "5"),  # units in \text{} are dropped ...
     (r"\boxed{5 \text{ m}}", r"5 \text{ cm}"),  # ... not converted
+    ("Step 1 gives 10 and 32.\nAnswer: $\\frac{1}{2}$", "0.5"),  # DAPO-Math's requested last line
+    ("**Answer:** 42", "42"),
 ]
 
 WRONG = [
@@ -45,6 +47,7 @@ WRONG = [
     (r"\boxed{4}", "3"),
     (r"\boxed{x^2+1}", "(x+1)^2"),
     (r"\boxed{3} and later \boxed{4}", "3"),  # the last box is the answer
+    ("Answer: 3\nhmm, no.\nAnswer: 4", "3"),  # the last Answer: line is the answer
 ]
 
 
