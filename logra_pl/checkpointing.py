@@ -20,7 +20,8 @@ from torch import nn
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a transformers decoder (``_no_split_modules``), in order."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # By class ancestry: FSDP2 swaps a sharded layer's class for a subclass named ``FSDP<Layer>``.
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(
             f"{type(model).__name__} declares no decoder layers (`_no_split_modules`): LoGRA shards and checkpoints "
