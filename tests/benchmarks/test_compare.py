@@ -49,6 +49,7 @@ def test_compare_writes_runs_and_ratios(tmp_path: Path) -> None:
             assert math.isfinite(run[key]) and run[key] > 0, (name, key)
         assert run["planned_state_bytes"] == run["state_bytes"]  # the planner, checked on the measured run
         assert run["peak_rss_bytes"] > run["baseline_rss_bytes"]
+        assert [r["optimizer"] for r in report["per_run"][name]] == [name]  # one repeat: the median is that run
     ratios = report["ratios"]
     assert (
         ratios["logra_vs_adamw_state"]
