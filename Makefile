@@ -32,7 +32,7 @@ demo: $(VENV)/.demo
 smoke: $(VENV)/.demo
 	$(PY) -m logra_pl.smoke
 
-# LoGRA vs dense AdamW on the 50M `tiny:medium` model: state, peak RSS and step time side by side (~3 min).
+# Dense AdamW vs LoRA vs LoGRA on the 50M `tiny:medium` model: state, peak RSS and step time side by side (~4 min).
 bench: $(VENV)/.demo
 	$(PY) benchmarks/compare.py --json runs/compare.json --model-size medium
 
