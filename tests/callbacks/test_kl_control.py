@@ -42,11 +42,18 @@ def test_step_multiplier() -> None:
     assert step_multiplier(0.0, 1e-4, 3.0) == 1.0
 
 
-def _run(callbacks, steps: int = 3, seed: int = 0, prompts: int = 8, guard: DivergenceGuard | None = None):
+def _run(
+    callbacks,
+    steps: int = 3,
+    seed: int = 0,
+    prompts: int = 8,
+    guard: DivergenceGuard | None = None,
+    logra: LoGRAConfig | None = None,
+):
     pl.seed_everything(seed)
     module = LoGRAPolicyModule(
         policy="tiny",
-        logra=LoGRAConfig(rank=16, update_ratio=1e-2),
+        logra=logra or LoGRAConfig(rank=16, update_ratio=1e-2),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,
         guard=guard,
@@ -166,30 +173,9 @@ def test_state_round_trip() -> None:
 
 def test_dense_params_in_a_trainer_run() -> None:
     """``logra.dense_params``: norms trained beside the sketches, probed by the controller, shipped to the engine."""
-    pl.seed_everything(0)
-    module = LoGRAPolicyModule(
-        policy="tiny",
-        logra=LoGRAConfig(rank=16, update_ratio=1e-2, dense_params=("*norm.weight",), dense_lr=1e-3),
-        rollout=RolloutSettings(max_new_tokens=6),
-        microbatch_size=8,
-    )
     kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True)
-    trainer = pl.Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        callbacks=[kl],
-    )
-    trainer.fit(
-        module,
-        datamodule=ReasoningGymDataModule(
-            {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8
-        ),
-    )
+    logra = LoGRAConfig(rank=16, update_ratio=1e-2, dense_params=("*norm.weight",), dense_lr=1e-3)
+    module, _ = _run([kl], logra=logra)
     assert module.sketcher.num_applied == 3 and len(module.sketcher.dense) == 5
     trainer_state, engine_state = module.policy.state_dict(), module.engine.model.state_dict()
     assert all(torch.equal(trainer_state[k], engine_state[k]) for k in engine_state)
