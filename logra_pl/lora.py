@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from logra_pl.errors import check_int, check_range
+from logra_pl.sketch.merge import full_tensor
 
 ADAPTER = "default"
 _BASE = ".base_layer"
@@ -80,15 +81,11 @@ def lora_layers(policy: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def merged_weight(layer: nn.Module) -> torch.Tensor:
     """``W + (alpha/r)·B A`` of one LoRA layer, in the base weight's dtype (FSDP shards gathered)."""
-    base = _full(layer.base_layer.weight).detach()
-    a = _full(layer.lora_A[ADAPTER].weight).detach()
-    b = _full(layer.lora_B[ADAPTER].weight).detach()
+    base = full_tensor(layer.base_layer.weight).detach()
+    a = full_tensor(layer.lora_A[ADAPTER].weight).detach()
+    b = full_tensor(layer.lora_B[ADAPTER].weight).detach()
     delta = (b.float() @ a.float()) * float(layer.scaling[ADAPTER])
     return (base.float() + delta).to(base.dtype)
 
@@ -121,7 +118,7 @@ class MergedState(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = self._keys[name]
-        value = merged_weight(self._layers[name[: -len(".weight")]]) if key is None else _full(self._state[key])
+        value = merged_weight(self._layers[name[: -len(".weight")]]) if key is None else full_tensor(self._state[key])
         if self.dtype is not None and value.is_floating_point():
             value = value.to(self.dtype)
         return value

@@ -411,9 +411,8 @@ class LoGRAPolicyModule(pl.LightningModule):
             rollout = None
             try:
                 rollout = engine.generate(prompts, sampling, prompt_seeds=prompt_seeds)
-            except StaleEngineError as err:
+            except StaleEngineError as err:  # the engine marked itself stale; every rank hears of it below
                 last = err
-                engine.stale.add(err.url)
             if not self._any_rank(rollout is None):
                 return rollout
         raise StaleEngineError(f"engines stayed out of sync after 3 full resyncs (last: {last})")
@@ -664,7 +663,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Every tensor of the policy, gathered whole (FSDP shards are all-gathered)."""
         if self.optimizer_name == "lora":  # LoRA runs export and sync the merged matrices, not adapters
             return dict(MergedState(self.policy))
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()}
+        return dict(GatheredState(self.policy.state_dict()))
 
     def trained_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors an update changes: LoGRA's target matrices, the dense optimizer's parameters, or LoRA's

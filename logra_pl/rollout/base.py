@@ -8,6 +8,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.payload import Payload
 
 FinishReason = Literal["stop", "length"]
@@ -165,7 +166,7 @@ class GatheredState(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         value = self._state[key]
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        value = full_tensor(value)
         if self.dtype is not None and value.is_floating_point():
             value = value.to(self.dtype)
         return value

@@ -234,6 +234,7 @@ class RemoteEngine:
         message = body.get("error", body)
         if status == 409:
             self.counts["stale_refusals"] += 1
+            self.stale.add(url)  # it holds other weights than expected until a full load succeeds
             raise StaleEngineError(f"{url}: {message}", url=url, version=body.get("version"))
         if status == 401:
             raise ConfigError(
@@ -280,14 +281,7 @@ class RemoteEngine:
                 "expect_version": self.expected,
             }
             jobs.append(self.pool.submit(self.request, "POST", url, "/v1/generate", json=body))
-        answers, errors = [], []
-        for job in jobs:
-            try:
-                answers.append(job.result())
-            except Exception as err:  # wait for every part before raising
-                errors.append(err)
-        if errors:
-            raise errors[0]
+        answers = _results(jobs)
         responses = [r for a in answers for r in a["responses"]]
         reasons: list[FinishReason] = ["stop" if r["finish_reason"] == "stop" else "length" for r in responses]
         return Rollout(
@@ -307,16 +301,7 @@ class RemoteEngine:
 
     def _each_engine(self, send: Any) -> list[Any]:
         """Run ``send(url)`` for every engine at once; return results, re-raising the first error."""
-        jobs = [self.pool.submit(send, url) for url in self.settings.urls]
-        results, errors = [], []
-        for job in jobs:
-            try:
-                results.append(job.result())
-            except Exception as err:
-                errors.append(err)
-        if errors:
-            raise errors[0]
-        return results
+        return _results([self.pool.submit(send, url) for url in self.settings.urls])
 
     def apply_payload(self, payload: Payload) -> None:
         """Rank 0 sends the payload to every engine; an engine that refuses it (409) is marked stale."""
@@ -333,7 +318,7 @@ class RemoteEngine:
                 self.request("POST", url, "/v1/payload", content=data, headers=headers)
                 self.counts["payloads"] += 1
             except StaleEngineError:
-                self.stale.add(url)
+                pass  # marked stale by the refusal itself
 
         self._each_engine(send)
         self.last_sync["seconds"] = time.perf_counter() - start
@@ -413,6 +398,19 @@ class RemoteEngine:
         """``{name: digest}`` of an engine's current weights (:func:`~logra_pl.rollout.vllm_worker.tensor_digest`)."""
         answer = self.request("POST", url or self.settings.urls[0], "/v1/weights/digest", json={"names": list(names)})
         return dict(answer["digests"])
+
+
+def _results(jobs: list[Any]) -> list[Any]:
+    """The results of ``jobs`` in order, after all of them finished; the first error is raised."""
+    results, errors = [], []
+    for job in jobs:
+        try:
+            results.append(job.result())
+        except Exception as err:  # wait for every job before raising
+            errors.append(err)
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

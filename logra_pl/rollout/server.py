@@ -40,8 +40,6 @@ import contextlib
 import hmac
 import ipaddress
 import json
-import logging
-import math
 import os
 import signal
 import subprocess
@@ -57,8 +55,6 @@ import torch
 
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.rollout.remote import API_KEY_ENV, API_VERSION, CHUNK_HEADER, EXPECT_HEADER, FULL_HEADER, NEW_HEADER
-
-log = logging.getLogger(__name__)
 
 READY_LINE = "logra-pl serve: ready at"
 
@@ -277,8 +273,9 @@ class EngineState:
         """Sample one response per row (``prompts`` repeated ``n`` times in a row) with its own seed."""
         from vllm.inputs import TokensPrompt
 
+        from logra_pl.errors import PolicyDivergedError
         from logra_pl.rollout.base import SamplingConfig, expand_prompts
-        from logra_pl.rollout.vllm import request_params, row_seeds
+        from logra_pl.rollout.vllm import request_params, rollout_from_outputs, row_seeds
 
         try:
             prompts = [[int(t) for t in p] for p in body["prompts"]]
@@ -290,7 +287,7 @@ class EngineState:
                 seed=int(body.get("seed", 0)),
             )
             prompt_seeds = body.get("prompt_seeds")
-            rows, _, seeds = expand_prompts(prompts, sampling, self.max_model_len, prompt_seeds)
+            rows, index, seeds = expand_prompts(prompts, sampling, self.max_model_len, prompt_seeds)
             if body.get("seeds") is not None:  # one seed per response, chosen by the trainer
                 seeds = [int(x) % 2**63 for x in body["seeds"]]
                 if len(seeds) != len(rows):
@@ -320,15 +317,14 @@ class EngineState:
                 )
             )
             version = self.version
-        responses = []
-        for out in outputs:
-            seq = out.outputs[0]
-            ids = list(seq.token_ids)
-            lps = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)]
-            if not all(math.isfinite(lp) for lp in lps):
-                raise RequestError(422, "non-finite log-probs for sampled tokens: the engine's weights are not finite")
-            reason = "stop" if seq.finish_reason == "stop" else "length"
-            responses.append({"token_ids": ids, "logprobs": lps, "finish_reason": reason})
+        try:  # the in-process engine's own reading of vLLM's outputs: ids, processed log-probs, finish reasons
+            rollout = rollout_from_outputs(outputs, rows, index, start)
+        except PolicyDivergedError as err:
+            raise RequestError(422, f"non-finite log-probs for sampled tokens: {err}") from err
+        responses = [
+            {"token_ids": ids, "logprobs": lps, "finish_reason": reason}
+            for ids, lps, reason in zip(rollout.response_ids, rollout.logprobs, rollout.finish_reasons, strict=True)
+        ]
         return {"responses": responses, "version": version, "seconds": time.perf_counter() - start}
 
     # ------------------------------------------------------------------------------------------ weights
@@ -481,8 +477,6 @@ class EngineState:
 
     async def digest(self, names: Sequence[str]) -> dict[str, Any]:
         """Digests of the engine's current values of ``<module>.weight`` tensors."""
-        from logra_pl.rollout.vllm_worker import tensor_digest  # noqa: F401  (the workers compute them)
-
         unknown = [n for n in names if n not in self.shapes]
         if unknown:
             raise RequestError(400, f"unknown tensors {unknown[:5]}")

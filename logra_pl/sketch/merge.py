@@ -21,6 +21,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's shards all-gathered (a collective: every rank calls it), else the tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def merge_operand(
     seed: int, rank: int, d_in: int, distribution: str, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, float]:

@@ -24,7 +24,7 @@ from torch import nn
 from logra_pl.sketch.accumulate import MatrixSketch
 from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
 from logra_pl.sketch.guard import rejection_reason, relative_update
-from logra_pl.sketch.merge import local_tensor
+from logra_pl.sketch.merge import full_tensor, local_tensor
 from logra_pl.sketch.payload import DenseProposal, MatrixProposal, Payload, Proposal, apply_payload, named_tensors
 from logra_pl.sketch.projection import make_projection, projection_seed
 from logra_pl.sketch.targets import select_targets
@@ -247,7 +247,7 @@ class LoGRASketcher:
                 self.dense_state[n]["exp_avg"].copy_(proposal.dense[n].exp_avg)
                 self.dense_state[n]["exp_avg_sq"].copy_(proposal.dense[n].exp_avg_sq)
         # Engines receive the new values whole (FSDP shards gathered: a collective, on every rank).
-        payload.dense = {n: _full(self.dense[n]).detach().clone() for n in new_dense}
+        payload.dense = {n: full_tensor(self.dense[n]).detach().clone() for n in new_dense}
         if self._pending_row_stats:
             for name, v in self._pending_row_stats.items():
                 self.row_stats[name].copy_(v)
@@ -356,7 +356,3 @@ def select_dense(model: nn.Module, patterns: tuple[str, ...], targets: set[str])
             )
         out.update({n: named[n] for n in hits})
     return out
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
