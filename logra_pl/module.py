@@ -48,6 +48,7 @@ from logra_pl.rollout.remote import RemoteSettings
 from logra_pl.rollout.vllm import VLLMSettings
 from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, memory_report, select_targets
+from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.payload import Payload
 from logra_pl.warm_start import WarmStart, warm_start_policy
 
@@ -676,7 +677,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             params.update(self.sketcher.dense if self.sketcher is not None else {})
         else:
             params = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
+        return {n: full_tensor(p).detach() for n, p in params.items()}
 
     # -------------------------------------------------------------------------------------- validation
     def on_validation_epoch_start(self) -> None:
