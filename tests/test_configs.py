@@ -106,8 +106,8 @@ def _plain(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------------------ configs
 @pytest.mark.parametrize("config", CONFIG_FILES, ids=_ids(CONFIG_FILES))
 def test_every_config_parses(config: Path) -> None:
-    """Each full config alone, each overlay on top of the base, parses and instantiates (no training)."""
-    configs = (BASE, config) if config.parent.name == "overlays" else (config,)
+    """Each full config alone, each overlay (overlays/, ablations/) on the base, parses and instantiates."""
+    configs = (BASE, config) if config.parent.name in ("overlays", "ablations") else (config,)
     cli = LoGRACLI(args=_args(*configs), run=False)
     assert isinstance(cli.trainer, pl.Trainer)
     assert isinstance(cli.model, pl.LightningModule)

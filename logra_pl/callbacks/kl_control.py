@@ -99,7 +99,9 @@ class PredictedKLControl(pl.Callback):
         probe: ``jvp`` (forward-mode AD with math attention) or ``fd`` (central finite difference).
         fd_step: step of the finite difference, in units of the nominal step.
         calibrate: after the merge, measure the realized KL on the probe contexts from full distributions and
-            log it as ``kl/realized`` next to ``kl/predicted_scaled``.
+            log it as ``kl/realized`` next to ``kl/predicted_scaled``. With ``schedule.kind="none"`` (no control,
+            α = 1) and ``calibrate``, the probe still runs so that the uncontrolled run's predicted and realized KL
+            are logged (without ``calibrate``, ``none`` costs nothing).
     """
 
     def __init__(
@@ -187,6 +189,8 @@ class PredictedKLControl(pl.Callback):
         applied = getattr(getattr(pl_module, "sketcher", None), "num_applied", self.updates - 1)
         budget = self.schedule(applied + 1)
         if budget is None:
+            if self.calibrate:  # no control (α = 1), but the predicted and realized KL are still measured
+                self._measure_uncontrolled(pl_module, proposal, ctx)
             return
         mismatch = next((cb for cb in trainer.callbacks if isinstance(cb, RolloutMismatch)), None)
         if mismatch is not None:
@@ -220,6 +224,23 @@ class PredictedKLControl(pl.Callback):
             else None
         )
         self.history.append({"predicted": pred, "alpha": alpha, "effective_budget": effective})
+
+    def _measure_uncontrolled(self, pl_module: Any, proposal: Any, ctx: Any) -> None:
+        """``kind="none"`` with ``calibrate``: probe the proposal at its nominal size (α stays 1) and queue the
+        realized-KL measurement, so an uncontrolled run reports the KL it takes (the "no control" ablation)."""
+        pred, probe = self.predict(pl_module, proposal, ctx)
+        log = {"kl/predicted": pred, "kl/predicted_scaled": pred, "kl/alpha": proposal.alpha}
+        pl_module.log_dict(log, on_step=True, batch_size=len(ctx.rollout))
+        if not math.isfinite(pred) or pred < 0:
+            self._pending = None  # nothing to calibrate against; the guard judges the update as usual
+            return
+        self._pending = {
+            **probe,
+            "predicted_scaled": pred,
+            "update_index": proposal.update_index,
+            "budget": float("nan"),
+        }
+        self.history.append({"predicted": pred, "alpha": proposal.alpha, "effective_budget": float("nan")})
 
     @override
     def on_train_batch_end(
@@ -266,10 +287,14 @@ class PredictedKLControl(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         cal = self.calibration()
         if cal:
+            against = (
+                f" vs mean effective budget {cal['mean_effective_budget']:.3g} ({cal['realized_over_budget']:.2f}x)"
+                if math.isfinite(cal["mean_effective_budget"])
+                else " (no budget: schedule kind none, α = 1)"
+            )
             rank_zero_info(
                 f"KL calibration over {int(cal['updates'])} updates: median |realized − α²·pred|/realized "
-                f"{cal['median_rel_error']:.2%}; mean realized KL {cal['mean_realized']:.3g} vs mean effective "
-                f"budget {cal['mean_effective_budget']:.3g} ({cal['realized_over_budget']:.2f}x)"
+                f"{cal['median_rel_error']:.2%}; mean realized KL {cal['mean_realized']:.3g}{against}"
             )
 
     @override

@@ -411,7 +411,10 @@ class HFPromptDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()  # recorded in checkpoints: a resumed run is checked against them
+        # Recorded in checkpoints (a resumed run is checked against them), not sent to the logger: the CLI saves the
+        # whole config, and Lightning refuses to log a module and a datamodule that share a key (`seed`) with
+        # different values.
+        self.save_hyperparameters(logger=False)
         check_source(path, "data.path")
         if eval_path is not None:
             check_source(eval_path, "data.eval_path")

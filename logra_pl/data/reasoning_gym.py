@@ -64,7 +64,10 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         eval_default_difficulty: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()  # recorded in checkpoints: a resumed run is checked against them
+        # Recorded in checkpoints (a resumed run is checked against them), not sent to the logger: the CLI saves the
+        # whole config, and Lightning refuses to log a module and a datamodule that share a key (`seed`) with
+        # different values.
+        self.save_hyperparameters(logger=False)
         spec = {t: {} for t in tasks} if isinstance(tasks, list | tuple) else {k: dict(v) for k, v in tasks.items()}
         unknown = sorted(t for t in spec if t not in DATASETS)
         if unknown:

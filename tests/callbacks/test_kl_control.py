@@ -104,6 +104,27 @@ def test_alpha_scales_proposal_to_budget() -> None:
         assert name in logged, name
 
 
+def test_no_control_with_calibration_measures_the_kl_it_takes() -> None:
+    """``kind="none"`` + ``calibrate``: α stays 1 (weights equal a run without the callback), yet the predicted and
+    realized KL of every nominal-size update are logged and agree to first order."""
+    kl = PredictedKLControl(BudgetSchedule("none"), calibrate=True)
+    module, trainer = _run([kl])
+    plain, _ = _run([])
+    assert all(torch.equal(a, b) for a, b in zip(_weights(module).values(), _weights(plain).values(), strict=True))
+    assert len(kl.history) == 3 and all(h["alpha"] == 1.0 for h in kl.history)
+    for h in kl.history:
+        assert h["predicted_scaled"] == h["predicted"] > 0
+        assert abs(h["realized"] - h["predicted"]) / h["realized"] < 0.25  # second order at the nominal size
+    assert math.isnan(kl.calibration()["mean_effective_budget"])
+    for name in ("kl/predicted", "kl/predicted_scaled", "kl/realized", "kl/alpha"):
+        assert name in trainer.logged_metrics, name
+    assert "kl/budget" not in trainer.logged_metrics
+    # Without calibrate, "none" does nothing at all: no probe, no history.
+    idle = PredictedKLControl(BudgetSchedule("none"))
+    _run([idle], steps=1)
+    assert idle.history == []
+
+
 def test_callbacks_in_either_order_and_alone() -> None:
     def both(order):
         kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4))

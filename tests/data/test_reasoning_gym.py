@@ -75,3 +75,27 @@ def test_bad_task_entries() -> None:
         dm = ReasoningGymDataModule(["chain_sum"], train_size=20, eval_size=0, prompts_per_step=4)
         dm.setup()
         dm.val_dataloader()
+
+
+def test_module_and_data_seeds_may_differ_with_a_logger(tmp_path) -> None:
+    """``model.seed`` and ``data.seed`` are independent: Lightning's hparams merge refused differing ``seed`` values
+    when both were logged (seeding the sampling without changing the prompts, as benchmarks/ablate.py does)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from logra_pl.module import LoGRAPolicyModule
+    from logra_pl.settings import RolloutSettings
+
+    module = LoGRAPolicyModule(policy="tiny", seed=1, rollout=RolloutSettings(max_new_tokens=4), microbatch_size=4)
+    data = ReasoningGymDataModule(["chain_sum"], train_size=16, eval_size=4, prompts_per_step=4, seed=0)
+    trainer = pl.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 1
+    assert module.hparams["seed"] == 1 and data.hparams["seed"] == 0
