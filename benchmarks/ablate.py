@@ -154,8 +154,16 @@ def plan_updates(cells: Sequence[Cell], seeds: Sequence[int], budget_minutes: fl
     return updates
 
 
-def run_args(grid: str, cell: Cell, seed: int, updates: int | None, out: Path, diagnostics_every: int) -> list[str]:
-    """The ``logra-pl fit`` arguments of one run (after the program name)."""
+def run_args(
+    grid: str,
+    cell: Cell,
+    seed: int,
+    updates: int | None,
+    out: Path,
+    diagnostics_every: int,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The ``logra-pl fit`` arguments of one run (after the program name); ``extra`` goes last."""
     configs = [DEMO_CONFIGS[cell.name]] if grid == "demo" else [BASE, *cell.overlays]
     args = ["fit"] + [a for c in configs for a in ("--config", c)]
     args += [f"--seed_everything={seed}", f"--model.seed={seed}"]
@@ -179,7 +187,7 @@ def run_args(grid: str, cell: Cell, seed: int, updates: int | None, out: Path, d
             "--trainer.callbacks+=callbacks/sketch_diagnostics.yaml",
             f"--trainer.callbacks.init_args.every_n_updates={diagnostics_every}",
         ]
-    return args
+    return args + [a for a in extra if cell.optimizer == "logra" or not a.startswith("--model.logra.")]
 
 
 def _settings_key(args: Sequence[str]) -> str:
@@ -215,7 +223,7 @@ def summarize_run(scalars: dict[str, list[tuple[int, float]]], val0: float, wall
     """One run's numbers: final val pass@1 and its change from the start, reward gain, recon cosine, KL."""
     rewards = [v for _, v in scalars.get("train/reward_mean", [])]
     n = len(rewards)
-    window = max(10, n // 10)
+    window = max(10, n // 10) if n >= 20 else max(1, n // 2)  # short (smoke) runs: halves
     gain = _mean(rewards[-window:]) - _mean(rewards[:window]) if n >= 2 * window else float("nan")
     val = scalars.get("val/pass@1", [])
     realized = [v for _, v in scalars.get("kl/realized", [])]
@@ -285,6 +293,7 @@ def run_grid(
     out: Path,
     jobs: int,
     diagnostics_every: int,
+    extra: Sequence[str] = (),
 ) -> dict:
     """Run (or reuse) every cell × seed; return the report (runs, per-cell summaries)."""
     threads = max(1, (os.cpu_count() or 2) // jobs)
@@ -294,7 +303,7 @@ def run_grid(
     for cell in cells:
         for seed in seeds:
             folder = out / cell.name / f"seed{seed}"
-            args = run_args(grid, cell, seed, updates, folder, diagnostics_every)
+            args = run_args(grid, cell, seed, updates, folder, diagnostics_every, extra)
             key = _settings_key(args)
             done = folder / "result.json"
             if done.exists() and json.loads(done.read_text()).get("key") == key:
@@ -642,6 +651,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: runs/ablate/<grid>")
     parser.add_argument("--figures", type=Path, default=None, help="also copy the plots here (ablate_<plot>.png)")
     parser.add_argument("--diagnostics-every", type=int, default=None, help="SketchDiagnostics period (updates)")
+    parser.add_argument(
+        "--extra",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="logra-pl arguments added to every run (last on the command line, so they win), e.g. --extra "
+        "--model.logra.update_ratio=0.01; --model.logra.* ones reach LoGRA runs only",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
     args = parser.parse_args(argv)
     grid = "quick" if args.quick else args.grid
@@ -658,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         updates = None  # the configs' own length
     else:
         updates = args.updates or plan_updates(cells, seeds, args.budget_minutes, args.jobs)
-    out = args.out or ROOT / "runs" / "ablate" / grid
+    out = (args.out or ROOT / "runs" / "ablate" / grid).resolve()
     every = args.diagnostics_every or (max(1, (updates or 800) // 8))
     print(
         f"grid {grid}: {len(cells)} cells x {len(seeds)} seeds, "
@@ -667,9 +683,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if args.dry_run:
         for cell in cells:
-            print("logra-pl " + " ".join(run_args(grid, cell, seeds[0], updates, out / cell.name / "seedS", every)))
+            folder = out / cell.name / f"seed{seeds[0]}"
+            print("logra-pl " + " ".join(run_args(grid, cell, seeds[0], updates, folder, every, args.extra)))
         return
-    report = run_grid(grid, cells, seeds, updates, out, args.jobs, every)
+    report = run_grid(grid, cells, seeds, updates, out, args.jobs, every, args.extra)
     write_report(report, out, args.figures)
     print((out / "results.md").read_text())
 

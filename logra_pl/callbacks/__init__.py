@@ -1,6 +1,7 @@
 """Lightning callbacks, each usable alone in any Trainer or YAML config, in any order."""
 
 from logra_pl.callbacks.checkpoint import AtomicCheckpointIO, UpdateCheckpoint
+from logra_pl.callbacks.diagnostics import SketchDiagnostics
 from logra_pl.callbacks.export import HFExport
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
 from logra_pl.callbacks.memory import MemoryMonitor
@@ -19,6 +20,7 @@ __all__ = [
     "RolloutLog",
     "RolloutMismatch",
     "RunSummary",
+    "SketchDiagnostics",
     "UpdateCheckpoint",
     "observed_mismatch",
     "read_rollouts",

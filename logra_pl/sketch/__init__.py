@@ -8,10 +8,12 @@
 - :mod:`~logra_pl.sketch.payload` — the proposal and its compact payload (§5, §9)
 - :mod:`~logra_pl.sketch.sketcher` — :class:`LoGRASketcher`, tying the steps of one update together
 - :mod:`~logra_pl.sketch.memory` — bytes of training state by kind
+- :mod:`~logra_pl.sketch.diagnostics` — how much of a dense gradient a sketch keeps (paper D.3)
 """
 
 from logra_pl.sketch.accumulate import MatrixSketch, SketchGrad
 from logra_pl.sketch.config import DEFAULT_TARGETS, LoGRAConfig, LoGRAConfigError
+from logra_pl.sketch.diagnostics import SketchFidelity, sketch_fidelity
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import merge_operand, merge_rows_
 from logra_pl.sketch.payload import MatrixProposal, Payload, Proposal, apply_payload, weight_tensors
@@ -30,6 +32,7 @@ __all__ = [
     "MemoryReport",
     "Payload",
     "Proposal",
+    "SketchFidelity",
     "SketchGrad",
     "apply_payload",
     "canonical_name",
@@ -44,5 +47,6 @@ __all__ = [
     "rowadam_direction",
     "select_targets",
     "sgd_direction",
+    "sketch_fidelity",
     "weight_tensors",
 ]
