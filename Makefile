@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PIP = $(VENV)/bin/pip
 PY = $(VENV)/bin/python
 
-.PHONY: demo smoke bench test lint clean
+.PHONY: demo smoke bench ablate test lint tutorials clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -36,12 +36,21 @@ smoke: $(VENV)/.demo
 bench: $(VENV)/.demo
 	$(PY) benchmarks/compare.py --json runs/compare.json --model-size medium
 
+# The LoGRA paper's ablations at CPU scale (rank, basis, KL control, optimizer; 3 seeds each; ~75 min on 2 cores):
+# table, findings and plots in runs/ablate/default/, plots also in docs/figures/. Rerunning reuses finished runs.
+ablate: $(VENV)/.demo
+	$(PY) benchmarks/ablate.py --grid default --budget-minutes 75 --figures docs/figures
+
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 test: $(VENV)/.test lint
 	$(PY) -m pytest
+
+# Execute every notebook of tutorials/ in full mode, refreshing the outputs committed in them (a few minutes each).
+tutorials: $(VENV)/.test
+	$(PY) scripts/run_tutorials.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
