@@ -206,7 +206,12 @@ def where_things_are(trainer: Any, cfg: Any = None) -> str:
         lines.append(f"logs:        tensorboard --logdir {log_dir}")
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.checkpoint_callback else ""
     if ckpt:
+        # The run's own resolved config (saved beside its logs) carries every command-line override, so the resumed
+        # run looks for its checkpoint where this one wrote it; the --config files alone would lose the overrides.
+        saved = Path(log_dir) / "config.yaml" if log_dir else None
         configs = [str(p) for p in (cfg.get("config") or [])] if cfg is not None else []
+        if saved is not None and saved.is_file():
+            configs = [str(saved)]
         again = "logra-pl fit " + "".join(f"--config {c} " for c in configs) if configs else "logra-pl fit ... "
         lines.append(f"checkpoint:  {ckpt}   (resume: {again}--ckpt_path last)")
         out = Path(ckpt).parent.parent / "hf"

@@ -88,6 +88,7 @@ def test_end_of_fit_says_where_things_are(tmp_path: Path, caplog: pytest.LogCapt
     run = tmp_path / "tiny_cpu" / "version_0"
     assert f"tensorboard --logdir {run}" in caplog.text
     assert f"checkpoint:  {run / 'checkpoints' / 'last.ckpt'}" in caplog.text
-    assert "--ckpt_path last" in caplog.text
+    # Resuming names the run's own resolved config, which keeps the --trainer.logger override above.
+    assert f"(resume: logra-pl fit --config {run / 'config.yaml'} --ckpt_path last)" in caplog.text
     assert f"logra-pl export --ckpt {run / 'checkpoints' / 'last.ckpt'} --out {run / 'hf'}" in caplog.text
     assert (run / "checkpoints" / "last.ckpt").is_file()  # at_end: a 1-update run is saved too

@@ -366,10 +366,9 @@ class SketchDiagnostics(pl.Callback):
     # -------------------------------------------------------------------------------------------- image
     def figure(self) -> Any:
         """A matplotlib heatmap of the latest ``recon_cosine`` per layer (rows) and matrix kind (columns), annotated."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A bare Figure, not pyplot: no backend switch, no global figure registry, so a notebook that runs this
+        # callback keeps its inline plots (matplotlib.use("Agg") here turned them off for the rest of the session).
+        from matplotlib.figure import Figure
 
         prefix = "logra/recon_cosine/"
         cells = {k[len(prefix) :].rpartition("."): v for k, v in self.last.items() if k.startswith(prefix)}
@@ -379,7 +378,8 @@ class SketchDiagnostics(pl.Callback):
         grid = torch.full((len(layers), len(kinds)), float("nan"))
         for (layer, _, kind), value in cells.items():
             grid[layers.index(layer), kinds.index(kind)] = value
-        fig, ax = plt.subplots(figsize=(1.0 + 0.9 * max(len(kinds), 1), 1.2 + 0.35 * max(len(layers), 1)))
+        fig = Figure(figsize=(1.0 + 0.9 * max(len(kinds), 1), 1.2 + 0.35 * max(len(layers), 1)))
+        ax = fig.subplots()
         top = max(float(grid.nan_to_num(0.0).max()), 1e-6)
         image = ax.imshow(grid.numpy(), cmap="viridis", vmin=0.0, vmax=top, aspect="auto")
         size = 7 if len(layers) * len(kinds) <= 120 else 5
@@ -405,18 +405,11 @@ class SketchDiagnostics(pl.Callback):
         fig = self.figure()
         for logger in loggers:
             logger.experiment.add_figure("logra/recon_cosine_heatmap", fig, global_step=step, close=False)
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
 
     def png(self) -> bytes:
         """The latest heatmap as PNG bytes (for notebooks and reports)."""
-        import matplotlib.pyplot as plt
-
-        fig = self.figure()
         buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
+        self.figure().savefig(buf, format="png")
         return buf.getvalue()
 
     # ------------------------------------------------------------------------------------------ checkpoint

@@ -175,13 +175,13 @@ class MemoryMonitor(pl.Callback):
 
     def figure(self) -> Any:
         """A matplotlib figure: one stacked bar of state by kind (MiB) per recorded update."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A bare Figure, not pyplot: no backend switch, no global figure registry, so a notebook that runs this
+        # callback keeps its inline plots (matplotlib.use("Agg") here turned them off for the rest of the session).
+        from matplotlib.figure import Figure
 
         rows = self.history[-self.max_image_bars :]
-        fig, ax = plt.subplots(figsize=(max(4.0, 0.4 * len(rows) + 2), 3.5))
+        fig = Figure(figsize=(max(4.0, 0.4 * len(rows) + 2), 3.5))
+        ax = fig.subplots()
         bottom = [0.0] * len(rows)
         x = [str(int(r["update"])) for r in rows]
         for kind in STATE_KINDS:
@@ -206,10 +206,6 @@ class MemoryMonitor(pl.Callback):
 
     def png(self) -> bytes:
         """The state-by-kind figure as PNG bytes (for notebooks and reports)."""
-        import matplotlib.pyplot as plt
-
-        fig = self.figure()
         buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
+        self.figure().savefig(buf, format="png")
         return buf.getvalue()

@@ -109,3 +109,25 @@ def test_peak_rss_reset_tracks_a_real_allocation() -> None:
     assert peak_rss_bytes() < rss_bytes() + 50 * 2**20  # the mark dropped back to about the current RSS
     with pytest.raises(ValueError, match="image_every"):
         MemoryMonitor(image_every=-1)
+
+
+def test_images_leave_a_notebooks_matplotlib_backend_alone() -> None:
+    """The callbacks draw on bare Figures: a notebook's backend (inline plots) survives MemoryMonitor's and
+    SketchDiagnostics' images (``matplotlib.use("Agg")`` inside them used to switch it off for the session)."""
+    import matplotlib
+
+    from logra_pl.callbacks import SketchDiagnostics
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # stands for the notebook's inline backend: anything but Agg
+    try:
+        monitor = MemoryMonitor()
+        monitor.history = [{"update": 1.0, **{f"memory/state/{k}": float(2**20) for k in STATE_KINDS}}]
+        diagnostics = SketchDiagnostics()
+        diagnostics.last = {"logra/recon_cosine/0.q_proj": 0.5, "logra/recon_cosine/1.down_proj": 0.3}
+        diagnostics.last_update = 1
+        for png in (monitor.png(), diagnostics.png()):
+            assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
