@@ -95,9 +95,12 @@ BASE_CELL = Cell(
 )
 ADAMW_CELL = Cell("adamw", ("configs/overlays/adamw.yaml",), "adamw", None, {"optimizer": "dense AdamW"})
 GRIDS: dict[str, list[Cell]] = {
-    "default": [  # the demo's two configs first: the seeds of the optimizer comparison arrive early
+    "default": [  # the demo's configs and KL variants first: they arrive early
         BASE_CELL,
         ADAMW_CELL,
+        Cell("kl_none", (f"{ABL}/kl_none.yaml",), groups={"kl": "none (α = 1)"}),
+        Cell("kl_large_constant", (f"{ABL}/kl_large_constant.yaml",), groups={"kl": "large constant (2e-2)"}),
+        Cell("kl_small_constant", (f"{ABL}/kl_small_constant.yaml",), groups={"kl": "small constant (1e-3)"}),
         Cell("logra_r4", (f"{ABL}/rank_4.yaml",), rank=4, groups={"rank": "r = 4"}),
         Cell("logra_r16", (f"{ABL}/rank_16.yaml",), rank=16, groups={"rank": "r = 16"}),
         Cell("logra_r128", (f"{ABL}/rank_128.yaml",), rank=128, groups={"rank": "r = 128"}),
@@ -107,9 +110,6 @@ GRIDS: dict[str, list[Cell]] = {
             (f"{ABL}/basis_refreshed_gaussian.yaml",),
             groups={"basis": "refreshed Gaussian"},
         ),
-        Cell("kl_none", (f"{ABL}/kl_none.yaml",), groups={"kl": "none (α = 1)"}),
-        Cell("kl_large_constant", (f"{ABL}/kl_large_constant.yaml",), groups={"kl": "large constant (2e-2)"}),
-        Cell("kl_small_constant", (f"{ABL}/kl_small_constant.yaml",), groups={"kl": "small constant (1e-3)"}),
         Cell("lora", (f"{ABL}/lora.yaml",), "lora", None, {"optimizer": "LoRA (r = 64)"}),
     ],
     "quick": [
