@@ -569,7 +569,8 @@ def plots(report: dict, out: Path) -> list[Path]:
             ax.fill_between(steps, [a - b for a, b in zip(mean, std, strict=True)],
                             [a + b for a, b in zip(mean, std, strict=True)], alpha=0.25)  # fmt: skip
         ax.set_xlabel("update")
-        ax.set_ylabel(f"train reward (rolling mean; band: ±std over {len(report['seeds'])} seeds)")
+        ax.set_ylabel("train reward (rolling mean)")
+        ax.set_title(f"band: ± std over {len(report['seeds'])} seeds", fontsize=8)
         ax.legend(fontsize=7)
         save(fig, "reward_curves.png")
     kl = [n for n, c in cells.items() if c["optimizer"] == "logra"]
