@@ -265,13 +265,21 @@ def _run_one(cmd: list[str], folder: Path, threads: int, log_name: str = "run.lo
     return wall
 
 
-def baseline(grid: str, out: Path, threads: int) -> float:
-    """Greedy val pass@1 of the warm-started policy (no update), once per grid; cached in ``<out>/baseline.json``."""
+# ``--extra`` overrides that change what the baseline validation sees (the policy before any update, the problems).
+BASELINE_EXTRA = ("--model.policy", "--model.warm_start", "--model.rollout.val", "--model.answer_format", "--data.")
+
+
+def baseline(grid: str, out: Path, threads: int, extra: Sequence[str] = ()) -> float:
+    """Greedy val pass@1 of the warm-started policy (no update), once per grid; cached in ``<out>/baseline.json``.
+
+    Of ``extra``, the overrides that change the warm-started policy or the evaluation problems apply here too.
+    """
     args = ["validate", "--config", BASE if grid != "demo" else DEMO_CONFIGS["logra"]]
     args += [f"--trainer.logger.init_args.save_dir={out / 'baseline'}", "--trainer.logger.init_args.name=tb"]
     args += ["--trainer.logger.init_args.version=0", "--trainer.enable_progress_bar=false"]
     if grid == "quick":
         args += [a for a in QUICK_ARGS if not a.startswith("--data.prompts") and "microbatch" not in a]
+    args += [a for a in extra if a.startswith(BASELINE_EXTRA)]
     key = _settings_key(args)
     cached = out / "baseline.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
@@ -298,7 +306,7 @@ def run_grid(
     """Run (or reuse) every cell × seed; return the report (runs, per-cell summaries)."""
     threads = max(1, (os.cpu_count() or 2) // jobs)
     start = time.perf_counter()
-    val0 = baseline(grid, out, threads)
+    val0 = baseline(grid, out, threads, extra)
     todo, results = [], {}
     for cell in cells:
         for seed in seeds:
@@ -613,15 +621,21 @@ def _rolling(values: list[float], width: int) -> list[float]:
 
 
 def target_input_dims() -> list[int]:
-    """``d_in`` of every LoGRA target matrix of the tiny policy (for the √(r/d_in) reference)."""
-    from transformers import AutoConfig
+    """``d_in`` of every LoGRA target matrix of the tiny policy (for the √(r/d_in) reference).
+
+    Read off the model itself (built on the meta device: shapes only, no memory), so attention layouts whose
+    ``o_proj`` input is not the hidden size are counted right.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from logra_pl.models.tiny import build_tiny_model
+    from logra_pl.sketch import DEFAULT_TARGETS
+    from logra_pl.sketch.targets import select_targets
 
-    cfg = AutoConfig.from_pretrained(build_tiny_model("tiny"))
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    per_layer = [hidden] * 4 + [hidden, hidden, inter]  # q, k, v, o, gate, up (d_in = hidden), down (d_in = inter)
-    return per_layer * cfg.num_hidden_layers
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(build_tiny_model("tiny")))
+    return [linear.in_features for linear in select_targets(model, DEFAULT_TARGETS).values()]
 
 
 def write_report(report: dict, out: Path, figures: Path | None) -> None:

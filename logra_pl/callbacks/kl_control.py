@@ -213,17 +213,7 @@ class PredictedKLControl(pl.Callback):
             {"kl/alpha": alpha, "kl/predicted_scaled": alpha * alpha * pred, "kl/skipped_updates": float(self.skipped)}
         )
         pl_module.log_dict(log, on_step=True, batch_size=bs)
-        self._pending = (
-            {
-                **probe,
-                "predicted_scaled": alpha * alpha * pred,
-                "update_index": proposal.update_index,
-                "budget": effective,
-            }
-            if self.calibrate
-            else None
-        )
-        self.history.append({"predicted": pred, "alpha": alpha, "effective_budget": effective})
+        self._record(proposal, probe, pred, alpha, effective)
 
     def _measure_uncontrolled(self, pl_module: Any, proposal: Any, ctx: Any) -> None:
         """``kind="none"`` with ``calibrate``: probe the proposal at its nominal size (α stays 1) and queue the
@@ -234,13 +224,17 @@ class PredictedKLControl(pl.Callback):
         if not math.isfinite(pred) or pred < 0:
             self._pending = None  # nothing to calibrate against; the guard judges the update as usual
             return
-        self._pending = {
-            **probe,
-            "predicted_scaled": pred,
-            "update_index": proposal.update_index,
-            "budget": float("nan"),
-        }
-        self.history.append({"predicted": pred, "alpha": proposal.alpha, "effective_budget": float("nan")})
+        self._record(proposal, probe, pred, proposal.alpha, float("nan"))
+
+    def _record(self, proposal: Any, probe: dict[str, Any], pred: float, alpha: float, budget: float) -> None:
+        """Append the update to ``history`` and, with ``calibrate``, queue its realized-KL measurement (after the
+        merge, in ``on_train_batch_end``). ``budget`` is NaN for an uncontrolled update."""
+        if self.calibrate:
+            index = proposal.update_index
+            self._pending = {**probe, "predicted_scaled": alpha * alpha * pred, "update_index": index, "budget": budget}
+        else:
+            self._pending = None
+        self.history.append({"predicted": pred, "alpha": alpha, "effective_budget": budget})
 
     @override
     def on_train_batch_end(
