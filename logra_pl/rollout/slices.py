@@ -102,7 +102,7 @@ def apply_payload_to_slices(
         sl = slices[name]
         weight = params[sl.param]
         c0, c1 = sl.cols
-        operand, scale = merge_operand(payload.seed(name), payload.rank, sl.d_in, payload.distribution)
+        operand, scale = merge_operand(payload.seed(name), payload.rank, sl.d_in, payload.distribution, weight.device)
         block = weight.data[sl.local_row : sl.local_row + sl.num_rows]
         merge_rows_(block, factor, operand[:, c0:c1], scale, row_offset=sl.rows[0], chunk_rows=chunk_rows)
     return list(payload.factors)

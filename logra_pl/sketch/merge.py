@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from logra_pl.sketch.projection import make_projection
+from logra_pl.sketch.projection import make_projection, rademacher_scale
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -27,16 +27,32 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def merge_operand(
-    seed: int, rank: int, d_in: int, distribution: str, device: torch.device | str | None = None
+    seed: int,
+    rank: int,
+    d_in: int,
+    distribution: str,
+    device: torch.device | str | None = None,
+    projection: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """``(M, c)`` in float64 with ``P = c·M`` exactly as :func:`make_projection` draws it.
 
     Rademacher: ``M`` holds ``±1`` and ``c = fp32(1/sqrt(r))`` (exact sums). Gaussian: ``M = P``, ``c = 1``.
+
+    Arguments:
+        seed, rank, d_in, distribution: what :func:`make_projection` draws ``P`` from.
+        device: where ``P`` is drawn and ``M`` is formed (the weight's device avoids a float64 copy).
+        projection: ``P`` already drawn from this seed (the sketcher's, for the update being merged): reused
+            instead of drawing it again. ``M`` is derived from it by the same exact ops, so ``(M, c)`` is
+            bit-identical either way.
     """
-    proj = make_projection(seed, rank, d_in, distribution, device=device)
+    if projection is None:
+        proj = make_projection(seed, rank, d_in, distribution, device=device)
+    elif tuple(projection.shape) != (rank, d_in):
+        raise ValueError(f"cached projection has shape {tuple(projection.shape)}, expected {(rank, d_in)}")
+    else:
+        proj = projection if device is None else projection.to(device)
     if distribution == "rademacher":
-        scale = float(proj[0, 0].abs())
-        return torch.sign(proj).to(torch.float64), scale
+        return torch.sign(proj).to(torch.float64), rademacher_scale(rank)
     return proj.to(torch.float64), 1.0
 
 

@@ -179,12 +179,17 @@ def apply_payload(
     *,
     row_offsets: Mapping[str, int] | None = None,
     chunk_rows: int = 256,
+    projections: Mapping[str, tuple[int, torch.Tensor]] | None = None,
 ) -> list[str]:
     """Apply ``W ← W − F P`` for every matrix of ``payload`` to ``target``, in place; return the names merged.
 
     This is the one merge used by the trainer and by every receiver. ``target`` is a module or a state dict
     (keys ``<module>.weight``, wrapper prefixes ignored). When ``target`` holds dim-0 shards, ``row_offsets``
     gives each one's global first row. A matrix of the payload missing from ``target`` is an error.
+
+    ``projections`` (``{name: (seed, P)}``, optional) are projections already drawn, e.g. the sketcher's for
+    this update: one whose seed is the payload's for that matrix is reused instead of drawn again (the result
+    is bit-identical). Every other ``P`` is drawn from its seed on the weight's device.
     """
     weights = weight_tensors(target)
     missing = [name for name in payload.factors if name not in weights]
@@ -195,7 +200,16 @@ def apply_payload(
         )
     for name, factor in payload.factors.items():
         weight = local_tensor(weights[name])
-        operand, scale = merge_operand(payload.seed(name), payload.rank, weight.shape[1], payload.distribution)
+        seed = payload.seed(name)
+        cached_seed, cached = (projections or {}).get(name, (None, None))
+        operand, scale = merge_operand(
+            seed,
+            payload.rank,
+            weight.shape[1],
+            payload.distribution,
+            device=weight.device,
+            projection=cached if cached_seed == seed else None,
+        )
         offset = 0 if row_offsets is None else int(row_offsets.get(name, 0))
         merge_rows_(weight.data, factor, operand, scale, row_offset=offset, chunk_rows=chunk_rows)
     if payload.dense:

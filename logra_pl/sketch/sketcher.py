@@ -103,7 +103,8 @@ class LoGRASketcher:
         for name, m in self.matrices.items():
             seed = self.seed_for(name)
             if seed != m.seed:
-                m.set_projection(make_projection(seed, self.config.rank, m.d_in, self.config.distribution), seed)
+                proj = make_projection(seed, self.config.rank, m.d_in, self.config.distribution, device=m.sketch.device)
+                m.set_projection(proj, seed)
 
     def sketches(self) -> dict[str, torch.Tensor]:
         """``{name: S}`` — the buffers a data-parallel strategy all-reduces before :meth:`propose`."""
@@ -240,7 +241,15 @@ class LoGRASketcher:
             self.reject("the dense parameters' step would make them non-finite")
             return None
         weights = {f"{name}.weight": m.module.weight for name, m in self.matrices.items()}
-        apply_payload(payload, weights, row_offsets=self.row_offsets, chunk_rows=self.config.merge_chunk_rows)
+        # The merge reuses the projections drawn for this update (each P is drawn once per update).
+        drawn = {name: (m.seed, m.projection) for name, m in proposal.matrices.items()}
+        apply_payload(
+            payload,
+            weights,
+            row_offsets=self.row_offsets,
+            chunk_rows=self.config.merge_chunk_rows,
+            projections=drawn,
+        )
         with torch.no_grad():
             for n, value in new_dense.items():
                 local_tensor(self.dense[n]).copy_(value)

@@ -103,3 +103,55 @@ def test_merge_rejects_rows_outside_factor() -> None:
     operand, scale = merge_operand(1, 4, 8, "rademacher")
     with pytest.raises(ValueError, match="row offset"):
         merge_rows_(torch.zeros(5, 8), torch.zeros(6, 4), operand, scale, row_offset=3)
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("rank", [16, 12])  # power of two (scale folded into ±1) and not
+def test_merge_with_cached_projection_equals_fresh_draw(distribution: str, rank: int) -> None:
+    """Reusing an already drawn P gives the same (M, c), and so the same merged weights, bit for bit."""
+    d_in, d_out = 96, 70
+    fresh, fresh_scale = merge_operand(7, rank, d_in, distribution)
+    cached, cached_scale = merge_operand(
+        7, rank, d_in, distribution, projection=make_projection(7, rank, d_in, distribution)
+    )
+    assert torch.equal(cached, fresh) and cached_scale == fresh_scale and cached.dtype == torch.float64
+    gen = torch.Generator().manual_seed(rank)
+    weight = torch.randn(d_out, d_in, generator=gen)
+    factor = (torch.randn(d_out, rank, generator=gen) * torch.logspace(-6, 0, d_out).unsqueeze(1)).bfloat16()
+    a, b = weight.clone(), weight.clone()
+    merge_rows_(a, factor, fresh, fresh_scale)
+    merge_rows_(b, factor, cached, cached_scale)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="cached projection has shape"):
+        merge_operand(7, rank, d_in, distribution, projection=torch.zeros(rank, d_in + 1))
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+def test_trainer_merge_reuses_the_sketchers_projection(qwen2_factory, monkeypatch, distribution: str) -> None:
+    """The sketcher's merge draws no P (it reuses the one it sketched with); a receiver draws each P once."""
+    import logra_pl.sketch.merge as merge_module
+
+    draws: list[int] = []
+    original = merge_module.make_projection
+
+    def counting(seed, *args, **kwargs):
+        draws.append(seed)
+        return original(seed, *args, **kwargs)
+
+    monkeypatch.setattr(merge_module, "make_projection", counting)
+    model = qwen2_factory(seed=3)
+    before, payload, sketcher = _trained_step(model, LoGRAConfig(rank=16, distribution=distribution), steps=2)
+    assert draws == []
+    state = {k: v.clone() for k, v in before.items()}
+    apply_payload(payload, state)
+    assert sorted(draws) == sorted(payload.seed(n) for n in payload.factors)
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), key
+    # A cached P of another seed (a stale one) is ignored: the merge draws the payload's own P.
+    draws.clear()
+    stale = {n: (payload.seed(n) + 1, torch.zeros(16, m.d_in)) for n, m in sketcher.matrices.items()}
+    state = {k: v.clone() for k, v in before.items()}
+    apply_payload(payload, state, projections=stale)
+    assert len(draws) == len(payload.factors)
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), key
