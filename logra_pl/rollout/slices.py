@@ -85,7 +85,7 @@ def apply_payload_to_slices(
     payload: Payload,
     slices: Mapping[str, EngineSlice],
     params: Mapping[str, torch.Tensor],
-    chunk_rows: int = 256,
+    chunk_rows: int | None = None,
 ) -> list[str]:
     """``W ← W − F P`` for every matrix of ``payload``, on its slice of the engine's parameters, in place.
 

@@ -7,6 +7,7 @@
 - :mod:`~logra_pl.sketch.merge` — ``W ← W − F P`` on any row shard (§5)
 - :mod:`~logra_pl.sketch.payload` — the proposal and its compact payload (§5, §9)
 - :mod:`~logra_pl.sketch.sketcher` — :class:`LoGRASketcher`, tying the steps of one update together
+- :mod:`~logra_pl.sketch.host` — per-matrix device scalars read on the host in one transfer
 - :mod:`~logra_pl.sketch.memory` — bytes of training state by kind
 - :mod:`~logra_pl.sketch.diagnostics` — how much of a dense gradient a sketch keeps (paper D.3)
 """
@@ -15,12 +16,12 @@ from logra_pl.sketch.accumulate import MatrixSketch, SketchGrad
 from logra_pl.sketch.config import DEFAULT_TARGETS, LoGRAConfig, LoGRAConfigError
 from logra_pl.sketch.diagnostics import SketchFidelity, sketch_fidelity
 from logra_pl.sketch.memory import MemoryReport, memory_report
-from logra_pl.sketch.merge import merge_operand, merge_rows_
+from logra_pl.sketch.merge import merge_chunk_rows, merge_operand, merge_rows_
 from logra_pl.sketch.payload import MatrixProposal, Payload, Proposal, apply_payload, weight_tensors
 from logra_pl.sketch.projection import make_projection, name_hash, projection_seed
 from logra_pl.sketch.sketcher import LoGRASketcher
 from logra_pl.sketch.targets import canonical_name, select_targets
-from logra_pl.sketch.update import lifted_sq_norm, ratio_scale, rowadam_direction, sgd_direction
+from logra_pl.sketch.update import lifted_sq_norm, projection_gram, ratio_scale, rowadam_direction, sgd_direction
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -39,9 +40,11 @@ __all__ = [
     "lifted_sq_norm",
     "make_projection",
     "memory_report",
+    "merge_chunk_rows",
     "merge_operand",
     "merge_rows_",
     "name_hash",
+    "projection_gram",
     "projection_seed",
     "ratio_scale",
     "rowadam_direction",

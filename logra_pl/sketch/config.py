@@ -57,7 +57,9 @@ class LoGRAConfig:
             the tiny CPU models, where a global scale starves the layers with small gradients).
         lr: learning rate (lr mode only).
         factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
-        merge_chunk_rows: rows merged per chunk, bounding the temporary ``rows × d_in`` delta.
+        merge_chunk_rows: rows merged per chunk, bounding the temporary float64 ``rows × d_in`` delta. ``None``
+            (default): as many rows as fit 64 MiB on a GPU, 32 MiB on a CPU
+            (:func:`~logra_pl.sketch.merge.merge_chunk_rows`). The merged weights are the same bits either way.
         dense_params: opt-in (algorithm.md §1): glob patterns of parameter names (``"*norm.weight"``,
             ``"model.embed_tokens.weight"``) trained beside the sketches by a small dense Adam — their step joins
             the proposal, is scaled by the same α and probed by the KL controller, and ships to engines as new
@@ -80,7 +82,7 @@ class LoGRAConfig:
     ratio_scope: RatioScope = "global"
     lr: float = 1e-4
     factor_dtype: str = "bfloat16"
-    merge_chunk_rows: int = 256
+    merge_chunk_rows: int | None = None
     dense_params: tuple[str, ...] = ()
     dense_lr: float = 1e-5
     dense_betas: tuple[float, float] = (0.9, 0.999)
@@ -111,8 +113,8 @@ class LoGRAConfig:
             raise LoGRAConfigError(str(err)) from None
         if self.factor_dtype not in _FACTOR_DTYPES:
             raise LoGRAConfigError(f"unknown factor_dtype {self.factor_dtype!r}: use one of {sorted(_FACTOR_DTYPES)}")
-        if self.merge_chunk_rows <= 0:
-            raise LoGRAConfigError(f"merge_chunk_rows must be > 0, got {self.merge_chunk_rows!r}")
+        if self.merge_chunk_rows is not None and self.merge_chunk_rows <= 0:
+            raise LoGRAConfigError(f"merge_chunk_rows must be > 0 (or null: automatic), got {self.merge_chunk_rows!r}")
         self.dense_params = tuple(self.dense_params)
         self.dense_betas = (float(self.dense_betas[0]), float(self.dense_betas[1]))
         try:

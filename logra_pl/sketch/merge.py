@@ -5,6 +5,9 @@ Works on any row range of ``W``: a rank holding rows ``[o, o+n)`` of a dim-0 sha
 ``F P`` is formed in float64 from the low-precision factor, and Rademacher projections are applied as
 ``±1`` signs times one scale, so every partial sum is exact and the result does not depend on how rows are
 chunked or sharded, nor on the BLAS kernel. ``W`` is rounded once, from float64 to its own dtype.
+
+Chunks are as large as a float64 budget allows (:func:`merge_chunk_rows`): on a GPU most matrices merge in one
+GEMM and the largest in a few, instead of dozens of small kernels, each with its launch cost on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ import math
 import torch
 
 from logra_pl.sketch.projection import make_projection, rademacher_scale
+
+# The float64 ``rows × d_in`` delta of one merge chunk stays within this many bytes. GPUs: large chunks, few
+# launches. CPUs: past ~32 MiB the delta falls out of cache and the merge slows down (measured, one thread).
+MERGE_BUFFER_BYTES = 64 * 2**20
+MERGE_BUFFER_BYTES_CPU = 32 * 2**20
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -56,13 +64,25 @@ def merge_operand(
     return proj.to(torch.float64), 1.0
 
 
+def merge_chunk_rows(num_rows: int, d_in: int, device: torch.device | str = "cpu") -> int:
+    """Rows per merge chunk on ``device``: as many as keep the float64 ``rows × d_in`` delta within its budget.
+
+    The budget is :data:`MERGE_BUFFER_BYTES_CPU` on a CPU, :data:`MERGE_BUFFER_BYTES` elsewhere; at least one row.
+    It depends on the shape and the device type only, never on free memory, so processes merging the same rows on
+    the same kind of device chunk them alike. With Rademacher projections every sum is exact and chunking cannot
+    change a bit; with Gaussian ones only a BLAS that picks another summation order for another shape could.
+    """
+    budget = MERGE_BUFFER_BYTES_CPU if torch.device(device).type == "cpu" else MERGE_BUFFER_BYTES
+    return max(1, min(num_rows, budget // (8 * d_in)))
+
+
 def merge_rows_(
     weight_rows: torch.Tensor,
     factor: torch.Tensor,
     operand: torch.Tensor,
     scale: float,
     row_offset: int = 0,
-    chunk_rows: int = 256,
+    chunk_rows: int | None = None,
 ) -> None:
     """In place: ``weight_rows[i] -= (factor[row_offset + i] @ M) · c`` for every local row ``i``.
 
@@ -72,7 +92,8 @@ def merge_rows_(
         operand: ``M`` from :func:`merge_operand`, float64, ``(r, d_in)``.
         scale: ``c`` from :func:`merge_operand`.
         row_offset: global index of ``weight_rows[0]``.
-        chunk_rows: rows per chunk; bounds the temporary float64 ``chunk × d_in`` delta.
+        chunk_rows: rows per chunk; bounds the temporary float64 ``chunk × d_in`` delta. ``None`` (default):
+            :func:`merge_chunk_rows`, the most rows within the device's float64 budget.
     """
     n = weight_rows.shape[0]
     if row_offset < 0 or row_offset + n > factor.shape[0]:
@@ -85,6 +106,8 @@ def merge_rows_(
             f"shape mismatch: weight rows {tuple(weight_rows.shape)}, factor {tuple(factor.shape)}, "
             f"projection {tuple(operand.shape)}"
         )
+    if chunk_rows is None:
+        chunk_rows = merge_chunk_rows(n, operand.shape[1], weight_rows.device)
     operand = operand.to(weight_rows.device)
     if scale != 1.0 and math.frexp(scale)[0] == 0.5:
         # A power-of-two scale (r = 4, 16, 64, 256...) commutes exactly with the exact sums: fold it into ±1.

@@ -178,7 +178,7 @@ def apply_payload(
     target: nn.Module | Mapping[str, torch.Tensor],
     *,
     row_offsets: Mapping[str, int] | None = None,
-    chunk_rows: int = 256,
+    chunk_rows: int | None = None,
     projections: Mapping[str, tuple[int, torch.Tensor]] | None = None,
 ) -> list[str]:
     """Apply ``W ← W − F P`` for every matrix of ``payload`` to ``target``, in place; return the names merged.
@@ -186,6 +186,8 @@ def apply_payload(
     This is the one merge used by the trainer and by every receiver. ``target`` is a module or a state dict
     (keys ``<module>.weight``, wrapper prefixes ignored). When ``target`` holds dim-0 shards, ``row_offsets``
     gives each one's global first row. A matrix of the payload missing from ``target`` is an error.
+    ``chunk_rows`` is the merge's row chunk (default: :func:`~logra_pl.sketch.merge.merge_chunk_rows`, as many
+    rows as a bounded float64 temporary holds).
 
     ``projections`` (``{name: (seed, P)}``, optional) are projections already drawn, e.g. the sketcher's for
     this update: one whose seed is the payload's for that matrix is reused instead of drawn again (the result

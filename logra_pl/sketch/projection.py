@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -27,20 +28,23 @@ def projection_seed(base_seed: int, update_index: int, name: str) -> int:
     return (base_seed * 1_000_003 + update_index * 7_919 + name_hash(name)) % _SEED_MOD
 
 
+@functools.cache
 def rademacher_scale(rank: int) -> float:
-    """``fp32(1/sqrt(r))``, the magnitude of every Rademacher entry, as a Python float (exact)."""
+    """``fp32(1/sqrt(r))``, the magnitude of every Rademacher entry, as a Python float (exact; cached per rank)."""
     return float(torch.tensor(1.0 / rank**0.5, dtype=torch.float32))
 
 
-def rademacher_words(seed: int, rank: int, d_in: int) -> torch.Tensor:
+def rademacher_words(seed: int, rank: int, d_in: int, pin_memory: bool = False) -> torch.Tensor:
     """The random bits of a Rademacher ``P``: ``ceil(r·d_in / 64)`` int64 words from a CPU generator.
 
     Every word uses all 64 bits (``random_`` over the full int64 range: one draw of the generator per word, not
     per entry). Entry ``k`` of ``P`` (row-major) is bit ``k mod 64`` of word ``k // 64``, least significant first.
+    ``pin_memory`` puts them in page-locked memory, so that the copy to a GPU can be asynchronous.
     """
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
-    return torch.empty(-(-rank * d_in // 64), dtype=torch.int64).random_(-(2**63), None, generator=gen)
+    words = torch.empty(-(-rank * d_in // 64), dtype=torch.int64, pin_memory=pin_memory)
+    return words.random_(-(2**63), None, generator=gen)
 
 
 def unpack_signs(words: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
@@ -72,6 +76,8 @@ def make_projection(
     - Rademacher (entries ``±1/sqrt(r)``): the signs are drawn packed, 64 per int64 word
       (:func:`rademacher_words`), only the words are moved to ``device``, and they are unpacked there with
       integer ops (:func:`unpack_signs`). One generator draw per 64 entries and 1/32 of the fp32 transfer.
+      For CUDA the words are pinned and copied asynchronously: a copy from pageable memory would synchronise
+      the stream, once per matrix per update.
     - Gaussian (entries ``N(0, 1/r)``): drawn in fp32 on the CPU (into pinned memory when ``device`` is CUDA,
       so the copy is asynchronous) and scaled there.
     """
@@ -80,13 +86,13 @@ def make_projection(
     if rank > d_in:
         raise LoGRAConfigError(f"projection rank {rank} exceeds the input dimension {d_in}: use rank <= {d_in}")
     device = None if device is None else torch.device(device)
+    pinned = device is not None and device.type == "cuda"
     if distribution == "rademacher":
-        words = rademacher_words(seed, rank, d_in)
-        return unpack_signs(words if device is None else words.to(device), rank, d_in)
+        words = rademacher_words(seed, rank, d_in, pin_memory=pinned)
+        return unpack_signs(words if device is None else words.to(device, non_blocking=pinned), rank, d_in)
     if distribution == "gaussian":
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed)
-        pinned = device is not None and device.type == "cuda"
         proj = torch.randn((rank, d_in), generator=gen, dtype=torch.float32, pin_memory=pinned)
         proj.mul_(1.0 / rank**0.5)
         return proj if device is None else proj.to(device, non_blocking=pinned)

@@ -24,11 +24,12 @@ from torch import nn
 from logra_pl.sketch.accumulate import MatrixSketch
 from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
 from logra_pl.sketch.guard import rejection_reason, relative_update
+from logra_pl.sketch.host import host_values
 from logra_pl.sketch.merge import full_tensor, local_tensor
 from logra_pl.sketch.payload import DenseProposal, MatrixProposal, Payload, Proposal, apply_payload, named_tensors
 from logra_pl.sketch.projection import make_projection, projection_seed
 from logra_pl.sketch.targets import select_targets
-from logra_pl.sketch.update import lifted_sq_norm, ratio_scale, rowadam_direction, sgd_direction
+from logra_pl.sketch.update import lifted_sq_norm, projection_gram, ratio_scale, rowadam_direction, sgd_direction
 
 STATE_FORMAT = "logra-pl/sketcher/v1"
 
@@ -74,6 +75,8 @@ class LoGRASketcher:
             for name, m in self.matrices.items()
         }
         self._pending_row_stats: dict[str, torch.Tensor] | None = None
+        # ``{name: (P, P Pᵀ)}`` for the current update: propose and the guard in apply both measure ``‖· P‖``.
+        self._grams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dense = select_dense(model, self.config.dense_params, set(self.matrices))
         for p in self.dense.values():
             p.requires_grad_(True)
@@ -118,13 +121,26 @@ class LoGRASketcher:
             p.grad = None
 
     # ------------------------------------------------------------------------------------------- proposal
+    def weight_norms(self) -> list[torch.Tensor]:
+        """``‖W_i‖`` (0-dim float64 tensors, on the device) of every selected matrix, over the local rows."""
+        # vector_norm accumulates in float64 without materialising a float64 copy of W (~30% faster).
+        return [
+            torch.linalg.vector_norm(local_tensor(m.module.weight).detach(), dtype=torch.float64)
+            for m in self.matrices.values()
+        ]
+
     def weight_sq_norms(self) -> dict[str, float]:
         """``‖W_i‖²`` of every selected matrix, over the rows this process holds (local shards when sharded)."""
-        # vector_norm accumulates in float64 without materialising a float64 copy of W (~30% faster).
-        return {
-            name: float(torch.linalg.vector_norm(local_tensor(m.module.weight).detach(), dtype=torch.float64)) ** 2
-            for name, m in self.matrices.items()
-        }
+        (norms,) = host_values(self.weight_norms())
+        return {name: norm**2 for name, norm in zip(self.matrices, norms, strict=True)}
+
+    def gram(self, name: str, projection: torch.Tensor) -> torch.Tensor:
+        """``P Pᵀ`` (float64) of matrix ``name``'s projection ``P``, formed once per update and reused."""
+        cached = self._grams.get(name)
+        if cached is None or cached[0] is not projection:
+            cached = (projection, projection_gram(projection))
+            self._grams[name] = cached
+        return cached[1]
 
     def propose(self, grad_scale: float = 1.0, weight_sq_norms: Mapping[str, float] | None = None) -> Proposal | None:
         """Form the proposal from the accumulated sketches, or skip the update and return ``None``.
@@ -134,23 +150,25 @@ class LoGRASketcher:
             weight_sq_norms: ``{name: ‖W_i‖²}`` summed over ranks when weights are sharded; default: local.
         """
         cfg = self.config
-        bad = [name for name, m in self.matrices.items() if not torch.isfinite(m.sketch).all()]
+        step = self.num_applied + 1
+        directions, pending = self._directions(step, grad_scale)
         grads = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
-        bad += [n for n, g in grads.items() if not torch.isfinite(local_tensor(g)).all()]
+        # Everything Python decides on below, read from the device in one transfer (see logra_pl.sketch.host).
+        finite, lifted_values, norms = host_values(
+            [torch.isfinite(m.sketch).all() for m in self.matrices.values()]
+            + [torch.isfinite(local_tensor(g)).all() for g in grads.values()],
+            [lifted_sq_norm(d, gram=self.gram(n, self.matrices[n].projection)) for n, d in directions.items()],
+            self.weight_norms() if weight_sq_norms is None else [],
+        )
+        bad = [name for name, ok in zip([*self.matrices, *grads], finite, strict=True) if not ok]
         if bad:
             self.skip(f"non-finite sketch or gradient in {len(bad)} tensors, e.g. {bad[0]!r}")
             return None
-        step = self.num_applied + 1
-        directions: dict[str, torch.Tensor] = {}
-        pending: dict[str, torch.Tensor] = {}
-        for name, m in self.matrices.items():
-            s = m.sketch * grad_scale if grad_scale != 1.0 else m.sketch
-            if cfg.update_rule == "rowadam":
-                directions[name], pending[name] = rowadam_direction(s, self.row_stats[name], step, cfg.beta2, cfg.eps)
-            else:
-                directions[name] = sgd_direction(s)
-        lifted = {n: float(lifted_sq_norm(d, self.matrices[n].projection)) for n, d in directions.items()}
-        w_sq = dict(self.weight_sq_norms() if weight_sq_norms is None else weight_sq_norms)
+        lifted = dict(zip(directions, lifted_values, strict=True))
+        if weight_sq_norms is None:
+            w_sq = {name: norm**2 for name, norm in zip(self.matrices, norms, strict=True)}
+        else:
+            w_sq = dict(weight_sq_norms)
         if cfg.step_mode == "lr":
             scales = dict.fromkeys(directions, cfg.lr)
         elif cfg.ratio_scope == "global":
@@ -181,6 +199,22 @@ class LoGRASketcher:
             weight_sq_norms=w_sq,
             dense=self._dense_proposals(step, grad_scale),
         )
+
+    def _directions(self, step: int, grad_scale: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``({name: D}, {name: v_new})``: the RowAdam (or SGD) direction of every ``grad_scale · S``, on the device.
+
+        Nothing is committed: the new row statistics wait in ``v_new`` until the update is merged.
+        """
+        cfg = self.config
+        directions: dict[str, torch.Tensor] = {}
+        pending: dict[str, torch.Tensor] = {}
+        for name, m in self.matrices.items():
+            s = m.sketch * grad_scale if grad_scale != 1.0 else m.sketch
+            if cfg.update_rule == "rowadam":
+                directions[name], pending[name] = rowadam_direction(s, self.row_stats[name], step, cfg.beta2, cfg.eps)
+            else:
+                directions[name] = sgd_direction(s)
+        return directions, pending
 
     def _dense_proposals(self, step: int, grad_scale: float) -> dict[str, DenseProposal]:
         """Adam steps of the dense parameters at α = 1 (torch's AdamW without weight decay, step ``step``)."""
@@ -218,14 +252,28 @@ class LoGRASketcher:
             self.skip(proposal.veto)
             return None
         payload = proposal.to_payload(alpha)
-        if not math.isfinite(payload.alpha) or not all(torch.isfinite(f).all() for f in payload.factors.values()):
+        if not math.isfinite(payload.alpha):
             self.skip(f"non-finite factors at alpha={payload.alpha}")
             return None
-        update_sq = {
-            name: float(lifted_sq_norm(f.float(), proposal.matrices[name].projection))
-            for name, f in payload.factors.items()
+        new_dense = {
+            n: (local_tensor(self.dense[n]).detach().float() + payload.alpha * d.delta).to(self.dense[n].dtype)
+            for n, d in proposal.dense.items()
         }
-        w_sq = proposal.weight_sq_norms or self.weight_sq_norms()
+        # The three checks below, read from the device in one transfer (see logra_pl.sketch.host).
+        factors_finite, update_values, dense_finite, norms = host_values(
+            [torch.isfinite(f).all() for f in payload.factors.values()],
+            [
+                lifted_sq_norm(f.float(), gram=self.gram(name, proposal.matrices[name].projection))
+                for name, f in payload.factors.items()
+            ],
+            [torch.isfinite(v).all() for v in new_dense.values()],
+            [] if proposal.weight_sq_norms else self.weight_norms(),
+        )
+        if not all(factors_finite):
+            self.skip(f"non-finite factors at alpha={payload.alpha}")
+            return None
+        update_sq = dict(zip(payload.factors, update_values, strict=True))
+        w_sq = proposal.weight_sq_norms or {name: norm**2 for name, norm in zip(self.matrices, norms, strict=True)}
         self.last_update_sq_norm = sum(update_sq.values())
         self.last_relative_update = relative_update(w_sq, update_sq)
         dtype = next(iter(self.matrices.values())).module.weight.dtype
@@ -233,11 +281,7 @@ class LoGRASketcher:
         if reason is not None:
             self.reject(reason)
             return None
-        new_dense = {
-            n: (local_tensor(self.dense[n]).detach().float() + payload.alpha * d.delta).to(self.dense[n].dtype)
-            for n, d in proposal.dense.items()
-        }
-        if not all(bool(torch.isfinite(v).all()) for v in new_dense.values()):
+        if not all(dense_finite):
             self.reject("the dense parameters' step would make them non-finite")
             return None
         weights = {f"{name}.weight": m.module.weight for name, m in self.matrices.items()}
@@ -283,6 +327,7 @@ class LoGRASketcher:
 
     def _advance(self) -> None:
         self._pending_row_stats = None
+        self._grams.clear()
         self.update_index += 1
         self.zero_sketches()
         self._install_projections()
@@ -343,6 +388,7 @@ class LoGRASketcher:
         self.num_skipped = int(state["num_skipped"])
         self.num_rejected = int(state.get("num_rejected", 0))
         self._pending_row_stats = None
+        self._grams.clear()
         self.zero_sketches()
         self._install_projections()
 

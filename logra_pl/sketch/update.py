@@ -37,9 +37,9 @@ def rowadam_direction(
     direction = scale * s32
     d_norm = torch.linalg.vector_norm(direction)
     s_norm = torch.linalg.vector_norm(s32)
-    if d_norm > 0:
-        direction = direction * (s_norm / d_norm)
-    return direction, v_new
+    # ``if d_norm > 0`` on the device (no host sync): a zero direction is multiplied by 1, which changes no bit.
+    restore = torch.where(d_norm > 0, s_norm / d_norm, torch.ones_like(d_norm))
+    return direction * restore, v_new
 
 
 def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
@@ -47,11 +47,30 @@ def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
     return sketch.to(torch.float32).clone()
 
 
-def lifted_sq_norm(direction: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """``‖D P‖_F²`` without forming the d_out × d_in product: ``Σ (D (P Pᵀ)) ⊙ D``, an r × r Gram matrix."""
+def projection_gram(projection: torch.Tensor) -> torch.Tensor:
+    """``P Pᵀ`` in float64, the r × r Gram matrix through which :func:`lifted_sq_norm` measures ``‖D P‖``.
+
+    It depends only on ``P``, so a caller measuring several factors against one projection (the proposal, then
+    the guard before the merge) forms it once.
+    """
     p64 = projection.to(torch.float64)
+    return p64 @ p64.T
+
+
+def lifted_sq_norm(
+    direction: torch.Tensor, projection: torch.Tensor | None = None, *, gram: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``‖D P‖_F²`` without forming the d_out × d_in product: ``Σ (D (P Pᵀ)) ⊙ D``, an r × r Gram matrix.
+
+    Pass ``projection`` (``P``), or ``gram``: ``P Pᵀ`` from :func:`projection_gram` (the same value, not recomputed).
+    Returns a 0-dim float64 tensor on ``D``'s device (reading it is the caller's choice: it syncs the device).
+    """
+    if gram is None:
+        if projection is None:
+            raise ValueError("lifted_sq_norm needs the projection or its Gram matrix")
+        gram = projection_gram(projection)
     d64 = direction.to(torch.float64)
-    return ((d64 @ (p64 @ p64.T)) * d64).sum()
+    return ((d64 @ gram) * d64).sum()
 
 
 def ratio_scale(

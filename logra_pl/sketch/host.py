@@ -1,0 +1,34 @@
+"""Reading per-matrix device scalars on the host in one transfer.
+
+``float(t)``, ``bool(t)`` or ``t.item()`` on a CUDA tensor waits until the device has run everything queued
+before it (a stream synchronisation). Done once per matrix, that serialises host and device hundreds of times
+per update, and the update becomes bound by launch latency instead of GPU work. The decisions that need Python
+values (the non-finite guard, the step scale, the divergence guard) therefore compute their per-matrix scalars
+as tensors and read them back together, with :func:`host_values`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def host_values(*groups: Sequence[torch.Tensor]) -> list[list[float]]:
+    """The one-element tensors of every group as Python floats, in one device→host copy (one sync in all).
+
+    The values are stacked (dtypes promote: bool < float32 < float64, all exactly) and read as float64, so each
+    equals ``float(t)``: float32 and float64 values are unchanged, booleans become ``1.0``/``0.0``. Returns one list
+    per group, in order; empty groups are allowed. Tensors on another device than the first are moved to it.
+    """
+    flat = [t if t.dim() == 0 else t.reshape(()) for group in groups for t in group]
+    if not flat:
+        return [[] for _ in groups]
+    device = flat[0].device
+    values = torch.stack([t if t.device == device else t.to(device) for t in flat]).to(torch.float64).tolist()
+    out: list[list[float]] = []
+    start = 0
+    for group in groups:
+        out.append(values[start : start + len(group)])
+        start += len(group)
+    return out

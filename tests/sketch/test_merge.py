@@ -1,0 +1,64 @@
+"""The merge's row chunking changes no bit: any chunk size gives ``W − F P`` as written out here in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logra_pl.sketch import make_projection, merge_chunk_rows, merge_operand, merge_rows_
+from logra_pl.sketch import merge as merge_module
+
+
+def explicit_merge(weight: torch.Tensor, factor: torch.Tensor, seed: int, rank: int, distribution: str) -> torch.Tensor:
+    """algorithm.md §5 in one float64 expression: ``W − F P``, rounded once to ``W``'s dtype.
+
+    A Rademacher ``P`` is ``c·M`` with ``M = ±1``: the exact sums ``F M`` are scaled by ``c`` once.
+    """
+    p = make_projection(seed, rank, weight.shape[1], distribution).double()
+    if distribution == "rademacher":
+        delta = (factor.double() @ torch.sign(p)) * float(p.abs().max())
+    else:
+        delta = factor.double() @ p
+    return (weight.double() - delta).to(weight.dtype)
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize(
+    ("d_out", "d_in", "rank", "dtype"),
+    [
+        (700, 96, 16, torch.float32),  # power-of-two rank: the scale is folded into the ±1 operand
+        (300, 1000, 12, torch.float32),  # not a power of two: the scale multiplies the exact sums
+        (257, 640, 32, torch.bfloat16),  # low-precision weights: still one rounding, from float64
+    ],
+)
+def test_merge_is_bit_identical_for_every_chunk_size(d_out, d_in, rank, dtype, distribution: str) -> None:
+    gen = torch.Generator().manual_seed(d_out + rank)
+    weight = torch.randn(d_out, d_in, generator=gen).to(dtype)
+    # Factor rows of very different magnitudes, as real RowAdam factors have.
+    factor = (torch.randn(d_out, rank, generator=gen) * torch.logspace(-6, 0, d_out).unsqueeze(1)).bfloat16()
+    expected = explicit_merge(weight, factor, 3, rank, distribution)
+    operand, scale = merge_operand(3, rank, d_in, distribution)
+    for chunk_rows in (1, 7, 256, d_out - 1, d_out, 10 * d_out, None):
+        merged = weight.clone()
+        merge_rows_(merged, factor, operand, scale, chunk_rows=chunk_rows)
+        assert torch.equal(merged, expected), chunk_rows
+
+
+def test_automatic_chunks_split_large_matrices(monkeypatch) -> None:
+    """The automatic chunk fills the device's float64 budget; a small budget still merges the same bits."""
+    assert merge_chunk_rows(1536, 8960, "cpu") == merge_module.MERGE_BUFFER_BYTES_CPU // (8 * 8960)
+    assert merge_chunk_rows(1536, 8960, "cuda") == merge_module.MERGE_BUFFER_BYTES // (8 * 8960)
+    assert merge_chunk_rows(256, 1536, "cuda") == 256  # whole matrix: one GEMM
+    assert merge_chunk_rows(4, 2**40, "cpu") == 1  # never zero rows
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(500, 96, generator=gen)
+    factor = (torch.randn(500, 16, generator=gen) * torch.logspace(-6, 0, 500).unsqueeze(1)).bfloat16()
+    operand, scale = merge_operand(5, 16, 96, "rademacher")
+    whole = weight.clone()
+    merge_rows_(whole, factor, operand, scale)  # the default budget holds all 500 rows
+    monkeypatch.setattr(merge_module, "MERGE_BUFFER_BYTES_CPU", 8 * 96 * 37)  # 37 rows per chunk
+    assert merge_chunk_rows(500, 96, "cpu") == 37
+    chunked = weight.clone()
+    merge_rows_(chunked, factor, operand, scale)
+    assert torch.equal(chunked, whole)
+    assert torch.equal(whole, explicit_merge(weight, factor, 5, 16, "rademacher"))
