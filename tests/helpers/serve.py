@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,11 +15,26 @@ from pathlib import Path
 from logra_pl.rollout.server import READY_LINE
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports that nothing holds right now, below the ephemeral range.
+
+    ``logra-pl serve --data-parallel-size D`` binds ``P … P+D-1`` only once each engine is built, and meanwhile the
+    engines' own processes take OS-assigned (ephemeral, 32768+ on Linux) ports for their internal sockets. A port
+    the OS handed out by ``bind(0)`` can therefore be taken again before the server binds it; ports drawn from
+    20000–32000 cannot.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports found in 20000-32000")
 
 
 class Server:
@@ -30,7 +46,7 @@ class Server:
     """
 
     def __init__(self, log_dir: Path, *flags: str, port: int | None = None, engines: int = 1) -> None:
-        self.port = port or free_port()
+        self.port = port or free_port(engines)
         self.engines = engines  # ready lines to wait for (``--data-parallel-size``)
         self.flags = list(flags)
         self.log_dir = log_dir
