@@ -140,7 +140,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "wall_seconds": time.perf_counter() - start,
     }
     if args.worker == "lora":
-        result["lora_alpha"] = module.lora_config.alpha
+        result["lora_alpha"] = module.method.lora.alpha
     if "memory/cuda_peak_allocated_bytes" in last:
         result["cuda_peak_allocated_bytes"] = max(r["memory/cuda_peak_allocated_bytes"] for r in rows)
         result["cuda_peak_reserved_bytes"] = max(r["memory/cuda_peak_reserved_bytes"] for r in rows)

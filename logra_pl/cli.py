@@ -164,10 +164,11 @@ class LoGRACLI(LightningCLI):
                 f"data.prompts_per_step={per_step} is not divisible by the {world} training processes: make it a "
                 "multiple of trainer.devices × trainer.num_nodes"
             )
-        module.run_config = _saved_config(self.config[self.subcommand])
-        if self.resume_path is not None:
-            module.resume_from = str(self.resume_path)
-            module.resume_checked = True
+        resumed = self.resume_path is not None
+        module.set_launch(
+            _saved_config(self.config[self.subcommand]), str(self.resume_path) if resumed else None, resumed
+        )
+        if resumed:
             self._continue_logger_version()
 
     def _continue_logger_version(self) -> None:

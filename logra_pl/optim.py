@@ -25,13 +25,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     Arguments:
         sketcher: the model's :class:`LoGRASketcher` (hooks attached, sketches filled by backward).
+        max_relative_update: the divergence guard's bound: an update larger than this fraction of the weights is
+            rejected before it merges (None: no bound).
 
     After ``step()``: :attr:`last_payload` is the merged payload (``None`` if skipped) — what a rollout engine
     must apply — and :attr:`last_proposal` the proposal it came from. ``grad_scale`` multiplies the sketches
     before RowAdam (e.g. ``1/world_size`` after a sum all-reduce).
     """
 
-    def __init__(self, sketcher: LoGRASketcher) -> None:
+    def __init__(self, sketcher: LoGRASketcher, max_relative_update: float | None = None) -> None:
         params = [m.module.weight for m in sketcher.matrices.values()]
         super().__init__(params, defaults={})
         self.sketcher = sketcher
@@ -40,8 +42,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.last_payload: Payload | None = None
         self.grad_scale = 1.0
         self.last_merge_s = 0.0
-        # Divergence guard: an update larger than this fraction of the weights is rejected (None: no bound).
-        self.max_relative_update: float | None = None
+        self.max_relative_update = max_relative_update
         # Set by a data-parallel strategy: all-reduce the sketches, and sum ‖W_i‖² over row shards.
         self.before_propose: Callable[[LoGRAOptimizer], None] | None = None
         self.weight_sq_norms: Callable[[LoGRAOptimizer], dict[str, float]] | None = None

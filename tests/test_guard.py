@@ -66,7 +66,7 @@ def test_diverging_settings_stop_cleanly_with_weights_and_checkpoint_untouched(
     caplog.set_level(logging.WARNING, logger="logra_pl")
     with pytest.raises(PolicyDivergedError, match=r"policy diverged at update 5: 5 updates in a row were not applied"):
         fit(module, steps=20)
-    assert module.global_step == 5 and module.rejected_updates == 5
+    assert module.global_step == 5 and module.rejections.total == 5
     # Nothing any rejected update proposed reached the weights (exact: it was never merged / stepped).
     for key, value in module.policy.state_dict().items():
         assert torch.equal(value, before[key]), key
@@ -83,7 +83,7 @@ def test_diverging_settings_stop_cleanly_with_weights_and_checkpoint_untouched(
 def test_healthy_run_is_never_rejected(fit) -> None:
     module = _module(logra=LoGRAConfig(rank=16, update_ratio=1e-2))
     fit(module, steps=4, callbacks=(PredictedKLControl(),))
-    assert module.rejected_updates == 0 and module.sketcher.num_applied == 4
+    assert module.rejections.total == 0 and module.sketcher.num_applied == 4
     assert 0 < module.sketcher.last_relative_update < 0.1
 
 
@@ -97,7 +97,7 @@ def test_guard_rejects_one_oversized_update_and_the_run_goes_on(fit) -> None:
                 optimizer.proposal.alpha = 1e4  # this update would move the weights by 100× their norm
 
     fit(module, steps=4, callbacks=(SpikeOnce(),))
-    assert module.rejected_updates == 1 and module.rejected_in_a_row == 0
+    assert module.rejections.total == 1 and module.rejections.in_a_row == 0
     assert module.sketcher.num_rejected == 1 and module.sketcher.num_applied == 3
 
 

@@ -251,9 +251,11 @@ class SketchDiagnostics(pl.Callback):
             self._warned.add(kind)
             rank_zero_warn(message)
 
-    def _warn_not_logra(self, optimizer: str) -> None:
+    def _warn_not_logra(self, method: object) -> None:
         self._warn_once(
-            "dense", f"SketchDiagnostics measures LoGRA sketches; model.optimizer is {optimizer!r}: it logs nothing"
+            "dense",
+            f"SketchDiagnostics measures LoGRA sketches; the update method ({type(method).__name__}) keeps none: it "
+            "logs nothing",
         )
 
     # ------------------------------------------------------------------------------------------- hooks
@@ -269,15 +271,16 @@ class SketchDiagnostics(pl.Callback):
                 "of the matrices and part of the batch: remove it from trainer.callbacks, or measure on one process "
                 "with the default strategy"
             )
-        kind = getattr(pl_module, "optimizer_name", "logra")
-        if kind != "logra":
-            self._warn_not_logra(kind)
+        method = getattr(pl_module, "method", None)
+        if method is not None and not method.makes_proposals:
+            self._warn_not_logra(method)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        sketcher = getattr(pl_module, "sketcher", None)
+        method = getattr(pl_module, "method", None)
+        sketcher = method.sketcher if method is not None else None
         if sketcher is None:
-            self._warn_not_logra(getattr(pl_module, "optimizer_name", type(pl_module).__name__))
+            self._warn_not_logra(method if method is not None else pl_module)
             return
         ctx = getattr(pl_module, "step_context", None)
         if self.probe is None:

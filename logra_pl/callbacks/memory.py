@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from logra_pl.sketch.memory import MemoryReport, memory_report
+from logra_pl.sketch.memory import MemoryReport
 
 STATE_KINDS = [f.name for f in fields(MemoryReport) if f.name != "dense_gradient_equivalent"]
 
@@ -147,10 +147,7 @@ class MemoryMonitor(pl.Callback):
 
     def state(self, pl_module: Any) -> MemoryReport:
         """Training state by kind from the module's policy, optimizer and sketcher."""
-        optimizer = None
-        if getattr(pl_module, "optimizer_name", None) in ("adamw", "lora") and pl_module.trainer.optimizers:
-            optimizer = pl_module.trainer.optimizers[0]
-        return memory_report(pl_module.policy, optimizer=optimizer, sketcher=getattr(pl_module, "sketcher", None))
+        return pl_module.method.memory(pl_module.policy)
 
     @override
     def on_train_batch_end(

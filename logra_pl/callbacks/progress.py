@@ -133,3 +133,19 @@ class LoGRAModelSummary(_TrainedCounts, ModelSummary):
 
 class LoGRARichModelSummary(_TrainedCounts, RichModelSummary):
     """:class:`LoGRAModelSummary` for Lightning's rich console."""
+
+
+def replace_default_callbacks(callbacks: list[pl.Callback]) -> list[pl.Callback]:
+    """Update-counting progress bars and an honest model summary in place of Lightning's defaults of those kinds
+    (what ``LightningModule.configure_callbacks`` returns; Lightning then drops the defaults of the same types)."""
+    out: list[pl.Callback] = []
+    for cb in callbacks:
+        if type(cb) is TQDMProgressBar:
+            out.append(UpdateProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave))
+        elif type(cb) is RichProgressBar:
+            out.append(RichUpdateProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave, theme=cb.theme))
+        elif type(cb) is ModelSummary:
+            out.append(LoGRAModelSummary(max_depth=cb._max_depth))
+        elif type(cb) is RichModelSummary:
+            out.append(LoGRARichModelSummary(max_depth=cb._max_depth))
+    return out

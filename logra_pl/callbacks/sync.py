@@ -17,9 +17,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from logra_pl.batching import padded_logprobs
 from logra_pl.logprobs import pack_responses
 from logra_pl.rollout.base import SamplingConfig, cast_floats
-from logra_pl.sketch import select_targets
+from logra_pl.step import PolicyModuleView
 
 
 class PolicySync(pl.Callback):
@@ -75,23 +76,24 @@ class PolicySync(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not hasattr(pl_module, "external_sync"):
+        if not isinstance(pl_module, PolicyModuleView):
             raise TypeError("PolicySync works with LoGRAPolicyModule (a module with a rollout engine)")
-        if self.mode == "factors" and getattr(pl_module, "optimizer_name", "logra") != "logra":
+        if self.mode == "factors" and not pl_module.method.ships_factors:
             raise ValueError(
-                "PolicySync(mode='factors') ships LoGRA factor payloads, but the module trains with a dense "
-                f"optimizer ({pl_module.optimizer_name!r}): use mode='full'"
+                "PolicySync(mode='factors') ships LoGRA factor payloads, but the module's update method "
+                f"({type(pl_module.method).__name__}) changes tensors without factors: use mode='full'"
             )
-        if getattr(getattr(pl_module, "rollout_settings", None), "share_weights", False):
+        if pl_module.rollout_settings.share_weights:
             raise ValueError(
                 "PolicySync has nothing to send: rollout.share_weights makes the engine generate with the trainer's "
                 "weights; remove PolicySync or set share_weights to false"
             )
-        pl_module.external_sync = True
+        pl_module.attach_sync(self)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        pl_module.external_sync = False
+        if isinstance(pl_module, PolicyModuleView) and pl_module.engine is not None:
+            pl_module.attach_sync(None)
 
     # ----------------------------------------------------------------------------------------------- sync
     @override
@@ -194,13 +196,10 @@ class PolicySync(pl.Callback):
         if self.probe is None:
             raise RuntimeError("the probe is built at the first training batch; verify after it")
         sampling = SamplingConfig(temperature=0.0, max_new_tokens=self.probe_new_tokens)
-        generate = getattr(pl_module, "generate_rollout", pl_module.engine.generate)
-        rollout = generate(self.probe, sampling)
+        rollout = pl_module.generate_rollout(self.probe, sampling)
         packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pl_module.tokenizer.pad_token_id)
         trainer_lp = pl_module.trainer_logprobs(packed, 1.0).to(torch.float64)
-        engine_lp = torch.zeros_like(trainer_lp)
-        for b, lp in enumerate(rollout.logprobs):
-            engine_lp[b, : len(lp)] = torch.tensor(lp, dtype=torch.float64)
+        engine_lp = padded_logprobs(rollout.logprobs, trainer_lp)
         mask = packed.response_mask.to(torch.bool)
         diff = (engine_lp - trainer_lp).abs()[mask].max()
         trainer = getattr(pl_module, "_trainer", None)
@@ -212,13 +211,7 @@ class PolicySync(pl.Callback):
     @staticmethod
     def full_bf16_bytes(pl_module: Any) -> int:
         """Bytes of the tensors an update changes, in bf16 (global shapes; nothing is gathered)."""
-        if pl_module.optimizer_name == "lora":  # the engine receives the merged matrices
-            return 2 * sum(t.numel() for t in pl_module.trained_tensors().values())
-        if pl_module.optimizer_name == "logra":
-            tensors = [m.weight for m in select_targets(pl_module.policy, pl_module.logra_config.targets).values()]
-        else:
-            tensors = [p for p in pl_module.policy.parameters() if p.requires_grad]
-        return 2 * sum(t.numel() for t in tensors)
+        return 2 * pl_module.method.changed_numel(pl_module.policy)
 
     # ---------------------------------------------------------------------------------------- checkpoint
     @override

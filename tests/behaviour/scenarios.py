@@ -179,6 +179,20 @@ def checkpoint_image(path: Path) -> dict[str, Any]:
     return plain(ckpt)
 
 
+VOLATILE_KEYS = ("elapsed",)  # wall-clock seconds kept in callback state
+
+
+def comparable(image: Any) -> Any:
+    """A checkpoint image without wall-clock values and with this run's absolute paths made anonymous."""
+    if isinstance(image, dict):
+        return {k: comparable(v) for k, v in image.items() if k not in VOLATILE_KEYS}
+    if isinstance(image, list):
+        return [comparable(v) for v in image]
+    if isinstance(image, str) and image.startswith("/"):
+        return "<path>"
+    return image
+
+
 def capture(run_dir: Path) -> dict[str, Any]:
     """Scalars, weight digests and checkpoint contents of a finished run."""
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -187,7 +201,7 @@ def capture(run_dir: Path) -> dict[str, Any]:
     return {
         "scalars": scalars(run_dir),
         "weights": weights,
-        "checkpoint": checkpoint_image(last),
+        "checkpoint": comparable(checkpoint_image(last)),
     }
 
 

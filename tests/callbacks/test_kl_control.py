@@ -83,7 +83,7 @@ def test_budget_schedule_counts_applied_updates_only() -> None:
     assert [h["effective_budget"] for h in kl.history] == pytest.approx([schedule(1), schedule(2), schedule(3)])
     rejected = PredictedKLControl(schedule)
     module, _ = _run([rejected], guard=DivergenceGuard(max_update_ratio=1e-12, max_consecutive=10))
-    assert module.rejected_updates == 3 and module.sketcher.num_applied == 0
+    assert module.rejections.total == 3 and module.sketcher.num_applied == 0
     assert [h["effective_budget"] for h in rejected.history] == pytest.approx([schedule(1)] * 3)
 
 

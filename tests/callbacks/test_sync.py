@@ -51,12 +51,12 @@ def test_policy_sync_modes_keep_engine_equal(tmp_path, mode: str) -> None:
     sync = PolicySync(mode=mode, verify_every=1, tolerance=1e-5, probe_lengths=[20, 140], probe_new_tokens=3)
     metrics = Metrics()
     _fit(module, sync, 3, tmp_path, [metrics])
-    assert module.external_sync is False  # released at teardown
+    assert module.link.external is False  # released at teardown
     for (name, a), b in zip(module.policy.state_dict().items(), module.engine.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert [len(p) for p in sync.probe] == [20, 140]
     assert len(metrics.rows) == 3 and sync.full_resyncs == 0
-    targets = select_targets(module.policy, module.logra_config.targets).values()
+    targets = select_targets(module.policy, module.targets).values()
     full = 2 * sum(m.weight.numel() for m in targets)
     for row in metrics.rows:
         assert row["sync/max_logprob_diff"] <= 1e-5
@@ -78,7 +78,7 @@ def test_full_sync_wire_dtype(tmp_path) -> None:
     assert sync.wire_dtype_for(object()) == torch.bfloat16
     metrics = Metrics()
     _fit(module, sync, 2, tmp_path, [metrics])
-    targets = select_targets(module.policy, module.logra_config.targets)
+    targets = select_targets(module.policy, module.targets)
     assert all(row["sync/payload_bytes"] == row["sync/full_bytes"] for row in metrics.rows)  # 2 bytes a weight
     engine = module.engine.model.state_dict()
     for name, m in targets.items():

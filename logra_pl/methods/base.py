@@ -1,0 +1,140 @@
+"""``UpdateMethod``: how one policy update turns the step's gradients into new weights — the whole contract.
+
+The module runs rollouts, losses and backward passes; everything that depends on *how* the weights are trained goes
+through this one object: which tensors it trains and how their optimizer is built, the update itself (with the
+divergence guard's check before anything is merged), what a rollout engine receives, the memory it holds, its console
+line and its checkpoint kind. Callbacks ask a method what it can do (:attr:`UpdateMethod.ships_factors`,
+:attr:`UpdateMethod.makes_proposals`, :attr:`UpdateMethod.sketcher`), never what it is called.
+
+A new method is one class (``docs/extending.md``: "add an update method"), chosen in YAML by
+``model.method: {class_path: my_pkg.MyMethod, init_args: {...}}``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from logra_pl.guard import DivergenceGuard
+from logra_pl.rollout.base import GatheredState
+from logra_pl.sketch.memory import MemoryReport, memory_report
+from logra_pl.sketch.payload import Payload
+
+AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one update did.
+
+    Arguments:
+        rejected: why the update was not applied (the weights are unchanged), or None.
+        update_norm: ``‖ΔW‖_F`` of the applied update (0 when rejected).
+        payload: the factor payload merged into the weights, for engines that take factors (None otherwise).
+    """
+
+    rejected: str | None
+    update_norm: float
+    payload: Payload | None = None
+
+
+class UpdateMethod(ABC):
+    """How a policy update is formed and merged. Subclass it; the module and callbacks use only what is here.
+
+    Class attributes:
+        name: the kind recorded in checkpoints (a resume under another method is refused).
+        ships_factors: an update reaches engines as a factor :class:`~logra_pl.sketch.payload.Payload` (not as
+            the changed tensors).
+        makes_proposals: ``optimizer.proposal`` exists during ``on_before_optimizer_step``, for step controllers
+            to scale (``proposal.alpha``) or veto (``proposal.skip``).
+        step_knob: the setting to lower when the divergence guard keeps rejecting updates.
+    """
+
+    name: ClassVar[str] = "method"
+    ships_factors: ClassVar[bool] = False
+    makes_proposals: ClassVar[bool] = False
+
+    @property
+    def step_knob(self) -> str:
+        """The setting that sizes a step (named in the divergence message)."""
+        return "lr"
+
+    @property
+    def sketcher(self) -> Any:
+        """The :class:`~logra_pl.sketch.LoGRASketcher` of a sketching method (after ``configure_optimizers``)."""
+        return None
+
+    # ------------------------------------------------------------------------------------------ set up
+    def check_fits(self, source: str, targets: Sequence[str]) -> None:
+        """Settings that depend on the model's shapes, checked from its config before any weights load."""
+        return None
+
+    def prepare_policy(self, policy: nn.Module, targets: Sequence[str]) -> None:
+        """Change the policy's modules after the engine copied it (e.g. inject adapters). Must be idempotent."""
+        return None
+
+    @abstractmethod
+    def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
+        """What ``LightningModule.configure_optimizers`` returns: the optimizer (and schedule) of ``targets``."""
+
+    # ---------------------------------------------------------------------------------------- updates
+    @abstractmethod
+    def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
+        """Take one update from the gradients the backward passes left (through Lightning's ``optimizer``, so its
+        hooks fire); the divergence guard's check comes before any weight changes."""
+
+    @abstractmethod
+    def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
+        """The tensors an update changes, whole (FSDP shards gathered), named as an engine holds them."""
+
+    @abstractmethod
+    def changed_numel(self, policy: nn.Module) -> int:
+        """Elements an update changes (global shapes, nothing gathered): what a dense sync would send."""
+
+    def full_state(self, policy: nn.Module, dtype: torch.dtype | None = None) -> Mapping[str, torch.Tensor]:
+        """Every tensor of the policy as an engine holds it, gathered lazily (a full sync, an export)."""
+        return GatheredState(policy.state_dict(), dtype=dtype)
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars of the last update (``guard/relative_update`` at least)."""
+        return {}
+
+    def memory(self, policy: nn.Module) -> MemoryReport:
+        """Bytes of training state by kind."""
+        return memory_report(policy)
+
+    # ------------------------------------------------------------------------------------------ console
+    @abstractmethod
+    def trained_parameter_count(self, policy: nn.Module) -> int:
+        """Parameters the updates change (the model summary's "trained" count)."""
+
+    @abstractmethod
+    def report(self, policy: nn.Module, targets: Sequence[str]) -> str:
+        """One line on what this method trains and the state it holds for it."""
+
+
+def count_text(n: int) -> str:
+    """``1.2 M``-style parameter counts for console lines."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
+
+
+def bytes_text(n: int) -> str:
+    """``3.0 MiB``-style byte counts for console lines."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def relative(update_sq: float, weight_sq: float) -> float:
+    """``‖ΔW‖/‖W‖`` from squared norms (inf for a non-zero update of zero weights)."""
+    return math.sqrt(update_sq / weight_sq) if weight_sq > 0 else (0.0 if update_sq == 0 else math.inf)

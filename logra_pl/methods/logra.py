@@ -1,0 +1,148 @@
+"""``LoGRAMethod``: full-weight updates through low-rank gradient sketches (algorithm.md §1-5).
+
+Backward fills ``S = G Pᵀ`` per target matrix; ``optimizer.step()`` forms the proposal (RowAdam, step size), lets
+``on_before_optimizer_step`` callbacks scale or veto it, has the divergence guard judge it, and merges
+``W ← W − α U P``. Engines receive the same bf16 factors and a seed (:attr:`ships_factors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from logra_pl.errors import ConfigError
+from logra_pl.guard import DivergenceGuard
+from logra_pl.methods.base import AllReduceSum, StepResult, UpdateMethod, bytes_text, count_text
+from logra_pl.optim import LoGRAOptimizer
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher, select_targets
+from logra_pl.sketch.config import DEFAULT_TARGETS
+from logra_pl.sketch.memory import MemoryReport, memory_report
+from logra_pl.sketch.merge import full_tensor
+
+
+class LoGRAMethod(UpdateMethod):
+    """LoGRA: the paper's method.
+
+    Arguments:
+        config: every LoGRA knob (:class:`~logra_pl.sketch.LoGRAConfig`); its ``targets`` are set from the
+            module's ``targets``, which every method trains.
+    """
+
+    name = "logra"
+    ships_factors = True
+    makes_proposals = True
+
+    def __init__(self, config: LoGRAConfig | None = None) -> None:
+        self.config = config or LoGRAConfig()
+        self._sketcher: LoGRASketcher | None = None
+        self.optimizer: LoGRAOptimizer | None = None
+
+    def with_targets(self, targets: Sequence[str]) -> LoGRAConfig:
+        """The config with the module's targets (a differing, explicitly set ``logra.targets`` is refused)."""
+        mine = tuple(self.config.targets)
+        if mine != tuple(targets) and mine != tuple(DEFAULT_TARGETS):
+            raise ConfigError(
+                f"logra.targets={list(mine)} differs from model.targets={list(targets)}: the trained matrices are "
+                "model.targets (every method trains them); set them there and drop logra.targets"
+            )
+        return dataclasses.replace(self.config, targets=tuple(targets)) if mine != tuple(targets) else self.config
+
+    @property
+    @override
+    def step_knob(self) -> str:
+        return "lr" if self.config.step_mode == "lr" else "update_ratio"
+
+    @property
+    @override
+    def sketcher(self) -> LoGRASketcher | None:
+        return self._sketcher
+
+    @override
+    def check_fits(self, source: str, targets: Sequence[str]) -> None:
+        """``rank ≤ d_in`` for every target matrix, read from the model's config on the meta device."""
+        from transformers import AutoModelForCausalLM
+
+        from logra_pl.memory import load_config
+        from logra_pl.models.load import resolve_source
+
+        resolve_source(source)  # a source that cannot exist gets its clear PolicyLoadError here
+        config = load_config(source)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        matrices = select_targets(skeleton, targets)
+        smallest = min(m.in_features for m in matrices.values())
+        if self.config.rank > smallest:
+            name = next(n for n, m in matrices.items() if m.in_features == smallest)
+            raise ConfigError(
+                f"logra.rank={self.config.rank} exceeds d_in={smallest} of {name!r} in policy {source!r}: a sketch "
+                f"cannot have more columns than its matrix; use rank <= {smallest}"
+            )
+
+    @override
+    def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
+        self._sketcher = LoGRASketcher(policy, self.with_targets(targets))
+        bound = guard.max_update_ratio if guard.enabled else None
+        self.optimizer = LoGRAOptimizer(self._sketcher, max_relative_update=bound)
+        return self.optimizer
+
+    @override
+    def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
+        optimizer.step()
+        inner, sketcher = optimizer.optimizer, self._sketcher
+        rejected = sketcher.last_skip_reason if inner.last_payload is None else None
+        norm = 0.0 if rejected else math.sqrt(sketcher.last_update_sq_norm)
+        return StepResult(rejected, norm, inner.last_payload)
+
+    @override
+    def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
+        params = {f"{n}.weight": m.weight for n, m in select_targets(policy, self.config.targets).items()}
+        params.update(self._sketcher.dense if self._sketcher is not None else {})
+        return {n: full_tensor(p).detach() for n, p in params.items()}
+
+    @override
+    def changed_numel(self, policy: nn.Module) -> int:
+        return sum(m.weight.numel() for m in select_targets(policy, self.config.targets).values())
+
+    @override
+    def metrics(self) -> dict[str, float]:
+        sketcher = self._sketcher
+        return {
+            "guard/relative_update": sketcher.last_relative_update,
+            "logra/skipped_updates": float(sketcher.num_skipped),
+            "logra/merge_s": self.optimizer.last_merge_s,
+        }
+
+    @override
+    def memory(self, policy: nn.Module) -> MemoryReport:
+        return memory_report(policy, sketcher=self._sketcher)
+
+    @override
+    def trained_parameter_count(self, policy: nn.Module) -> int:
+        if self._sketcher is None:
+            return 0
+        return sum(m.module.weight.numel() for m in self._sketcher.matrices.values())
+
+    @override
+    def report(self, policy: nn.Module, targets: Sequence[str]) -> str:
+        cfg, sketcher = self.config, self._sketcher
+        if sketcher is None:
+            return ""
+        mats = sketcher.matrices.values()
+        sketch = sum(m.sketch.numel() * m.sketch.element_size() for m in mats)
+        proj = sum(m.projection.numel() * m.projection.element_size() for m in mats)
+        rows = sum(v.numel() * v.element_size() for v in sketcher.row_stats.values())
+        dense = sum(m.module.weight.numel() * 4 for m in mats)
+        basis = "refreshed every update" if cfg.refresh else "fixed"
+        return (
+            f"LoGRA trains {count_text(self.trained_parameter_count(policy))} parameters in {len(sketcher.matrices)} "
+            f"matrices ({', '.join(targets)}) through rank-{cfg.rank} sketches ({cfg.distribution} projections, "
+            f"{basis}); everything else is frozen. Its state: {bytes_text(sketch)} of sketches + {bytes_text(proj)} of "
+            f"projections + {bytes_text(rows)} of row statistics, in place of {bytes_text(dense)} of fp32 dense "
+            f"gradients (+ {bytes_text(2 * dense)} of Adam moments)"
+        )

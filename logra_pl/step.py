@@ -1,0 +1,88 @@
+"""``StepContext``: what one training step produced, for callbacks to read; the seeds a step samples with.
+
+``PolicyModuleView`` is what callbacks may read from the module — the whole contract (:class:`LoGRAPolicyModule`
+implements it; a module of your own that does can run the same callbacks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from logra_pl.logprobs import PackedResponses
+from logra_pl.rollout.base import Rollout, SamplingConfig
+from logra_pl.sketch.payload import Payload
+
+
+@dataclass
+class StepContext:
+    """What one training step produced, for callbacks (KL control, mismatch, sync) to read.
+
+    ``logp_rollout``/``logp_trainer``/``packed.response_mask`` are ``(N, R)`` over the ``N`` responses;
+    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update.
+    """
+
+    update_index: int
+    items: list[dict[str, Any]]
+    rollout: Rollout
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    packed: PackedResponses
+    logp_rollout: torch.Tensor
+    logp_trainer: torch.Tensor
+    temperature: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    payloads: list[Payload] = field(default_factory=list)  # merged factor updates of this step, in order
+    loss_stats: dict[str, list[float]] = field(default_factory=dict)  # loss statistics: [numerator, denominator]
+
+    @property
+    def eos_terminated(self) -> torch.Tensor:
+        """``(N,)`` bool: responses that ended with EOS (not truncated)."""
+        return torch.tensor([not t for t in self.rollout.truncated])
+
+
+def sampling_seed(seed: int, split: str, update: int, key: str = "") -> int:
+    """The seed of one sampling call (or one prompt's responses, keyed by its question): independent of batch and
+    rank layout."""
+    blob = f"{seed}/{split}/{update}/{key}".encode()
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=6).digest(), "little")
+
+
+@runtime_checkable
+class PolicyModuleView(Protocol):
+    """What callbacks read from the policy module — the whole contract.
+
+    ``policy`` (the trained causal LM), ``tokenizer``, ``engine`` (the rollout engine, or None before
+    ``configure_model``), ``method`` (the :class:`~logra_pl.methods.UpdateMethod`: ``sketcher``,
+    ``ships_factors``, ``makes_proposals``), ``step_context`` (the current step's :class:`StepContext`, or None),
+    ``rollout_settings``, ``microbatch_size``, ``policy_source`` and ``dtype_name``; and the operations below.
+    """
+
+    policy: Any
+    tokenizer: Any
+    engine: Any
+    method: Any
+    step_context: StepContext | None
+    rollout_settings: Any
+    microbatch_size: int
+    policy_source: str
+    dtype_name: str
+
+    def encode_prompts(self, items: list[dict[str, Any]]) -> list[list[int]]: ...
+
+    def generate_rollout(
+        self, prompts: list[list[int]], sampling: SamplingConfig, prompt_seeds: list[int] | None = None
+    ) -> Rollout: ...
+
+    def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor: ...
+
+    def sync_engine(self, full: bool = False) -> None: ...
+
+    def attach_sync(self, owner: object) -> None: ...
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def full_state(self) -> dict[str, torch.Tensor]: ...

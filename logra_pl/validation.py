@@ -1,0 +1,87 @@
+"""``ValidationMetrics``: what one validation pass accumulates — mean reward, unbiased pass@j, per-task pass@1 and
+reward with their macro means (the RG-Hard score), and a few samples for a TensorBoard text panel.
+
+An ``nn.Module`` of torchmetrics (synced over ranks), so Lightning reduces and resets them like any logged metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+
+from logra_pl.data.schema import prompt_key
+from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
+
+
+def item_task(item: dict[str, Any]) -> str:
+    """The task an item belongs to: its ``task`` (the item schema), a reasoning-gym ``source_dataset``, or ``all``."""
+    task = item.get("task") or (item.get("metadata") or {}).get("source_dataset")
+    return str(task) if task else "all"
+
+
+class ValidationMetrics(nn.Module):
+    """Validation accumulators.
+
+    Arguments:
+        ks: the ``j`` of every ``val/pass@j``.
+        samples: responses per problem.
+    """
+
+    def __init__(self, ks: Sequence[int], samples: int) -> None:
+        super().__init__()
+        self.samples = samples
+        self.reward = MeanMetric()
+        self.passes = PassAtK(ks=list(ks), samples=samples)
+        self.tasks: MacroPassAt1 | None = None  # built at validation start when the eval set mixes tasks
+        self.task_rewards: MacroMean | None = None  # per-task mean reward and its macro mean (RG-Hard score)
+        self.shown: list[tuple[str, str, float]] = []
+
+    def start(self, items: Sequence[dict[str, Any]], device: torch.device) -> None:
+        """Per-task metrics when the evaluation problems mix tasks; a fresh sample panel."""
+        tasks = sorted({item_task(it) for it in items})
+        if len(tasks) > 1 and (self.tasks is None or self.tasks.tasks != tuple(tasks)):
+            self.tasks = MacroPassAt1(tasks).to(device)
+            self.task_rewards = MacroMean(tasks, "reward").to(device)
+        self.shown = []
+
+    def update(
+        self, batch: Sequence[dict[str, Any]], rewards: torch.Tensor, texts: Sequence[str], device: torch.device
+    ) -> None:
+        """One batch: ``rewards`` ``(len(batch)·samples,)`` grouped by prompt; ``texts`` the decoded responses of the
+        first four problems (for the panel, first batch only; pass ``[]`` otherwise)."""
+        n = self.samples
+        correct = (rewards >= 1.0).reshape(len(batch), n)  # rows are grouped by prompt
+        self.passes.update(correct.to(device))
+        if self.tasks is not None and self.task_rewards is not None:
+            tasks = [item_task(it) for it in batch]
+            self.tasks.update(correct.to(device), tasks)
+            self.task_rewards.update(rewards.reshape(len(batch), n), tasks)
+        self.reward.update(rewards.float())
+        for k, text in enumerate(texts[::n][:4]):
+            self.shown.append((prompt_key(batch[k]), text, float(rewards[k * n])))
+
+    def compute(self) -> dict[str, Any] | None:
+        """``val/pass@j`` (and per-task values) of the pass, then reset; None when nothing was validated."""
+        if self.passes.update_count == 0:
+            return None
+        out = {f"val/{name}": value for name, value in self.passes.compute().items()}
+        for metric in (self.tasks, self.task_rewards):
+            if metric is not None and metric.update_count:
+                out |= {f"val/{name}": value for name, value in metric.compute().items()}
+                metric.reset()
+        self.passes.reset()
+        return out
+
+    def panel(self) -> str | None:
+        """The samples as a markdown table (None when there are none)."""
+        if not self.shown:
+            return None
+        rows = ["| prompt | response | reward |", "| --- | --- | --- |"]
+        for question, text, reward in self.shown:
+            cells = [c.replace("|", "\\|").replace("\n", " ")[:300] for c in (question, text)]
+            rows.append(f"| {cells[0]} | {cells[1]} | {reward:.2f} |")
+        return "\n".join(rows)
