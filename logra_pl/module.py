@@ -43,7 +43,7 @@ from logra_pl.rollout.vllm import VLLMSettings
 from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
-from logra_pl.step import StepContext, sampling_seed
+from logra_pl.step import StepContext, sampling_seed, step_metrics
 from logra_pl.validation import ValidationMetrics, item_task
 from logra_pl.warm_start import WarmStart
 
@@ -324,25 +324,7 @@ class LoGRAPolicyModule(pl.LightningModule):
                 plan += [perm[i : i + size] for i in range(0, len(perm), size)]
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
-        metrics = {
-            "train/reward_mean": float(ctx.rewards.mean()),
-            "train/baseline": self.baseline.value,
-            "train/advantage_mean": float(ctx.advantages.mean()),
-            "train/advantage_std": float(ctx.advantages.std()) if len(ctx.advantages) > 1 else 0.0,
-            "train/response_length": float(ctx.packed.lengths.float().mean()),
-            "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
-            "train/loss": sum(r[0] for r in results) / len(results),
-            "train/update_norm": results[-1][3],
-            "time/rollout_s": t_rollout,
-            "time/train_s": sum(r[1] for r in results),
-            "time/update_s": sum(r[2] for r in results),
-            "time/tokens_per_s": ctx.rollout.num_response_tokens / max(step_s, 1e-9),
-            "time/step_s": step_s,
-            "verifier/errors": float(self.scorer.errors),
-            "verifier/timeouts": float(self.scorer.timeouts),
-            "verifier/long_answers": float(self.scorer.long_answers),
-        }
-        metrics |= {f"reward/{name}": value for name, value in self.scorer.last_components.items()}
+        metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
         if self.link.can_go_stale:
             metrics["sync/engine_resyncs"] = float(self.engine_resyncs)
         metrics["guard/rejected_updates"] = float(self.rejections.total)

@@ -86,3 +86,34 @@ class PolicyModuleView(Protocol):
     def trained_tensors(self) -> dict[str, torch.Tensor]: ...
 
     def full_state(self) -> dict[str, torch.Tensor]: ...
+
+
+def step_metrics(
+    ctx: StepContext,
+    results: list[tuple[float, float, float, float]],
+    rollout_s: float,
+    step_s: float,
+    baseline: Any,
+    scorer: Any,
+) -> dict[str, float]:
+    """The per-update scalars of one step: reward and advantages, response lengths, loss and update size, times,
+    verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s, update_norm)`` per update."""
+    metrics = {
+        "train/reward_mean": float(ctx.rewards.mean()),
+        "train/baseline": baseline.value,
+        "train/advantage_mean": float(ctx.advantages.mean()),
+        "train/advantage_std": float(ctx.advantages.std()) if len(ctx.advantages) > 1 else 0.0,
+        "train/response_length": float(ctx.packed.lengths.float().mean()),
+        "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
+        "train/loss": sum(r[0] for r in results) / len(results),
+        "train/update_norm": results[-1][3],
+        "time/rollout_s": rollout_s,
+        "time/train_s": sum(r[1] for r in results),
+        "time/update_s": sum(r[2] for r in results),
+        "time/tokens_per_s": ctx.rollout.num_response_tokens / max(step_s, 1e-9),
+        "time/step_s": step_s,
+        "verifier/errors": float(scorer.errors),
+        "verifier/timeouts": float(scorer.timeouts),
+        "verifier/long_answers": float(scorer.long_answers),
+    }
+    return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}

@@ -254,8 +254,8 @@ class SketchDiagnostics(pl.Callback):
     def _warn_not_logra(self, method: object) -> None:
         self._warn_once(
             "dense",
-            f"SketchDiagnostics measures LoGRA sketches; the update method ({type(method).__name__}) keeps none: it "
-            "logs nothing",
+            f"SketchDiagnostics measures LoGRA sketches; the update method {getattr(method, 'name', '?')!r} "
+            f"({type(method).__name__}) keeps none: it logs nothing",
         )
 
     # ------------------------------------------------------------------------------------------- hooks

@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers.serve)
 
-from tests.behaviour.scenarios import GOLDEN, SCENARIOS, capture, fingerprint, golden_path, run  # noqa: E402
+from tests.behaviour.scenarios import GOLDEN, SCENARIOS, capture, fingerprint, golden_path, run
 
 
 def record(name: str, workdir: Path) -> dict:
