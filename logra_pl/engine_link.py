@@ -49,6 +49,7 @@ class EngineLink:
         self.is_global_zero = is_global_zero
         self.external = False  # a PolicySync callback owns the per-update sync
         self.resyncs = 0  # full resyncs of engines found stale (lost update, restart)
+        self.last_payload: Payload | None = None  # what the last update merged (factor methods)
 
     def attach_sync(self, owner: object) -> None:
         """``owner`` (a sync callback) sends each update from now on; the module no longer does."""

@@ -20,21 +20,23 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from logra_pl import methods, resume
+from logra_pl import methods
 from logra_pl.batching import encode_prompts, microbatches, padded_logprobs, select_rows
 from logra_pl.callbacks.progress import replace_default_callbacks
 from logra_pl.checkpointing import enable_activation_checkpointing
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
 from logra_pl.engine_link import EngineLink
-from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchError, check_int
+from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.lora import LoRAConfig
 from logra_pl.losses import Baseline, length_weights
 from logra_pl.methods import UpdateMethod
+from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import load_training_policy, rank_zero_first, training_source
+from logra_pl.ranks import all_reduce_sum, any_rank
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineRequest, resolve_engine
@@ -52,7 +54,6 @@ from logra_pl.warm_start import WarmStart
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 quiet_noise()
 
-CHECKPOINT_FORMAT = "logra-pl/module/v2"
 __all__ = ["LoGRAPolicyModule", "LossConfig", "RolloutSettings", "ScoringSettings", "StepContext", "item_task"]
 
 
@@ -62,34 +63,29 @@ class LoGRAPolicyModule(pl.LightningModule):
     Arguments:
         policy: ``tiny[:preset]``, ``smollm2``, a ``.gguf`` file, a ``save_pretrained`` folder or a hub id.
         warm_start: optional supervised warm start (cached) before RL; eval questions are excluded.
-        method: the update method (:mod:`logra_pl.methods`): ``{class_path: logra_pl.methods.LoGRAMethod,
-            init_args: {...}}``, or a short name ``logra | adamw | lora``. None: built from ``optimizer``.
-        targets: the matrices every method trains (last name parts of ``nn.Linear`` modules). None: LoGRA's
-            ``logra.targets`` (attention and MLP).
-        optimizer: short form of ``method``: ``"logra"``, ``"adamw"`` (dense baseline) or ``"lora"`` (peft adapters,
-            trained by ``adamw``'s AdamW), with the ``logra`` / ``adamw`` / ``lora`` sections as their settings.
+        method: the update method (:mod:`logra_pl.methods`), by ``class_path`` or short name ``logra | adamw | lora``;
+            None: built from ``optimizer`` and its section.
+        targets: the matrices every method trains (last name parts of ``nn.Linear`` modules); None: attention + MLP.
+        optimizer: short form of ``method`` (``logra``, ``adamw``, ``lora``), with ``logra``/``adamw``/``lora``.
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
-        adamw: AdamW hyper-parameters and schedule (``optimizer="adamw"`` or ``"lora"``).
+        adamw: AdamW and its schedule (``optimizer="adamw"``, or on LoRA's adapters).
         lora: adapter settings (``optimizer="lora"``).
         loss: the surrogate.
         baseline: the advantage baseline: running (algorithm.md §8), or per-prompt ``group`` / ``rloo``.
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass (at most).
-        max_tokens_per_microbatch: token budget of one forward/backward pass (rows × longest row, padding
-            included); None: ``microbatch_size`` responses each time.
+        max_tokens_per_microbatch: token budget of one pass (rows × longest row); None: ``microbatch_size`` rows.
         activation_checkpointing: recompute each decoder layer in backward (:mod:`logra_pl.checkpointing`).
-        attn_implementation: transformers' attention kernel; None: its default. The KL probe uses eager.
+        attn_implementation: transformers' attention kernel; None: its default (the KL probe uses eager).
         answer_format: how the default verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
-        engine: rollout engine: ``"hf"``, ``"vllm"``, ``"remote"``, a registered name or a builder's dotted path.
+        engine: rollout engine: ``hf``, ``vllm``, ``remote``, a registered name or a builder's dotted path.
         vllm: vLLM engine settings (``engine="vllm"``).
         remote: served engines (``engine="remote"``).
-        guard: the divergence guard: oversized or non-finite updates never reach the weights; too many in a row
-            stop the run.
+        guard: the divergence guard: oversized or non-finite updates never reach the weights.
         scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
-        verifier: the reward, any ``__call__(response, item) -> float``; default
-            :class:`~logra_pl.rewards.ReasoningGymVerifier`.
+        verifier: the reward, any ``__call__(response, item) -> float``; default ``ReasoningGymVerifier``.
     """
 
     def __init__(
@@ -224,8 +220,7 @@ class LoGRAPolicyModule(pl.LightningModule):
     def sync_engine(self, full: bool = False) -> None:
         """Bring the engine to the trainer's weights: the last merged payload, the changed tensors, or all."""
         if self.link is not None:
-            payload = getattr(self.method.sketcher and self.optimizers().optimizer, "last_payload", None)
-            self.link.sync(self.device, full=full, payload=payload)
+            self.link.sync(self.device, full=full, payload=self.link.last_payload)
 
     def generate_rollout(
         self, prompts: list[list[int]], sampling: SamplingConfig, prompt_seeds: list[int] | None = None
@@ -259,20 +254,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         return sampling_seed(self.seed, split, self.global_step, key)
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over data-parallel ranks (identity in one process)."""
-        trainer = self._trainer
-        return (
-            t
-            if trainer is None or trainer.world_size <= 1
-            else trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu()
-        )
+        return all_reduce_sum(self._trainer, t, self.device)
 
     def _any_rank(self, flag: bool) -> bool:
-        """``flag`` OR-ed over the training processes (one all-reduce; none with one process)."""
-        trainer = self._trainer
-        if trainer is None or trainer.world_size <= 1:
-            return bool(flag)
-        return bool(trainer.strategy.reduce_boolean_decision(bool(flag), all=False))
+        return any_rank(self._trainer, flag)
 
     def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> list[list[int]]:
         return microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
@@ -368,6 +353,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
         say = self.trainer.is_global_zero
         self.rejections.record(result.rejected, self.global_step, self.method.step_knob, ckpt, say)
+        self.link.last_payload = result.payload
         if not self.link.external:
             self.link.sync(self.device, payload=result.payload)
         return total, t1 - t0, time.perf_counter() - t1, result.update_norm
@@ -406,38 +392,12 @@ class LoGRAPolicyModule(pl.LightningModule):
     # -------------------------------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The module's own state (the rest is in the optimizer state) and the run's settings, for honest resumes."""
-        checkpoint["logra_pl"] = {
-            "format": CHECKPOINT_FORMAT,
-            "optimizer": self.method.name,
-            "baseline": self.baseline.state_dict(),
-            "verifier_errors": self.scorer.errors,
-            "scoring": self.scorer.state_dict(),
-            **self.rejections.state_dict(),
-            "settings": resume.plain(self.hparams),
-            "run_config": self.run_config,  # the CLI's resolved config (None outside the CLI)
-        }
+        checkpoint["logra_pl"] = module_state(self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint written under structurally different settings; restore the module's own state.
-
-        Runs before Lightning loads the optimizer state, so an AdamW checkpoint resumed as LoGRA (or the reverse)
-        gets this message, not a ``KeyError`` from deep inside ``load_state_dict``.
-        """
-        state, hint = checkpoint.get("logra_pl") or {}, getattr(self._trainer, "ckpt_path", None)
-        saved_kind = methods.checkpoint_kind(checkpoint)
-        if saved_kind is not None and saved_kind != self.method.name:
-            raise ResumeMismatchError(
-                resume.mismatch_message([("model.optimizer", saved_kind, self.method.name)], hint)
-            )
-        saved = state.get("settings") or checkpoint.get("hyper_parameters")
-        if saved is not None and not self.resume_checked:  # the CLI already compared (and printed the changes)
-            resume.check_resume({"model": saved}, {"model": self.hparams}, hint)
-        if state:
-            self.baseline.load_state_dict(state["baseline"])
-            self.scorer.errors = int(state.get("verifier_errors", 0))
-            if "scoring" in state:
-                self.scorer.load_state_dict(state["scoring"])
-            self.rejections.load_state_dict(state)
+        """Refuse a checkpoint written under structurally different settings (before Lightning loads the optimizer
+        state, so a resume under another method gets a message, not a ``KeyError``); restore the module's state."""
+        restore_module_state(self, checkpoint)
 
     # ------------------------------------------------------------------------------------------ console
     def configure_callbacks(self) -> list[pl.Callback]:

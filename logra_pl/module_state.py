@@ -1,0 +1,49 @@
+"""What a policy module keeps in a checkpoint beyond weights and optimizer state, and the checks a resume makes.
+
+``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts, the
+guard's rejection counts, the module's settings and the CLI's resolved config. A checkpoint written under
+structurally different settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
+(:mod:`logra_pl.resume`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from logra_pl import methods, resume
+from logra_pl.errors import ResumeMismatchError
+
+CHECKPOINT_FORMAT = "logra-pl/module/v2"
+
+
+def module_state(module: Any) -> dict[str, Any]:
+    """The module's own state, for ``checkpoint["logra_pl"]``."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "optimizer": module.method.name,
+        "baseline": module.baseline.state_dict(),
+        "verifier_errors": module.scorer.errors,
+        "scoring": module.scorer.state_dict(),
+        **module.rejections.state_dict(),
+        "settings": resume.plain(module.hparams),
+        "run_config": module.run_config,  # the CLI's resolved config (None outside the CLI)
+    }
+
+
+def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
+    """Refuse a structurally different checkpoint; otherwise restore what :func:`module_state` saved."""
+    state = checkpoint.get("logra_pl") or {}
+    trainer = module._trainer
+    hint = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+    saved_kind = methods.checkpoint_kind(checkpoint)
+    if saved_kind is not None and saved_kind != module.method.name:
+        raise ResumeMismatchError(resume.mismatch_message([("model.optimizer", saved_kind, module.method.name)], hint))
+    saved = state.get("settings") or checkpoint.get("hyper_parameters")
+    if saved is not None and not module.resume_checked:  # the CLI already compared (and printed the changes)
+        resume.check_resume({"model": saved}, {"model": module.hparams}, hint)
+    if state:
+        module.baseline.load_state_dict(state["baseline"])
+        module.scorer.errors = int(state.get("verifier_errors", 0))
+        if "scoring" in state:
+            module.scorer.load_state_dict(state["scoring"])
+        module.rejections.load_state_dict(state)
