@@ -87,6 +87,10 @@ class PolicyModuleView(Protocol):
 
     def full_state(self) -> dict[str, torch.Tensor]: ...
 
+    def trained_parameter_count(self) -> int: ...
+
+    def training_report(self) -> str: ...
+
 
 def step_metrics(
     ctx: StepContext,
@@ -117,3 +121,9 @@ def step_metrics(
         "verifier/long_answers": float(scorer.long_answers),
     }
     return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}
+
+
+def view_of(pl_module: Any) -> PolicyModuleView | None:
+    """``pl_module`` as a :class:`PolicyModuleView` when it is one (callbacks that also work with other Lightning
+    modules do nothing of the policy kind otherwise), else None."""
+    return pl_module if isinstance(pl_module, PolicyModuleView) else None

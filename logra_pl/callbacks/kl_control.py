@@ -14,6 +14,7 @@ from typing_extensions import override
 from logra_pl.callbacks.mismatch import RolloutMismatch
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.sketch.probe import ProbeMode, logit_tangent, predicted_kl_terms, realized_kl_terms
+from logra_pl.step import view_of
 
 
 @dataclass
@@ -179,14 +180,16 @@ class PredictedKLControl(pl.Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         proposal = getattr(optimizer, "proposal", None)
-        ctx = getattr(pl_module, "step_context", None)
+        view = view_of(pl_module)
+        ctx = view.step_context if view is not None else None
         if proposal is None or ctx is None:
             return
         self.updates += 1
         # The schedule's position is the index of the update this proposal would become: merges that happened,
         # plus one. Proposals vetoed here or rejected by the guard do not advance it (the paper's horizons count
         # optimizer updates, D.1).
-        applied = getattr(getattr(pl_module, "sketcher", None), "num_applied", self.updates - 1)
+        sketcher = view.method.sketcher if view is not None else None
+        applied = sketcher.num_applied if sketcher is not None else self.updates - 1
         budget = self.schedule(applied + 1)
         if budget is None:
             if self.calibrate:  # no control (α = 1), but the predicted and realized KL are still measured

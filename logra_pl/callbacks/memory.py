@@ -22,6 +22,7 @@ import torch
 from typing_extensions import override
 
 from logra_pl.sketch.memory import MemoryReport
+from logra_pl.step import view_of
 
 STATE_KINDS = [f.name for f in fields(MemoryReport) if f.name != "dense_gradient_equivalent"]
 
@@ -161,7 +162,8 @@ class MemoryMonitor(pl.Callback):
         metrics["memory/state_bytes"] = float(report.total)
         self.last = metrics
         self.history.append({"update": float(trainer.global_step), **metrics})
-        ctx = getattr(pl_module, "step_context", None)
+        view = view_of(pl_module)
+        ctx = view.step_context if view is not None else None
         bs = len(ctx.rollout) if ctx is not None else 1
         for key, value in metrics.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=bs)

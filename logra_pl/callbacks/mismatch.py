@@ -9,6 +9,7 @@ import torch
 from typing_extensions import override
 
 from logra_pl.errors import check_range
+from logra_pl.step import view_of
 
 
 def observed_mismatch(
@@ -69,7 +70,8 @@ class RolloutMismatch(pl.Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        ctx = getattr(pl_module, "step_context", None)
+        view = view_of(pl_module)
+        ctx = view.step_context if view is not None else None
         if ctx is None:
             return
         self.observe(ctx, trainer)  # a step controller may already have folded this update in

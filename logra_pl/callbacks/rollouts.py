@@ -21,6 +21,8 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from logra_pl.step import view_of
+
 
 class RolloutLog(pl.Callback):
     """Append every training response (ids, text, reward, log-probs) to a JSON-lines file per rank.
@@ -51,14 +53,15 @@ class RolloutLog(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        ctx = getattr(pl_module, "step_context", None)
+        view = view_of(pl_module)
+        ctx = view.step_context if view is not None else None
         if ctx is None or self.path is None:
             return
         update = ctx.update_index + 1
         if update % self.every_n_updates:
             return
         r = ctx.rollout
-        tokenizer = getattr(pl_module, "tokenizer", None)
+        tokenizer = view.tokenizer
         write = uuid.uuid4().hex[:12]  # one id per write: a resumed run's rows of an update replace the earlier ones
         with self.path.open("a") as f:
             for row, i in enumerate(r.prompt_index):

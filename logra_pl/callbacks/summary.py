@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from logra_pl.step import view_of
+
 
 class RunSummary(pl.Callback):
     """Collect per-update metrics and validation results; print a short summary when training ends.
@@ -33,7 +35,8 @@ class RunSummary(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        ctx = getattr(pl_module, "step_context", None)
+        view = view_of(pl_module)
+        ctx = view.step_context if view is not None else None
         if ctx is not None and "train/reward_mean" in ctx.metrics:
             self.rewards.append(ctx.metrics["train/reward_mean"])
 
