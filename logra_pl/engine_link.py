@@ -5,7 +5,7 @@ other methods the changed tensors, and a full sync every tensor (at the start of
 device, or to repair). An engine that can go stale (a served one: a lost update, a restart) refuses to generate
 from other weights; the link then has every rank agree that a repair is due, resends the full weights and repeats
 the call, counting each repair (``sync/engine_resyncs``). A :class:`~logra_pl.callbacks.PolicySync` callback may
-take the per-update sync over (:meth:`EngineLink.attach_sync`).
+take the per-update sync over (``LoGRAPolicyModule.attach_sync``).
 """
 
 from __future__ import annotations
@@ -47,13 +47,8 @@ class EngineLink:
         self.policy = policy
         self.any_rank = any_rank
         self.is_global_zero = is_global_zero
-        self.external = False  # a PolicySync callback owns the per-update sync
         self.resyncs = 0  # full resyncs of engines found stale (lost update, restart)
         self.last_payload: Payload | None = None  # what the last update merged (factor methods)
-
-    def attach_sync(self, owner: object) -> None:
-        """``owner`` (a sync callback) sends each update from now on; the module no longer does."""
-        self.external = owner is not None
 
     @property
     def can_go_stale(self) -> bool:

@@ -156,6 +156,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.tokenizer: Any = None
         self.engine: Any = None
         self.link: EngineLink | None = None
+        self.sync_owner: object | None = None  # a callback that sends each update to the engine (PolicySync)
         self.step_context: StepContext | None = None
         self.validation = ValidationMetrics(self.rollout_settings.pass_at(), self.rollout_settings.val_responses)
 
@@ -215,7 +216,7 @@ class LoGRAPolicyModule(pl.LightningModule):
     # ---------------------------------------------------------------------------------------- engine
     def attach_sync(self, owner: object) -> None:
         """A sync callback (``PolicySync``) sends each update to the engine from now on (None: the module again)."""
-        self.link.attach_sync(owner)
+        self.sync_owner = owner
 
     def sync_engine(self, full: bool = False) -> None:
         """Bring the engine to the trainer's weights: the last merged payload, the changed tensors, or all."""
@@ -354,7 +355,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         say = self.trainer.is_global_zero
         self.rejections.record(result.rejected, self.global_step, self.method.step_knob, ckpt, say)
         self.link.last_payload = result.payload
-        if not self.link.external:
+        if self.sync_owner is None:
             self.link.sync(self.device, payload=result.payload)
         return total, t1 - t0, time.perf_counter() - t1, result.update_norm
 

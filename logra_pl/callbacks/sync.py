@@ -92,7 +92,7 @@ class PolicySync(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(pl_module, PolicyModuleView) and pl_module.engine is not None:
+        if isinstance(pl_module, PolicyModuleView):
             pl_module.attach_sync(None)
 
     # ----------------------------------------------------------------------------------------------- sync

@@ -51,7 +51,7 @@ def test_policy_sync_modes_keep_engine_equal(tmp_path, mode: str) -> None:
     sync = PolicySync(mode=mode, verify_every=1, tolerance=1e-5, probe_lengths=[20, 140], probe_new_tokens=3)
     metrics = Metrics()
     _fit(module, sync, 3, tmp_path, [metrics])
-    assert module.link.external is False  # released at teardown
+    assert module.sync_owner is None  # released at teardown
     for (name, a), b in zip(module.policy.state_dict().items(), module.engine.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert [len(p) for p in sync.probe] == [20, 140]
