@@ -14,6 +14,7 @@ Beyond LightningCLI's own behaviour, a run started here:
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib
 import logging
@@ -390,15 +391,18 @@ def _unrecognized(tokens: list[str], parser: Any) -> list[str]:
 
 
 def _listing(label: str, names: list[str], width: int = 116) -> str:
-    """``label: a, b, c, … (N more)`` within ``width`` characters."""
+    """``label: a, b, c, … (N more)``, as many names as fit in ``width`` characters (at least one)."""
+
+    def line(shown: list[str]) -> str:
+        rest = len(names) - len(shown)
+        return f"{label}: {', '.join(shown)}" + (f", … ({rest} more)" if rest else "")
+
     shown: list[str] = []
-    for i, name in enumerate(names):
-        rest = len(names) - i - 1
-        tail = f", … ({rest + 1} more)" if rest else ""
-        if len(f"{label}: {', '.join([*shown, name])}") + (len(tail) if rest else 0) > width:
-            return f"{label}: {', '.join(shown)}, … ({len(names) - len(shown)} more)"
+    for name in names:
+        if shown and len(line([*shown, name])) > width:
+            break
         shown.append(name)
-    return f"{label}: {', '.join(shown)}"
+    return line(shown)
 
 
 def _did_you_mean(bad: str, valid: list[str], prefix: str) -> str:
@@ -429,9 +433,8 @@ def _class_options(class_path: str) -> list[str]:
 def _parser_keys(parser: Any) -> list[str]:
     """Every option key (``dest``) of a parser: ``trainer.max_steps``, ``model.logra``, ``data``, ..."""
     actions = getattr(parser, "_actions", None) or []  # argparse's list of options (stable since Python 2.7)
-    return [
-        a.dest for a in actions if isinstance(getattr(a, "dest", None), str) and a.dest not in ("help", "==SUPPRESS==")
-    ]
+    dests = [getattr(action, "dest", None) for action in actions]
+    return [d for d in dests if isinstance(d, str) and d not in ("help", argparse.SUPPRESS)]
 
 
 def _import_failure(class_path: str) -> str | None:
