@@ -44,24 +44,40 @@ def test_private_name_exists(entry: tuple[str, str | None, str]) -> None:
     )
 
 
-def test_every_private_lightning_access_goes_through_compat() -> None:
-    """No other module touches the Lightning privates compat wraps (by name)."""
-    wrapped = {name for _, _, name in compat.PRIVATE_NAMES}
-    wrapped -= {"_trainer"}  # module.py, sync.py and registry.py still read it; their owners migrate them
+# Accesses not migrated yet, in files other sessions own; their owners switch them to compat and drop the entry.
+PENDING = {
+    ("module.py", "_trainer"),  # compat.trainer_of(self)
+    ("module.py", "_leave"),  # compat.progress_bar_args(cb)
+    ("module.py", "_max_depth"),  # compat.summary_depth(cb)
+    ("callbacks/sync.py", "_trainer"),  # compat.trainer_of(pl_module)
+    ("rollout/registry.py", "_trainer"),  # compat.trainer_of(module)
+}
+# logra-pl's own names that happen to equal a Lightning private one.
+OWN = {("module.py", "_update")}  # LoGRAPolicyModule._update (one update's microbatches), not RichProgressBar's
+
+
+def _private_uses() -> set[tuple[str, str]]:
+    """``(file, name)`` for every use of a name of PRIVATE_NAMES in logra_pl/ outside compat.py: an attribute
+    (``x._leave``), a getattr string (``"_leave"``) or a definition (``def _leave``)."""
     root = Path(compat.__file__).parent
-    offenders = []
+    names = {name for _, _, name in compat.PRIVATE_NAMES}
+    found = set()
     for path in sorted(root.rglob("*.py")):
-        if path.name == "compat.py" or path.parts[-2] == "rollout" or path.name in ("module.py",):
+        relative = str(path.relative_to(root))
+        if relative == "compat.py":
             continue
         text = path.read_text()
-        for name in wrapped:
-            if compat.OVERRIDDEN.get(name) == str(path.relative_to(root)):
-                continue
-            # an attribute access (`x._leave`), a getattr string (`"_leave"`) or an override (`def _leave`)
-            for match in re.finditer(rf"(\.|[\"']|def ){re.escape(name)}\b", text):
-                line = text.count("\n", 0, match.start()) + 1
-                offenders.append(f"{path.relative_to(root)}:{line}: {name}")
-    assert not offenders, offenders
+        found |= {(relative, n) for n in names if re.search(rf"(\.|[\"']|def ){re.escape(n)}\b", text)}
+    return found
+
+
+def test_every_private_lightning_access_goes_through_compat() -> None:
+    uses = _private_uses()
+    overridden = {(file, name) for name, file in compat.OVERRIDDEN.items()}
+    unwrapped = sorted(uses - PENDING - OWN - overridden)
+    assert not unwrapped, f"Lightning privates used outside logra_pl/compat.py (call the compat function): {unwrapped}"
+    stale = sorted(PENDING - uses)
+    assert not stale, f"migrated, drop from PENDING: {stale}"
 
 
 def test_metadata_file_name_is_lightnings() -> None:
