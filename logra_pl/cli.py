@@ -7,23 +7,27 @@ Beyond LightningCLI's own behaviour, a run started here:
   says where it looked), continues in that version's folder (TensorBoard drops the steps the crash left after the
   checkpoint), refuses settings that change what the checkpoint's state means and prints the ones that change;
 - checks the topology (vLLM engine vs training processes, prompts vs ranks) before any process is spawned;
-- prints bad settings as one message, not a traceback, and says at the end where the logs, the last checkpoint
-  and the export command are.
+- prints bad settings as one message, not a traceback: a bad value as the setting's own message, a mistyped key,
+  a missing config file or a class path that does not import in a few lines (:class:`LoGRAArgumentParser`) instead
+  of jsonargparse's usage dump; and says at the end where the logs, the last checkpoint and the export command are.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import importlib
 import logging
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from logra_pl import resume
+from logra_pl import compat, resume
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
@@ -43,9 +47,29 @@ TRAINER_DEFAULTS = {
     "num_sanity_val_steps": 0,
 }
 CHECKPOINT_DEFAULTS = {"checkpoint.every_n_updates": 50}
+# Set either to see jsonargparse's own report (usage and the whole error) instead of the short one.
+FULL_REPORT_ENV = ("LOGRA_PL_TRACEBACK", "JSONARGPARSE_DEBUG")
 
 
-class LoGRACLI(LightningCLI):
+class LoGRAArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, with its command-line and config errors cut to the lines that name the mistake.
+
+    jsonargparse answers a mistyped key, a missing ``--config`` file or a class path that does not import with the
+    whole usage (~80 lines) and a union-type report, the mistake near the bottom. This parser prints at most five
+    lines (:func:`parse_error_lines`) and exits with status 2, as jsonargparse does. Set ``LOGRA_PL_TRACEBACK=1`` for
+    jsonargparse's full report. Nested parsers that raise instead of exiting (``exit_on_error=False``) keep
+    jsonargparse's behaviour: their message is part of the one the outer parser reports.
+    """
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or any(os.environ.get(name) for name in FULL_REPORT_ENV):
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self  # the root parser reports its subcommand's errors
+        sys.stderr.write("\n".join(parse_error_lines(message, parser)) + "\n")
+        self.exit(2)
+
+
+class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
     """LightningCLI for :class:`LoGRAPolicyModule` and any LightningDataModule (:class:`ReasoningGymDataModule` when
     ``data:`` names no ``class_path``).
 
@@ -59,6 +83,7 @@ class LoGRACLI(LightningCLI):
         super().__init__(
             LoGRAPolicyModule,
             LightningDataModule,
+            parser_class=LoGRAArgumentParser,
             subclass_mode_data=True,  # any data module by class_path; reasoning-gym by default
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},
@@ -75,7 +100,7 @@ class LoGRACLI(LightningCLI):
         parser.set_defaults({"data": {"class_path": f"{ReasoningGymDataModule.__module__}.ReasoningGymDataModule"}})
 
     # ------------------------------------------------------------------------------------------- resume
-    def _parse_ckpt_path(self) -> None:
+    def resolve_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path last`` and compare the checkpoint's settings with these (before any model loads).
 
         LightningCLI's own version of this step overwrote the user's flags with the checkpoint's hyper-parameters,
@@ -177,21 +202,16 @@ class LoGRACLI(LightningCLI):
 
         logger = self.trainer.logger
         version = resume.version_of(self.resume_path)
-        if not isinstance(logger, TensorBoardLogger) or version is None or logger._version is not None:
+        if not isinstance(logger, TensorBoardLogger) or version is None:
             return
+        if compat.tensorboard_version(logger) is not None:
+            return  # the user chose a version
         if Path(logger.root_dir).resolve() != self.resume_path.resolve().parents[2]:
             return  # the checkpoint belongs to another run family: leave the new run its own folder
-        logger._version = version
-        ckpt = self.resume_checkpoint or {}
-        loops = (ckpt.get("loops") or {}).get("fit_loop", {})
-        stepped = loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
-        if stepped is None:
-            return
-        # A checkpoint saved in on_train_batch_end has that batch processed but not completed; Lightning counts it
-        # as stepped on restore, so the resumed run logs from the step after it.
-        current = loops.get("epoch_loop.batch_progress", {}).get("current", {})
-        in_flight = int(current.get("processed", 0)) > int(current.get("completed", 0))
-        logger._kwargs["purge_step"] = int(stepped) + int(in_flight)
+        compat.set_tensorboard_version(logger, version)
+        first_step = compat.checkpoint_first_log_step(self.resume_checkpoint or {})
+        if first_step is not None:
+            compat.set_purge_step(logger, first_step)
 
     def after_fit(self) -> None:
         """Say where the run's logs, last checkpoint and export command are."""
@@ -228,9 +248,11 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
     import torch
 
     if path.is_dir():
-        meta = path / "meta.pt"
+        meta = compat.distributed_checkpoint_metadata(path)
         if not meta.is_file():
-            raise ConfigError(f"--ckpt_path {path}: a folder, but not a Lightning distributed checkpoint (no meta.pt)")
+            raise ConfigError(
+                f"--ckpt_path {path}: a folder, but not a Lightning distributed checkpoint (no {meta.name})"
+            )
         path = meta
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
@@ -259,6 +281,182 @@ def _settings_error(err: BaseException) -> str | None:
     found = re.findall(r"^\s+- (.+)$", text.split("Errors:", 1)[1].split("\nGiven value", 1)[0], flags=re.M)
     messages = [m for m in found if not m.startswith("Expected a <class 'NoneType'>")]
     return "; ".join(messages) or None
+
+
+# ---------------------------------------------------------------------------------------------- parse errors
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+_GROUP_REFUSES = re.compile(r"(Group|Subcommand) '([^']+)' does not accept option '([^']+)'")
+_NO_FILE = re.compile(r"File does not exist: '([^']+)'")
+_NOISE = re.compile(
+    r"^(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|Given value:|"
+    r"- Expected a <class 'NoneType'>|Parser key \"[^\"]+\":$|- Problem with given class_path '[^']+':$)"
+)
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+MAX_ERROR_LINES = 5
+
+
+def parse_error_lines(message: str, parser: Any = None) -> list[str]:
+    """At most five lines for a jsonargparse error ``message`` raised by ``parser`` (the subcommand's parser).
+
+    - a key no class or group takes (``--model.logra.rnak``, ``--trainer.max_stpes``, a key in a YAML file): the key,
+      the nearest valid key at that level (``did you mean 'model.logra.rank'?``) and the valid keys there;
+    - a file that does not exist (``--config nowhere.yaml``): the setting and the path;
+    - a ``class_path`` that does not import: the path and the import error (``ModuleNotFoundError: ...``);
+    - anything else: the setting and jsonargparse's reasons, without the union-type report around them.
+
+    The last line says how to see everything (``--help``, ``LOGRA_PL_TRACEBACK=1``).
+    """
+    lines = _explain(message, parser)
+    lines = [f"logra-pl: error: {lines[0]}", *(f"  {line}" for line in lines[1:])][: MAX_ERROR_LINES - 1]
+    help_cmd = " ".join(p for p in ("logra-pl", _subcommand(parser), "--help") if p)
+    lines.append(f"  ({help_cmd} lists every option; LOGRA_PL_TRACEBACK=1 prints jsonargparse's full report)")
+    return [_clip(line) for line in lines]
+
+
+def _explain(message: str, parser: Any) -> list[str]:
+    """The lines after ``error:`` (without the help tip)."""
+    outer = _PARSER_KEY.search(message)
+    key = outer.group(1) if outer else None
+    if (found := _NO_FILE.search(message)) is not None:
+        setting = "--config" if key in (None, "config") else key
+        return [f"{setting}: no such file: {found.group(1)}"]
+    if (found := _NOT_ACCEPTED.search(message)) is not None:
+        before = message[: found.start()]
+        classes = _CLASS_PATH.findall(before)
+        keys = _PARSER_KEY.findall(before)
+        option = found.group(1)
+        if classes:
+            return _unknown_option(".".join(keys), option, _class_options(classes[-1]), classes[-1])
+        return _unknown_key(".".join([*keys, option]), parser)
+    if (found := _GROUP_REFUSES.search(message)) is not None:
+        kind, group, option = found.groups()
+        return _unknown_key(option if kind == "Subcommand" else f"{group}.{option}", parser)
+    if message.startswith("unrecognized arguments: "):
+        return _unrecognized(message.split(": ", 1)[1].split(), parser)
+    for class_path in _CLASS_PATH.findall(message):
+        failure = _import_failure(class_path)
+        if failure is not None:
+            return [f"{key or 'class_path'}: class_path {class_path!r} cannot be imported ({failure})"]
+    reasons = _reasons(message)
+    where = ".".join(k for k in _PARSER_KEY.findall(message) if k)
+    return [f"{where}: {reasons[0]}" if where else reasons[0], *reasons[1:]] if reasons else [message]
+
+
+def _reasons(message: str) -> list[str]:
+    """jsonargparse's own reasons inside a (nested) union-type report, each once, without the report's frame."""
+    out: list[str] = []
+    for line in message.splitlines():
+        text = line.strip()
+        if text and not _NOISE.match(text) and (text := text.removeprefix("- ")) not in out:
+            out.append(text)
+    return out
+
+
+def _unknown_option(prefix: str, option: str, valid: list[str], class_path: str) -> list[str]:
+    """A key a class does not take: the nearest of its parameters, and all of them."""
+    where = f"{prefix}.{option}" if prefix else option
+    lines = [f"unknown option {where!r}{_did_you_mean(option, valid, prefix)}"]
+    if valid:
+        lines.append(_listing(f"{prefix} ({class_path}) takes" if prefix else f"{class_path} takes", valid))
+    return lines
+
+
+def _unknown_key(key: str, parser: Any) -> list[str]:
+    """A dotted key the parser has no option for: the nearest key at the first level that does not match."""
+    parts = [p for p in key.lstrip("-").split(".") if p]
+    known = _parser_keys(parser)
+    depth = 0
+    while depth < len(parts) and any(k.split(".")[: depth + 1] == parts[: depth + 1] for k in known):
+        depth += 1
+    prefix = parts[:depth]
+    level = sorted({k.split(".")[depth] for k in known if k.split(".")[:depth] == prefix and len(k.split(".")) > depth})
+    bad = parts[depth] if depth < len(parts) else parts[-1]
+    where = ".".join(prefix)
+    lines = [f"unknown option {'.'.join(parts)!r}{_did_you_mean(bad, level, where)}"]
+    if level:
+        lines.append(_listing(f"valid under {where}" if where else "valid at the top level", level))
+    return lines
+
+
+def _unrecognized(tokens: list[str], parser: Any) -> list[str]:
+    """``unrecognized arguments: --a.b 1 --c 2``: one line per unknown option (values dropped)."""
+    flags = [t.split("=", 1)[0] for t in tokens if t.startswith("-")]
+    if not flags:
+        return [f"unexpected arguments: {' '.join(tokens)}"]
+    lines: list[str] = []
+    for flag in flags:
+        lines += _unknown_key(flag, parser)[: 1 if len(flags) > 1 else 2]
+    return lines
+
+
+def _listing(label: str, names: list[str], width: int = 116) -> str:
+    """``label: a, b, c, … (N more)``, as many names as fit in ``width`` characters (at least one)."""
+
+    def line(shown: list[str]) -> str:
+        rest = len(names) - len(shown)
+        return f"{label}: {', '.join(shown)}" + (f", … ({rest} more)" if rest else "")
+
+    shown: list[str] = []
+    for name in names:
+        if shown and len(line([*shown, name])) > width:
+            break
+        shown.append(name)
+    return line(shown)
+
+
+def _did_you_mean(bad: str, valid: list[str], prefix: str) -> str:
+    """`` (did you mean 'prefix.nearest'?)`` for the valid name nearest to ``bad`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(bad, valid, n=3, cutoff=0.6)
+    if not close:
+        return ""
+    # Swapped letters (`lgora`) are the commonest typo; difflib alone would rank the shorter `lora` first.
+    best = next((name for name in close if sorted(name) == sorted(bad)), close[0])
+    return f" (did you mean {'.'.join(p for p in (prefix, best) if p)!r}?)"
+
+
+def _class_options(class_path: str) -> list[str]:
+    """The top-level parameters jsonargparse accepts for ``class_path`` (``**kwargs`` followed to the parent)."""
+    try:
+        from jsonargparse import ArgumentParser
+
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        sub = ArgumentParser(exit_on_error=False)
+        sub.add_class_arguments(cls, fail_untyped=False, sub_configs=True)
+        keys = sub.get_defaults().keys()  # a jsonargparse Namespace: flat dotted keys
+        return list(dict.fromkeys(k.split(".")[0] for k in keys))
+    except Exception:
+        return []
+
+
+def _parser_keys(parser: Any) -> list[str]:
+    """Every option key (``dest``) of a parser: ``trainer.max_steps``, ``model.logra``, ``data``, ..."""
+    actions = getattr(parser, "_actions", None) or []  # argparse's list of options (stable since Python 2.7)
+    dests = [getattr(action, "dest", None) for action in actions]
+    return [d for d in dests if isinstance(d, str) and d not in ("help", argparse.SUPPRESS)]
+
+
+def _import_failure(class_path: str) -> str | None:
+    """Why ``class_path`` does not import (``ModuleNotFoundError: No module named 'x'``), or None when it does."""
+    module, _, name = class_path.rpartition(".")
+    if not module:
+        return None
+    try:
+        getattr(importlib.import_module(module), name)
+    except Exception as err:  # the user's module may fail in any way while importing
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _subcommand(parser: Any) -> str:
+    last = str(getattr(parser, "prog", "") or "").split()[-1:]
+    return last[0] if last and last[0] in _SUBCOMMANDS else ""
+
+
+def _clip(line: str, width: int = 400) -> str:
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def _console() -> None:

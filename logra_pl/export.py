@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
+from logra_pl import compat
 from logra_pl.errors import LoGRAError
 
 PROVENANCE_FILE = "logra_export.json"
 # Export dtypes of the CLI (a training dtype such as float64 is also accepted by the functions).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Lightning writes a distributed checkpoint as a folder: torch.distributed.checkpoint shards + this pickled file.
-_DCP_META_FILE = "meta.pt"
+_DCP_META_FILE = compat.DISTRIBUTED_METADATA
 _POLICY_PREFIX = "policy."
 
 
@@ -337,7 +338,7 @@ def _read_checkpoint(path: Path) -> tuple[dict[str, Any], Mapping[str, Any] | No
 def _module_hparams(checkpoint: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """The LoGRAPolicyModule hyper-parameters saved in the checkpoint (``policy``, ``dtype``, ...)."""
     hp = checkpoint.get("hyper_parameters") or {}
-    class_path = str(hp.get("_class_path", "LoGRAPolicyModule"))
+    class_path = compat.hparams_class_path(hp, "LoGRAPolicyModule")
     if "policy" not in hp or "dtype" not in hp or not class_path.endswith("LoGRAPolicyModule"):
         raise ExportError(
             f"{path} is not a LoGRAPolicyModule checkpoint: its hyper_parameters have no 'policy' and 'dtype' "

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from logra_pl.compat import distributed_checkpoint_metadata
 from logra_pl.errors import CheckpointNotFoundError, ResumeMismatchError
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,8 @@ def find_last_checkpoint(roots: Iterable[str | Path]) -> Path:
         root = Path(root)
         for pattern in ("last*.ckpt", "checkpoints/last*.ckpt", "version_*/checkpoints/last*.ckpt"):
             searched.append(str(root / pattern))
-            # A sharded (distributed) checkpoint is a folder holding Lightning's meta.pt.
-            found += [p for p in root.glob(pattern) if p.is_file() or (p / "meta.pt").is_file()]
+            # A sharded (distributed) checkpoint is a folder holding Lightning's metadata file.
+            found += [p for p in root.glob(pattern) if p.is_file() or distributed_checkpoint_metadata(p).is_file()]
     if not found:
         raise CheckpointNotFoundError(
             "--ckpt_path last: no last checkpoint was found; searched " + ", ".join(searched) + ". Pass the "

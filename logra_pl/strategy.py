@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
+from logra_pl import compat
 from logra_pl.checkpointing import checkpointed_layers, decoder_layers, enable_activation_checkpointing
 from logra_pl.optim import LoGRAOptimizer
 
@@ -87,8 +88,8 @@ class LoGRAStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Every process is a data-parallel rank ("auto" in ModelParallelStrategy means one rank per node).
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        if compat.data_parallel_size(self) == "auto":
+            compat.set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     def shard(self, policy: nn.Module) -> None:
@@ -160,14 +161,13 @@ class LoGRAStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------------------------ checkpoints
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))
+        inner = compat.inner_optimizer(optimizer)
         if isinstance(inner, LoGRAOptimizer):
             return inner.state_dict()  # replicated: identical on every rank
         return super().optimizer_state(optimizer)
 
     def _load_distributed_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """Load a sharded checkpoint: each rank reads its model shard; the LoGRA state is replicated."""
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
@@ -192,7 +192,7 @@ class LoGRAStrategy(ModelParallelStrategy):
                 inner.load_state_dict(state[f"optimizer_{idx}"])
             else:
                 set_optimizer_state_dict(module, inner, state[f"optimizer_{idx}"])
-        return torch.load(path / _METADATA_FILENAME, weights_only=False)
+        return torch.load(compat.distributed_checkpoint_metadata(path), weights_only=False)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

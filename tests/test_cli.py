@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import glob
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from logra_pl.cli import LoGRACLI
+from logra_pl.cli import LoGRACLI, main, parse_error_lines
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
 FAST = [
@@ -51,6 +54,12 @@ KL_SCALARS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LightningCLI warns when `args` is given while sys.argv holds pytest's own arguments."""
+    monkeypatch.setattr(sys, "argv", ["logra-pl"])
+
+
 def _scalars(save_dir: Path) -> dict[str, list[tuple[int, float]]]:
     files = glob.glob(str(save_dir / "**" / "events.out.tfevents.*"), recursive=True)
     assert files, f"no TensorBoard event file under {save_dir}"
@@ -86,10 +95,77 @@ def test_three_updates_end_to_end(tmp_path: Path, optimizer: str) -> None:
             assert scaled == pytest.approx(alpha**2 * pred, rel=1e-4)
 
 
-def test_config_typo_is_lightningclis_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _parse_error(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
+    """``logra-pl fit`` in process with a mistake: exits with status 2 (jsonargparse's), returns the stderr lines."""
+    with pytest.raises(SystemExit) as info:
+        main(["fit", *args])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert 1 <= len(lines) <= 5, "\n".join(lines)
+    assert not any(line.lstrip().startswith(("usage:", "[--")) for line in lines), "\n".join(lines)
+    return lines
+
+
+def test_mistyped_key_names_the_nearest_valid_one(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.logra.rnak", "8", "--trainer.max_steps", "1")
+    assert "unknown option 'model.logra.rnak' (did you mean 'model.logra.rank'?)" in lines[0]
+    assert "LoGRAConfig" in lines[1] and "rank" in lines[1]
+
+
+def test_mistyped_key_in_a_yaml_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overlay = tmp_path / "typo.yaml"
+    overlay.write_text("trainer:\n  max_stpes: 4\nmodel:\n  lgora:\n    rank: 4\n")
+    lines = _parse_error(capsys, f"--config={CONFIG}", f"--config={overlay}")
+    assert "did you mean 'trainer.max_steps'?" in lines[0] or "did you mean 'model.logra'?" in lines[0], lines
+
+
+def test_class_path_that_does_not_import(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.verifier.class_path", "nonexistent.Mod")
+    assert "model.verifier" in lines[0] and "'nonexistent.Mod'" in lines[0]
+    assert "ModuleNotFoundError: No module named 'nonexistent'" in lines[0]
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _parse_error(capsys, "--config", "does-not-exist.yaml")
+    assert "--config: no such file:" in lines[0] and "does-not-exist.yaml" in lines[0]
+
+
+def test_full_report_on_request(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOGRA_PL_TRACEBACK=1 gives jsonargparse's own report (usage and the union-type text) back."""
+    monkeypatch.setenv("LOGRA_PL_TRACEBACK", "1")
     with pytest.raises(SystemExit):
-        LoGRACLI(args=["fit", f"--config={CONFIG}", "--model.logra.rnak=4", "--trainer.max_steps=1"])
-    assert "rnak" in capsys.readouterr().err
+        main(["fit", f"--config={CONFIG}", "--model.logra.rnak", "8"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage:") and "Option 'rnak' is not accepted" in err
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (
+            "unrecognized arguments: --trainer.max_stpes 1",
+            "unknown option 'trainer.max_stpes' (did you mean 'trainer.max_steps'?)",
+        ),
+        ("Group 'trainer' does not accept option 'max_stpes'", "(did you mean 'trainer.max_steps'?)"),
+        ("Subcommand 'fit' does not accept option 'modle.x'", "unknown option 'modle.x' (did you mean 'model'?)"),
+        ("unrecognized arguments: --model.lgora.rank=3", "(did you mean 'model.logra'?)"),  # swapped letters
+        ("Parser key \"config\": File does not exist: '/x/nowhere.yaml'", "--config: no such file: /x/nowhere.yaml"),
+        (
+            "Parser key \"trainer.max_steps\":\n  Expected a <class 'int'>. Got value: x",
+            "trainer.max_steps: Expected a",
+        ),
+    ],
+)
+def test_parse_error_lines(message: str, expected: str) -> None:
+    """How jsonargparse's messages are summarised, against the CLI's parser (parsed once, no run)."""
+    lines = parse_error_lines(message, _cli_parser())
+    assert expected in lines[0], lines
+    assert len(lines) <= 5 and "--help lists every option" in lines[-1]
+
+
+@functools.cache
+def _cli_parser() -> Any:
+    return LoGRACLI(args=[f"--config={CONFIG}"], run=False).parser
 
 
 def test_tokenizer_without_chat_template(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -219,7 +219,9 @@ def test_recipe_with_an_unknown_key_fails(tmp_path: Path, capsys: pytest.Capture
     bad.write_text("class_path: logra_pl.callbacks.RunSummary\ninit_args:\n  window: 10\n  windw: 5\n")
     with pytest.raises(SystemExit):
         LoGRACLI(args=[*_args(BASE), "--trainer.callbacks=[]", f"--trainer.callbacks+={bad}"], run=False)
-    assert "Option 'windw' is not accepted" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown option 'trainer.callbacks.windw' (did you mean 'trainer.callbacks.window'?)" in err, err
+    assert "logra_pl.callbacks.RunSummary) takes: window" in err and len(err.splitlines()) <= 5, err
 
 
 # ----------------------------------------------------------------------------------------------------- comments

@@ -27,6 +27,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from logra_pl import compat
 from logra_pl.errors import ConfigError, check_int
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,16 @@ class UpdateCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A resumed run starts from a checkpoint of this very step: the next save is at the next multiple.
-        self._last_global_step_saved = max(self._last_global_step_saved, trainer.global_step)
+        compat.set_last_saved_step(self, max(compat.last_saved_step(self), trainer.global_step))
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         n = self.every_n_updates
-        if n < 1 or self._should_skip_saving_checkpoint(trainer):
+        if n < 1 or compat.skips_saving(self, trainer):
             return
-        last = max(self._last_global_step_saved, 0)
+        last = max(compat.last_saved_step(self), 0)
         if trainer.global_step // n > last // n:  # a multiple of N was reached or jumped over
             self.save_now(trainer, pl_module)
 
@@ -173,7 +174,7 @@ class UpdateCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.at_end and not self._should_skip_saving_checkpoint(trainer):
+        if self.at_end and not compat.skips_saving(self, trainer):
             self.save_now(trainer, pl_module)
 
     def save_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -188,9 +189,7 @@ class UpdateCheckpoint(ModelCheckpoint):
                     self.last_model_path or "the previous checkpoint",
                 )
             return
-        candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+        compat.save_checkpoints(self, trainer)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

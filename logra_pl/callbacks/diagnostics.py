@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from logra_pl import compat
 from logra_pl.errors import ConfigError, check_int
 from logra_pl.logprobs import PackedResponses, response_logprobs
 from logra_pl.losses import length_weights
@@ -311,7 +312,7 @@ class SketchDiagnostics(pl.Callback):
             ctx.metrics.update(logged)
         # Written to the loggers at this step only: a value logged through ``self.log`` every N updates would be
         # repeated at every following step of the epoch. The step is the one Lightning gives this update's scalars.
-        step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+        step = compat.batches_that_stepped(trainer)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(logged, step=step)
@@ -331,7 +332,7 @@ class SketchDiagnostics(pl.Callback):
         if self.probe is None:
             raise RuntimeError("SketchDiagnostics has no probe batch yet: it captures one at the first update it sees")
         sketcher = pl_module.sketcher
-        trainer = trainer if trainer is not None else getattr(pl_module, "_trainer", None)
+        trainer = trainer if trainer is not None else compat.trainer_of(pl_module)
         grads = dense_gradients(trainer, pl_module, self.probe)
         out: dict[str, SketchFidelity] = {}
         for name in sketcher.matrices:

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from logra_pl import compat
 from logra_pl.callbacks.mismatch import RolloutMismatch
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.sketch.probe import ProbeMode, logit_tangent, predicted_kl_terms, realized_kl_terms
@@ -161,7 +162,7 @@ class PredictedKLControl(pl.Callback):
 
     def predict(self, pl_module: Any, proposal: Any, ctx: Any) -> tuple[float, dict[str, Any]]:
         """Mean predicted KL per probed position at α = 1 (averaged over ranks), and what calibration needs."""
-        inputs, flat = self._probe_inputs(ctx, pl_module.device, pl_module._trainer)
+        inputs, flat = self._probe_inputs(ctx, pl_module.device, compat.trainer_of(pl_module))
         modules = {name: m.module for name, m in pl_module.sketcher.matrices.items()}
         dense = pl_module.sketcher.dense
         logits, tangent = logit_tangent(pl_module.policy, modules, proposal, inputs, self.probe, self.fd_step, dense)

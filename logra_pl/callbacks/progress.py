@@ -15,6 +15,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
+from logra_pl import compat
+
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # printed where Lightning prints its table
 
 
@@ -74,7 +76,7 @@ class RichUpdateProgressBar(RichProgressBar):
 
     @override
     def _initialize_train_progress_bar_id(self) -> None:
-        self.train_progress_bar_id = self._add_task(self._total(), "update")
+        self.train_progress_bar_id = compat.rich_add_task(self, self._total(), "update")
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -82,7 +84,7 @@ class RichUpdateProgressBar(RichProgressBar):
             return
         if self.train_progress_bar_id is None:
             self._initialize_train_progress_bar_id()
-            self._update(self.train_progress_bar_id, trainer.global_step)
+            compat.rich_update(self, self.train_progress_bar_id, trainer.global_step)
         self.refresh()
 
     @override
@@ -93,33 +95,30 @@ class RichUpdateProgressBar(RichProgressBar):
             return
         if self.train_progress_bar_id is None:
             self._initialize_train_progress_bar_id()
-        self._update(self.train_progress_bar_id, trainer.global_step)
-        self._update_metrics(trainer, pl_module)
+        compat.rich_update(self, self.train_progress_bar_id, trainer.global_step)
+        compat.rich_update_metrics(self, trainer, pl_module)
         self.refresh()
 
 
 class _TrainedCounts:
     """Mixin for Lightning's summaries: count what the optimizer trains, then say how (see the module doc)."""
 
-    _max_depth: int
-    _summarize_kwargs: dict[str, Any]
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._max_depth:
+        if not compat.summary_depth(self):
             return
-        summary = self._summary(trainer, pl_module)  # type: ignore[attr-defined]
+        summary, rows = compat.layer_summary(self, trainer, pl_module)
         counter = getattr(pl_module, "trained_parameter_count", None)
         trained = int(counter()) if callable(counter) else summary.trainable_parameters
         if not trainer.is_global_zero:
             return
         self.summarize(  # type: ignore[attr-defined]
-            summary._get_summary_data(),
+            rows,
             summary.total_parameters,
             trained,
             summary.model_size,
             summary.total_training_modes,
             total_flops=getattr(summary, "total_flops", 0),
-            **self._summarize_kwargs,
+            **compat.summarize_kwargs(self),
         )
         report = getattr(pl_module, "training_report", None)
         if callable(report):

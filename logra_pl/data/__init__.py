@@ -24,7 +24,7 @@ Hugging Face dataset or local parquet / jsonl / json / csv / arrow file or folde
 from logra_pl.data.hf import HFPromptDataModule
 from logra_pl.data.reasoning_gym import ReasoningGymDataModule
 from logra_pl.data.recipes import DapoMath7_5kDataModule, Math500DataModule, dapo_math_7_5k, math500
-from logra_pl.data.schema import make_item, prompt_key, validate_item
+from logra_pl.data.schema import item_task, make_item, prompt_key, validate_item
 
 __all__ = [
     "DapoMath7_5kDataModule",
@@ -32,6 +32,7 @@ __all__ = [
     "Math500DataModule",
     "ReasoningGymDataModule",
     "dapo_math_7_5k",
+    "item_task",
     "make_item",
     "math500",
     "prompt_key",

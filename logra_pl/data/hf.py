@@ -3,7 +3,8 @@
 Rows become items of :mod:`logra_pl.data.schema`: the prompt column (a string, or a chat list of
 ``{"role", "content"}``) becomes ``messages``, the answer column (a dotted path into nested dicts allowed, e.g.
 ``reward_model.ground_truth``) becomes ``answer`` (numbers are written as ``str(value)``), and every other column goes
-to ``metadata`` with ``source_row`` (the row's index in the split). Training uses the same seeded, resumable,
+to ``metadata`` with ``source_row`` (the row's index in the split, from 0; error messages count rows from 1, as a
+reader of the file does: row 1 is the first record, after a CSV header). Training uses the same seeded, resumable,
 rank-split prompt stream as :class:`~logra_pl.data.reasoning_gym.ReasoningGymDataModule` (its ``PromptSampler`` and
 ``PromptLoader``, in :mod:`logra_pl.data.loaders`).
 
@@ -11,6 +12,9 @@ Selection, in this order: rows in source order → (``dedup``) the first row of 
 message's content) → (``first_n``) the first ``first_n`` of those → evaluation prompts removed: either those of the
 ``eval_path`` dataset (processed the same way, all of its rows after its own dedup) or ``eval_size`` prompts drawn
 from this selection with a seeded draw. Training and evaluation never share a prompt key.
+
+The training and evaluation datasets are each an :class:`HFSource` (``HFPromptDataModule.train_source`` and
+``eval_source``), read by the same loader; an ``eval_*`` column setting left unset is the training one.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import random
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +295,9 @@ def build_items(
 ) -> list[dict[str, Any]]:
     """Schema items from the rows of ``ds``, in source order, deduplicated and cut to ``first_n``.
 
+    A bad row is a :class:`ConfigError` naming it as a reader counts: ``row 1`` is the split's first record (its
+    ``metadata.source_row`` and default id count from 0).
+
     Arguments:
         ds: the loaded split.
         source: the dataset's description, for messages.
@@ -308,7 +316,7 @@ def build_items(
     row_index = 0
     for batch in ds.select_columns([prompt_column]).iter(batch_size=_BATCH):
         for value in batch[prompt_column]:
-            where = f"row {row_index} of {source}"
+            where = f"row {row_index + 1} of {source}"
             messages = _messages(value, system_prompt, f"prompt_column={prompt_column!r}", where)
             key = next((m["content"] for m in messages if m["role"] == "user"), None)
             if key is None:
@@ -329,13 +337,14 @@ def build_items(
         names = list(batch)
         for values in zip(*(batch[n] for n in names), strict=True):
             row, row_index = dict(zip(names, values, strict=True)), rows[len(items)]
-            where = f"row {row_index} of {source}"
+            where = f"row {row_index + 1} of {source}"
             answer = _answer(resolve_path(row, answer_column, "answer_column", where), "answer_column", where)
             suffix = row_index if id_column is None else resolve_path(row, id_column, "id_column", where)
             ident = f"{task}/{suffix}"
             if ident in ids:
                 raise ConfigError(
-                    f"id_column={id_column!r}: rows {ids[ident]} and {row_index} of {source} both have id {ident!r}; "
+                    f"id_column={id_column!r}: rows {ids[ident] + 1} and {row_index + 1} of {source} both have id "
+                    f"{ident!r}; "
                     "ids must be unique: pick another id_column, or leave it unset (the row index)"
                 )
             ids[ident] = row_index
@@ -346,6 +355,33 @@ def build_items(
                 make_item(messages, answer, task, ident, metadata, question=prompt_key({"messages": messages}))
             )
     return items
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """One split of a dataset and how its rows become items: the training or the evaluation side of
+    :class:`HFPromptDataModule` (the same loader reads both).
+
+    Arguments:
+        path: hub id or local file / folder.
+        split: split to read.
+        name: dataset configuration (optional).
+        prompt_column: column with the prompt (a string, or a chat list of ``{"role", "content"}``).
+        answer_column: column (or dotted path into nested dicts) with the gold answer.
+        id_column: column (or dotted path) whose value makes ids ``f"{task}/{value}"``; None: the row index.
+        task: the items' ``task``.
+    """
+
+    path: str
+    split: str
+    name: str | None
+    prompt_column: str
+    answer_column: str
+    id_column: str | None
+    task: str
+
+    def __str__(self) -> str:
+        return f"{self.path!r} (split {self.split!r})"
 
 
 class HFPromptDataModule(pl.LightningDataModule):
@@ -448,43 +484,58 @@ class HFPromptDataModule(pl.LightningDataModule):
         self.eval_items: list[dict[str, Any]] = []
         self.removed_for_eval = 0  # training prompts dropped because an eval_path prompt has the same key
 
-    def _describe(self, path: str, split: str) -> str:
-        return f"{path!r} (split {split!r})"
+    @property
+    def train_source(self) -> HFSource:
+        """The training dataset: ``path``, ``split``, ``name``, the columns and ``task``."""
+        return HFSource(
+            self.path, self.split, self.name, self.prompt_column, self.answer_column, self.id_column, self.task
+        )
+
+    @property
+    def eval_source(self) -> HFSource | None:
+        """The ``eval_path`` dataset (None without one): the ``eval_*`` settings, each unset column the training one."""
+        if self.eval_path is None:
+            return None
+        return HFSource(
+            self.eval_path,
+            self.eval_split,
+            self.eval_name,
+            self.eval_prompt_column,
+            self.eval_answer_column,
+            self.eval_id_column,
+            self.eval_task,
+        )
+
+    def load_source(self, source: HFSource, first_n: int | None = None) -> list[dict[str, Any]]:
+        """Items of one source: its rows in order, deduplicated (``dedup``), cut to ``first_n``, ``system_prompt``
+        put first."""
+        ds = load_rows(source.path, source.split, source.name, self.cache_dir)
+        return build_items(
+            ds,
+            source=str(source),
+            prompt_column=source.prompt_column,
+            answer_column=source.answer_column,
+            task=source.task,
+            id_column=source.id_column,
+            system_prompt=self.system_prompt,
+            dedup=self.dedup,
+            first_n=first_n,
+        )
 
     def load_train_pool(self) -> list[dict[str, Any]]:
         """The training dataset's items after dedup and ``first_n``, before the eval prompts are removed."""
-        ds = load_rows(self.path, self.split, self.name, self.cache_dir)
-        items = build_items(
-            ds,
-            source=self._describe(self.path, self.split),
-            prompt_column=self.prompt_column,
-            answer_column=self.answer_column,
-            task=self.task,
-            id_column=self.id_column,
-            system_prompt=self.system_prompt,
-            dedup=self.dedup,
-            first_n=self.first_n,
-        )
+        items = self.load_source(self.train_source, self.first_n)
         if not items:
-            raise ConfigError(f"{self._describe(self.path, self.split)} gave no prompts (after dedup and first_n)")
+            raise ConfigError(f"{self.train_source} gave no prompts (after dedup and first_n)")
         return items
 
     def load_eval_items(self) -> list[dict[str, Any]]:
         """The ``eval_path`` dataset's items (all rows, deduplicated like training); requires ``eval_path``."""
-        assert self.eval_path is not None
-        ds = load_rows(self.eval_path, self.eval_split, self.eval_name, self.cache_dir)
-        items = build_items(
-            ds,
-            source=self._describe(self.eval_path, self.eval_split),
-            prompt_column=self.eval_prompt_column,
-            answer_column=self.eval_answer_column,
-            task=self.eval_task,
-            id_column=self.eval_id_column,
-            system_prompt=self.system_prompt,
-            dedup=self.dedup,
-        )
+        source = self.eval_source
+        assert source is not None
+        items = self.load_source(source)
         if not items:
-            raise ConfigError(f"the eval dataset {self._describe(self.eval_path, self.eval_split)} has no rows")
+            raise ConfigError(f"the eval dataset {source} has no rows")
         return items
 
     def setup(self, stage: str | None = None) -> None:
@@ -501,7 +552,7 @@ class HFPromptDataModule(pl.LightningDataModule):
             if self.eval_size >= len(pool):
                 raise ConfigError(
                     f"data.eval_size={self.eval_size} leaves no training prompts: "
-                    f"{self._describe(self.path, self.split)} has {len(pool)} prompts after dedup and first_n; "
+                    f"{self.train_source} has {len(pool)} prompts after dedup and first_n; "
                     "lower eval_size or give eval_path"
                 )
             drawn = set(random.Random(self.seed).sample(range(len(pool)), self.eval_size))
@@ -509,7 +560,7 @@ class HFPromptDataModule(pl.LightningDataModule):
             train = [it for i, it in enumerate(pool) if i not in drawn]
         if len(train) < self.prompts_per_step:
             raise ConfigError(
-                f"only {len(train)} training prompts remain from {self._describe(self.path, self.split)} (after dedup, "
+                f"only {len(train)} training prompts remain from {self.train_source} (after dedup, "
                 f"first_n and removing eval prompts), fewer than prompts_per_step={self.prompts_per_step}: lower "
                 "prompts_per_step or eval_size, or raise first_n"
             )

@@ -20,6 +20,10 @@ order, no dedup, no cut; ``messages`` = the ``problem`` as one user message (aft
 ``id = "math500/<unique_id>"``; ``metadata`` keeps ``solution``, ``subject``, ``level``, ``unique_id`` (and
 ``answer``, ``source_row``). Use it with ``logra-pl validate``; it has no training prompts.
 
+Each recipe passes :class:`HFPromptDataModule` only what it fixes and its own defaults; every other argument goes
+through unchanged (``**kwargs``, which jsonargparse follows, so ``--data.init_args.<any HFPromptDataModule argument>``
+works), and a new :class:`HFPromptDataModule` argument reaches the recipes without an edit here.
+
 Both take local files instead of the hub ids (``path``, ``eval_path``), e.g. from YAML or the command line:
 ``--data.class_path logra_pl.data.DapoMath7_5kDataModule --data.init_args.path dapo.parquet
 --data.init_args.eval_path math500.jsonl``.
@@ -41,80 +45,55 @@ MATH_500 = "HuggingFaceH4/MATH-500"
 class DapoMath7_5kDataModule(HFPromptDataModule):
     """The first 7,500 unique prompts of DAPO-Math-17k (source order), evaluated on MATH-500 (see the module docstring).
 
+    The recipe fixes the columns, tasks, ids and dedup of both datasets; everything else is an
+    :class:`HFPromptDataModule` argument with its default (``**kwargs``: ``split``, ``eval_split``, ``system_prompt``
+    — none in the recipe: DAPO's prompt carries its instruction —, ``prompts_per_step``, ``eval_batch_size``,
+    ``seed``, ``num_workers``, ``cache_dir``, ...).
+
     Arguments:
         path: DAPO-Math-17k hub id, or a local file/folder with its columns (``prompt`` chat list, ``reward_model``
             with ``ground_truth``, ``extra_info`` with ``index``).
-        split: split of ``path``.
         first_n: unique prompts kept, in source order (7,500 in the recipe).
         eval_path: MATH-500 hub id or a local file/folder with its columns (``problem``, ``answer``, ``unique_id``).
-        eval_split: split of ``eval_path``.
-        system_prompt: optional system message (none in the recipe: DAPO's prompt carries its instruction).
-        prompts_per_step: prompts per policy update over all ranks.
-        eval_batch_size: prompts per validation batch.
-        seed: seed of the training shuffle.
-        num_workers: DataLoader workers.
-        cache_dir: datasets' cache folder (default: ``HF_DATASETS_CACHE``).
+        **kwargs: further :class:`HFPromptDataModule` arguments.
     """
 
     def __init__(
-        self,
-        path: str = DAPO_MATH_17K,
-        split: str = "train",
-        first_n: int = 7500,
-        eval_path: str = MATH_500,
-        eval_split: str = "test",
-        system_prompt: str | None = None,
-        prompts_per_step: int = 64,
-        eval_batch_size: int = 128,
-        seed: int = 0,
-        num_workers: int = 0,
-        cache_dir: str | None = None,
+        self, path: str = DAPO_MATH_17K, first_n: int = 7500, eval_path: str = MATH_500, **kwargs: Any
     ) -> None:
         super().__init__(
             path=path,
-            split=split,
+            first_n=first_n,
+            eval_path=eval_path,
             prompt_column="prompt",
             answer_column="reward_model.ground_truth",
             task="dapo_math",
             id_column="extra_info.index",
-            system_prompt=system_prompt,
             dedup=True,
-            first_n=first_n,
-            eval_path=eval_path,
-            eval_split=eval_split,
             eval_prompt_column="problem",
             eval_answer_column="answer",
             eval_id_column="unique_id",
             eval_task="math500",
-            prompts_per_step=prompts_per_step,
-            eval_batch_size=eval_batch_size,
-            seed=seed,
-            num_workers=num_workers,
-            cache_dir=cache_dir,
+            **kwargs,
         )
 
 
 class Math500DataModule(HFPromptDataModule):
     """The 500 MATH-500 problems, for evaluation only (see the module docstring).
 
+    The recipe fixes the columns, task, ids, no dedup and no held-out draw; the other :class:`HFPromptDataModule`
+    arguments pass through (``**kwargs``: ``name``, ``system_prompt``, ``first_n`` for the first N problems,
+    ``eval_batch_size``, ``num_workers``, ``cache_dir``, ...). The problems are the evaluation set, so the settings
+    of a separate evaluation dataset and of training (``eval_*``, ``seed``) are fixed too: they would do nothing,
+    and a config that sets one is refused as an unknown key instead.
+
     Arguments:
         path: MATH-500 hub id, or a local file/folder with its columns.
         split: split of ``path``.
-        system_prompt: optional system message.
-        eval_batch_size: prompts per validation batch.
-        num_workers: DataLoader workers.
-        cache_dir: datasets' cache folder (default: ``HF_DATASETS_CACHE``).
+        **kwargs: further :class:`HFPromptDataModule` arguments.
     """
 
-    def __init__(
-        self,
-        path: str = MATH_500,
-        split: str = "test",
-        system_prompt: str | None = None,
-        eval_batch_size: int = 128,
-        num_workers: int = 0,
-        cache_dir: str | None = None,
-    ) -> None:
+    def __init__(self, path: str = MATH_500, split: str = "test", **kwargs: Any) -> None:
         super().__init__(
             path=path,
             split=split,
@@ -122,13 +101,19 @@ class Math500DataModule(HFPromptDataModule):
             answer_column="answer",
             task="math500",
             id_column="unique_id",
-            system_prompt=system_prompt,
             dedup=False,
             eval_size=0,
             prompts_per_step=1,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            cache_dir=cache_dir,
+            # No separate evaluation dataset and no training shuffle: fixed, so that they are not settings here.
+            eval_path=None,
+            eval_split="test",
+            eval_name=None,
+            eval_prompt_column=None,
+            eval_answer_column=None,
+            eval_id_column=None,
+            eval_task=None,
+            seed=0,
+            **kwargs,
         )
 
     def setup(self, stage: str | None = None) -> None:

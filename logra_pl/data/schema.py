@@ -102,6 +102,20 @@ def make_item(
     return item
 
 
+def item_task(item: Any) -> str:
+    """The task an item is counted under (per-task metrics, log lines): its ``task``, else a reasoning-gym entry's
+    ``metadata.source_dataset``, else ``"all"`` — also for a malformed item (a verifier may be handed anything).
+
+    Arguments:
+        item: a schema item, or anything a verifier was called with.
+    """
+    if not isinstance(item, Mapping):
+        return "all"
+    metadata = item.get("metadata")
+    task = item.get("task") or (metadata.get("source_dataset") if isinstance(metadata, Mapping) else None)
+    return str(task) if task else "all"
+
+
 def prompt_key(item: Mapping[str, Any]) -> str:
     """The content of the item's first user message: the key of dedup, train/eval disjointness and sampling seeds.
 

@@ -318,7 +318,9 @@ def _same_item(a: Any, b: Any) -> bool:
         return False
 
 
-def _counter(obj: object, name: str) -> int:
+def read_counter(obj: object, name: str) -> int:
+    """A verifier's counter ``name`` (``errors``, ``long_answers``, ...): its int value, 0 when it keeps none (or keeps
+    something else under that name)."""
     value = getattr(obj, name, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -399,7 +401,7 @@ class WeightedRewards:
     # -- counters: the parts' plus this object's own -------------------------------------------------------------
 
     def _parts_count(self, name: str) -> int:
-        return sum(_counter(verifier, name) for verifier in self.verifiers.values())
+        return sum(read_counter(verifier, name) for verifier in self.verifiers.values())
 
     @property
     def errors(self) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 from pebble import ProcessPool
 
-from logra_pl.rewards.base import Verifier
+from logra_pl.rewards.base import Verifier, read_counter
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,6 @@ def _install_verifier(verifier: Verifier) -> None:
     _worker_verifier = verifier
 
 
-def _counter(obj: object, name: str) -> int:
-    value = getattr(obj, name, 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def _components(verifier: object, response: str, item: Mapping[str, Any]) -> dict[str, float] | None:
     """The verifier's named reward parts for this call, or None when it does not report any."""
     components = getattr(verifier, "components", None)
@@ -82,10 +77,11 @@ def _score_in_worker(response: str, item: Mapping[str, Any]) -> tuple[float, int
     verifier = _worker_verifier
     if verifier is None:
         raise RuntimeError("no verifier installed in this worker process")
-    errors, long_answers = _counter(verifier, "errors"), _counter(verifier, "long_answers")
+    before = read_counter(verifier, "errors"), read_counter(verifier, "long_answers")
     reward = float(verifier(response, item))
     parts = _components(verifier, response, item)
-    return reward, _counter(verifier, "errors") - errors, _counter(verifier, "long_answers") - long_answers, parts
+    after = read_counter(verifier, "errors"), read_counter(verifier, "long_answers")
+    return reward, after[0] - before[0], after[1] - before[1], parts
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -155,14 +151,14 @@ def _shutdown(pool: ProcessPool) -> None:
 
 
 def _task_name(item: object) -> str:
-    """The item's ``task`` (shared schema), else its reasoning-gym ``metadata.source_dataset``, else ``"?"``."""
-    try:
-        task = item.get("task")  # type: ignore[attr-defined]
-        if isinstance(task, str):
-            return task
-        return str(item["metadata"]["source_dataset"])  # type: ignore[index]
-    except Exception:
-        return "?"
+    """The item's task in log lines: :func:`logra_pl.data.schema.item_task` (``"all"`` when it has none).
+
+    Imported on the first failure, in the calling process: the scoring workers import this module, and importing
+    ``logra_pl.data`` would bring the data modules (datasets, Lightning) into every one of them.
+    """
+    from logra_pl.data.schema import item_task
+
+    return item_task(item)
 
 
 def _mean_components(parts: Sequence[dict[str, float] | None]) -> dict[str, float]:

@@ -291,6 +291,20 @@ def _raises(match: str, tmp_path: Path, rows: list[dict] | None = None, setup: b
             dm.setup()
 
 
+def test_rows_in_messages_count_from_one(tmp_path: Path) -> None:
+    """A bad row is named as a reader counts it: row 1 is the first record (in a CSV, the line after the header),
+    while ``metadata.source_row`` (and the default id) keep counting from 0."""
+    csv = tmp_path / "problems.csv"
+    csv.write_text("question,answer\nq1,1\nq2,2\n,3\nq4,4\n")  # the third record has no question
+    with pytest.raises(ConfigError, match=r"a prompt must be .*\(row 3 of '.*problems.csv' \(split 'train'\)\), got"):
+        HFPromptDataModule(str(csv), prompt_column="question", eval_size=0, prompts_per_step=1).setup()
+    rows = write_jsonl(tmp_path / "good.jsonl", [word_problem(i) for i in range(3)])
+    good = HFPromptDataModule(str(rows), prompt_column="question", task="t", eval_size=0, prompts_per_step=1)
+    good.setup()
+    assert [it["metadata"]["source_row"] for it in good.train_items] == [0, 1, 2]
+    assert sorted(it["id"] for it in good.train_items) == ["t/0", "t/1", "t/2"]
+
+
 def test_bad_inputs_have_clear_messages(tmp_path: Path) -> None:
     cols = r"available columns: \['question', 'answer'\]"
     _raises(r"prompt_column='prompt': .* has no column 'prompt'; " + cols, tmp_path, prompt_column="prompt")
@@ -316,23 +330,23 @@ def test_bad_inputs_have_clear_messages(tmp_path: Path) -> None:
     ragged = [{"question": "q1", "meta": {"a": {"b": "1"}}}, {"question": "q2", "meta": {"a": {"c": "2"}}}]
     # a key that only some rows have fails at the first row without it, naming the row and the keys there
     _raises(
-        r"no key 'b' inside 'meta.a' \(row 1 of .*\); available there: \['c'\]",
+        r"no key 'b' inside 'meta.a' \(row 2 of .*\); available there: \['c'\]",
         tmp_path,
         rows=ragged,
         answer_column="meta.a.b",
     )
     _raises(
-        r"the answer must be a string or a number \(row 1 of .*\), got NoneType None",
+        r"the answer must be a string or a number \(row 2 of .*\), got NoneType None",
         tmp_path,
         rows=[{"question": "a", "answer": "1"}, {"question": "b", "answer": None}],
     )
     _raises(
-        r"prompt_column='question': a prompt must be a string or a non-empty chat list .*\(row 0 of .*got int 5",
+        r"prompt_column='question': a prompt must be a string or a non-empty chat list .*\(row 1 of .*got int 5",
         tmp_path,
         rows=[{"question": 5, "answer": "1"}],
     )
     _raises(
-        r"rows 0 and 1 of .* both have id 'bad/x'",
+        r"rows 1 and 2 of .* both have id 'bad/x'",
         tmp_path,
         rows=[{"question": "a", "answer": "1", "k": "x"}, {"question": "b", "answer": "2", "k": "x"}],
         id_column="k",

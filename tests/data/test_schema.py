@@ -1,4 +1,4 @@
-"""The item schema: make_item / validate_item / prompt_key, and reasoning-gym items that follow it unchanged."""
+"""The item schema: make_item / validate_item / prompt_key / item_task, and reasoning-gym items that follow it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import reasoning_gym
 
-from logra_pl.data import ReasoningGymDataModule, make_item, prompt_key, validate_item
+from logra_pl.data import ReasoningGymDataModule, item_task, make_item, prompt_key, validate_item
 from logra_pl.data.reasoning_gym import _OVERDRAW, _task_seed
 from logra_pl.errors import ConfigError
 
@@ -130,3 +130,20 @@ def test_reasoning_gym_tasks_without_gold_string_or_index() -> None:
     del board["metadata"]["source_idx"]
     digest = hashlib.blake2b(board["question"].encode(), digest_size=8).hexdigest()
     assert dm.to_item(board)["id"] == f"kakurasu/{digest}"
+
+
+@pytest.mark.parametrize(
+    ("item", "task"),
+    [
+        ({"task": "math500", "metadata": {"source_dataset": "chain_sum"}}, "math500"),  # the schema's key first
+        ({"metadata": {"source_dataset": "chain_sum"}}, "chain_sum"),  # a reasoning-gym entry
+        ({"task": "", "metadata": {}}, "all"),
+        ({"answer": "4"}, "all"),
+        ({"metadata": "not a dict"}, "all"),
+        ("not an item", "all"),  # a verifier may be called with anything: its log line still has a label
+        (None, "all"),
+    ],
+)
+def test_item_task(item: object, task: str) -> None:
+    """One label for an item's task, used by per-task metrics (module) and by the scoring log lines (bounded)."""
+    assert item_task(item) == task
