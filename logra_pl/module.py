@@ -20,7 +20,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from logra_pl import methods
+from logra_pl import compat, methods
 from logra_pl.batching import encode_prompts, microbatches, padded_logprobs, select_rows
 from logra_pl.callbacks.progress import replace_default_callbacks
 from logra_pl.checkpointing import enable_activation_checkpointing
@@ -175,7 +175,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Load the policy (after the optional warm start) and give the rollout engine its own copy."""
         if self.policy is not None:
             return
-        trainer, dm = self._trainer, self._datamodule()
+        trainer, dm = compat.trainer_of(self), self._datamodule()
         source = rank_zero_first(
             trainer,
             lambda: training_source(self.policy_source, self.warm_start, self.resume_from, dm),
@@ -186,14 +186,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.engine = resolve_engine(self.engine_kind)(
             EngineRequest(source, self.policy, self.tokenizer, eos, self, world)
         )
-        any_rank, zero = self._any_rank, lambda: self._trainer is None or self.trainer.is_global_zero
+        any_rank, zero = self._any_rank, lambda: compat.trainer_of(self) is None or self.trainer.is_global_zero
         self.link = EngineLink(self.engine, self.method, self.policy, any_rank, zero)
         self.method.prepare_policy(self.policy, self.targets)  # after the engine's copy: it holds plain matrices
         if self.activation_checkpointing:  # after the engine's copy: it generates without recomputation
             enable_activation_checkpointing(self.policy)
 
     def _datamodule(self) -> Any:
-        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(compat.trainer_of(self), "datamodule", None)
 
     def configure_optimizers(self) -> Any:
         """The update method's optimizer (and schedule) for the target matrices."""
@@ -255,10 +255,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         return sampling_seed(self.seed, split, self.global_step, key)
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(self._trainer, t, self.device)
+        return all_reduce_sum(compat.trainer_of(self), t, self.device)
 
     def _any_rank(self, flag: bool) -> bool:
-        return any_rank(self._trainer, flag)
+        return any_rank(compat.trainer_of(self), flag)
 
     def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> list[list[int]]:
         return microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
@@ -403,7 +403,8 @@ class LoGRAPolicyModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------------ console
     def configure_callbacks(self) -> list[pl.Callback]:
         """Show progress in updates and an honest model summary (replacing Lightning's defaults of those kinds)."""
-        return replace_default_callbacks(self._trainer.callbacks if self._trainer is not None else [])
+        trainer = compat.trainer_of(self)
+        return replace_default_callbacks(trainer.callbacks if trainer is not None else [])
 
     def trained_parameter_count(self) -> int:
         """Parameters the update method changes."""

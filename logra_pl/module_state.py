@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from logra_pl import methods, resume
+from logra_pl import compat, methods, resume
 from logra_pl.errors import ResumeMismatchError
 
 CHECKPOINT_FORMAT = "logra-pl/module/v2"
@@ -33,7 +33,7 @@ def module_state(module: Any) -> dict[str, Any]:
 def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
     """Refuse a structurally different checkpoint; otherwise restore what :func:`module_state` saved."""
     state = checkpoint.get("logra_pl") or {}
-    trainer = module._trainer
+    trainer = compat.trainer_of(module)
     hint = getattr(trainer, "ckpt_path", None) if trainer is not None else None
     saved_kind = methods.checkpoint_kind(checkpoint)
     if saved_kind is not None and saved_kind != module.method.name:

@@ -13,14 +13,8 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from logra_pl.data.schema import prompt_key
+from logra_pl.data.schema import item_task, prompt_key
 from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
-
-
-def item_task(item: dict[str, Any]) -> str:
-    """The task an item belongs to: its ``task`` (the item schema), a reasoning-gym ``source_dataset``, or ``all``."""
-    task = item.get("task") or (item.get("metadata") or {}).get("source_dataset")
-    return str(task) if task else "all"
 
 
 class ValidationMetrics(nn.Module):

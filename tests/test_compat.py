@@ -46,10 +46,6 @@ def test_private_name_exists(entry: tuple[str, str | None, str]) -> None:
 
 # Accesses not migrated yet, in files other sessions own; their owners switch them to compat and drop the entry.
 PENDING = {
-    ("module.py", "_trainer"),  # compat.trainer_of(self)
-    ("module.py", "_leave"),  # compat.progress_bar_args(cb)
-    ("module.py", "_max_depth"),  # compat.summary_depth(cb)
-    ("callbacks/sync.py", "_trainer"),  # compat.trainer_of(pl_module)
     ("rollout/registry.py", "_trainer"),  # compat.trainer_of(module)
 }
 # logra-pl's own names that happen to equal a Lightning private one.

@@ -140,11 +140,11 @@ def replace_default_callbacks(callbacks: list[pl.Callback]) -> list[pl.Callback]
     out: list[pl.Callback] = []
     for cb in callbacks:
         if type(cb) is TQDMProgressBar:
-            out.append(UpdateProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave))
+            out.append(UpdateProgressBar(**compat.progress_bar_args(cb)))
         elif type(cb) is RichProgressBar:
-            out.append(RichUpdateProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave, theme=cb.theme))
+            out.append(RichUpdateProgressBar(**compat.progress_bar_args(cb), theme=cb.theme))
         elif type(cb) is ModelSummary:
-            out.append(LoGRAModelSummary(max_depth=cb._max_depth))
+            out.append(LoGRAModelSummary(max_depth=compat.summary_depth(cb)))
         elif type(cb) is RichModelSummary:
-            out.append(LoGRARichModelSummary(max_depth=cb._max_depth))
+            out.append(LoGRARichModelSummary(max_depth=compat.summary_depth(cb)))
     return out

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from logra_pl import compat
 from logra_pl.batching import padded_logprobs
 from logra_pl.logprobs import pack_responses
 from logra_pl.rollout.base import SamplingConfig, cast_floats
@@ -202,7 +203,7 @@ class PolicySync(pl.Callback):
         engine_lp = padded_logprobs(rollout.logprobs, trainer_lp)
         mask = packed.response_mask.to(torch.bool)
         diff = (engine_lp - trainer_lp).abs()[mask].max()
-        trainer = getattr(pl_module, "_trainer", None)
+        trainer = compat.trainer_of(pl_module)
         if trainer is not None and trainer.world_size > 1:
             # Every rank probes its own engine; they must agree on whether to resync (a collective).
             diff = trainer.strategy.reduce(diff.to(pl_module.device), reduce_op="max")
