@@ -43,9 +43,7 @@ from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import GatheredState, Rollout, RolloutEngine, SamplingConfig, cast_floats
-from logra_pl.rollout.registry import EngineRequest, resolve_engine
-from logra_pl.rollout.remote import RemoteSettings
-from logra_pl.rollout.vllm import VLLMSettings
+from logra_pl.rollout.registry import EngineRequest, EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, memory_report, select_targets
 from logra_pl.sketch.merge import full_tensor
@@ -114,11 +112,12 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: how the verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
-        engine: rollout engine: ``"hf"`` (transformers, a private copy of the policy), ``"vllm"``, ``"remote"``
-            (engines served by ``logra-pl serve``), another name registered with
-            :func:`~logra_pl.rollout.registry.register_engine`, or a builder's dotted path.
-        vllm: vLLM engine settings (``engine="vllm"``).
-        remote: served engines (``engine="remote"``): URLs of ``logra-pl serve`` engines, API key, retries.
+        engine: the rollout engine and its settings (:mod:`logra_pl.rollout.registry`): a spec such as
+            :class:`~logra_pl.rollout.hf.HFSettings` (transformers, a private copy of the policy),
+            :class:`~logra_pl.rollout.vllm.VLLMSettings` or :class:`~logra_pl.rollout.remote.RemoteSettings`
+            (engines served by ``logra-pl serve``) — in YAML ``{class_path: ..., init_args: {...}}`` — or a
+            string: ``"hf"``, ``"vllm"``, ``"remote"`` (those with default settings), a name registered with
+            :func:`~logra_pl.rollout.registry.register_engine`, or a spec class's or a builder's dotted path.
         guard: the divergence guard: updates too large or non-finite are rejected before they touch the weights,
             and too many in a row stop the run.
         scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
@@ -145,9 +144,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: Literal["auto", "tags", "plain"] = "auto",
         dtype: Literal["float32", "bfloat16", "float64"] = "float32",
         seed: int = 0,
-        engine: str = "hf",
-        vllm: VLLMSettings | None = None,
-        remote: RemoteSettings | None = None,
+        engine: str | EngineSpec = "hf",
         guard: DivergenceGuard | None = None,
         scoring: ScoringSettings | None = None,
         verifier: Verifier | None = None,
@@ -157,7 +154,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             raise ValueError(f"unknown optimizer {optimizer!r}: use 'logra', 'adamw' or 'lora'")
         if microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
-        resolve_engine(engine)  # an unknown engine fails here, before any model is loaded
+        spec = engine_spec(engine)  # an unknown engine fails here, before any model is loaded
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy_source = policy
@@ -188,9 +185,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
         self.dtype_name = dtype
         self.seed = seed
-        self.engine_kind = engine
-        self.vllm_settings = vllm or VLLMSettings()
-        self.remote_settings = remote or RemoteSettings()
+        self.engine_spec = spec
         self.guard = guard or DivergenceGuard()
         self.run_config: dict[str, Any] | None = None  # set by the CLI: the resolved config, kept in checkpoints
         self.resume_from: str | None = None  # set by the CLI when resuming: the warm start is then not needed
@@ -249,8 +244,19 @@ class LoGRAPolicyModule(pl.LightningModule):
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
         world = trainer.world_size if trainer is not None else 1
-        request = EngineRequest(source, model, tokenizer, sorted(eos), self, world)
-        self.engine = resolve_engine(self.engine_kind)(request)
+        request = EngineRequest(
+            source,
+            model,
+            tokenizer,
+            sorted(eos),
+            world_size=world,
+            rollout=self.rollout_settings,
+            dtype=self.dtype_name,
+            targets=list(self.logra_config.targets),
+            rank=int(trainer.global_rank) if trainer is not None else 0,
+            broadcast=(lambda value: trainer.strategy.broadcast(value, src=0)) if trainer is not None else lambda v: v,
+        )
+        self.engine = build_engine(self.engine_spec, request)
         if self.optimizer_name == "lora":  # after the engine's copy: the engine holds plain (merged) matrices
             attach_lora(self.policy, self.logra_config.targets, self.lora_config)
         if self.activation_checkpointing:  # after the engine's copy: it generates without recomputation
