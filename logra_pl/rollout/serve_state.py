@@ -266,8 +266,6 @@ class EngineState:
                 raise RequestError(400, f"weights {key!r} are not finite: refused, weights unchanged")
         return tensors
 
-    _check_named = check_named  # the name it had before the split
-
     async def apply_payload(self, data: bytes, expect: str | None, new: str | None) -> WeightsAnswer:
         """Merge a checked payload into every worker, reset the prefix cache, move to version ``new``."""
         payload = self.check_payload(data)
