@@ -33,7 +33,7 @@ from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError
 from logra_pl.module import LoGRAPolicyModule
-from logra_pl.rollout.registry import resolve_engine
+from logra_pl.rollout.registry import engine_name, max_training_processes
 from logra_pl.strategy import LoGRAStrategy  # noqa: F401  (registers `--trainer.strategy logra_fsdp`)
 
 log = logging.getLogger("logra_pl")
@@ -176,10 +176,11 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
         """Topology checks before any process is spawned, and the resume wiring (logger version, warm start)."""
         trainer, module, data = self.trainer, self.model, self.datamodule
         world = int(trainer.num_devices) * int(trainer.num_nodes)
-        limit = getattr(resolve_engine(module.engine_kind), "max_training_processes", None)
+        spec = module.engine_spec
+        limit = max_training_processes(spec)
         if limit is not None and world > limit:
             raise ConfigError(
-                f"model.engine={module.engine_kind} runs one engine in the training process, but the trainer starts "
+                f"model.engine={engine_name(spec)} runs one engine in the training process, but the trainer starts "
                 f"{world} processes (trainer.devices × trainer.num_nodes): use model.engine=remote (engines started "
                 "with `logra-pl serve`) or hf with several ranks, or trainer.devices=1"
             )

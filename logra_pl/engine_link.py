@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from logra_pl.errors import StaleEngineError
-from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig, cast_floats
+from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig, StaleableEngine, cast_floats
 from logra_pl.sketch.payload import Payload
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class EngineLink:
     @property
     def can_go_stale(self) -> bool:
         """Whether the engine may hold other weights than the trainer expects (it then refuses to generate)."""
-        return bool(getattr(self.engine, "can_go_stale", False))
+        return isinstance(self.engine, StaleableEngine)
 
     def sync(self, device: torch.device, full: bool = False, payload: Payload | None = None) -> None:
         """Bring the engine to the trainer's weights: ``payload`` (factor methods), the changed tensors, or all."""
@@ -98,8 +98,8 @@ class EngineLink:
         """Resend the full weights when any rank knows an engine to be stale (collective on all ranks)."""
         engine = self.engine
         if self.any_rank(not engine.check_current()):
-            first = getattr(engine, "expected", "") is None  # never synced: a first sync, not a repair
-            stale = ", ".join(sorted(getattr(engine, "stale", ()))) or "an engine"
+            first = engine.never_synced  # a first sync, not a repair
+            stale = ", ".join(engine.stale_engines()) or "an engine"
             self.sync(device, full=True)
             if not first:
                 self.resyncs += 1

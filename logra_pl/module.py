@@ -39,9 +39,7 @@ from logra_pl.policy_setup import load_training_policy, rank_zero_first, trainin
 from logra_pl.ranks import all_reduce_sum, any_rank
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
-from logra_pl.rollout.registry import EngineRequest, resolve_engine
-from logra_pl.rollout.remote import RemoteSettings
-from logra_pl.rollout.vllm import VLLMSettings
+from logra_pl.rollout.registry import EngineRequest, EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
@@ -80,9 +78,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: how the default verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
-        engine: rollout engine: ``hf``, ``vllm``, ``remote``, a registered name or a builder's dotted path.
-        vllm: vLLM engine settings (``engine="vllm"``).
-        remote: served engines (``engine="remote"``).
+        engine: the rollout engine and its settings: a spec (``HFSettings``, ``VLLMSettings``, ``RemoteSettings`` for
+            ``logra-pl serve`` engines; YAML ``{class_path: ..., init_args: {...}}``), a short name ``hf | vllm |
+            remote`` (default settings), a registered name, or a spec class's or builder's dotted path.
         guard: the divergence guard: oversized or non-finite updates never reach the weights.
         scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
         verifier: the reward, any ``__call__(response, item) -> float``; default ``ReasoningGymVerifier``.
@@ -108,9 +106,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: Literal["auto", "tags", "plain"] = "auto",
         dtype: Literal["float32", "bfloat16", "float64"] = "float32",
         seed: int = 0,
-        engine: str = "hf",
-        vllm: VLLMSettings | None = None,
-        remote: RemoteSettings | None = None,
+        engine: str | EngineSpec = "hf",
         guard: DivergenceGuard | None = None,
         scoring: ScoringSettings | None = None,
         verifier: Verifier | None = None,
@@ -121,7 +117,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         check_int("microbatch_size", microbatch_size, 1)
         if max_tokens_per_microbatch is not None:
             check_int("max_tokens_per_microbatch", max_tokens_per_microbatch, 1)
-        resolve_engine(engine)  # an unknown engine fails here, before any model is loaded
+        self.engine_spec = engine_spec(engine)  # an unknown engine fails here, before any model is loaded
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy_source, self.warm_start, self.dtype_name, self.seed = policy, warm_start, dtype, seed
@@ -142,11 +138,6 @@ class LoGRAPolicyModule(pl.LightningModule):
         check_verifier(verifier)
         self.verifier = verifier
         self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
-        self.engine_kind, self.vllm_settings, self.remote_settings = (
-            engine,
-            vllm or VLLMSettings(),
-            remote or RemoteSettings(),
-        )
         self.guard = guard or DivergenceGuard()
         self.rejections = RejectionCount(self.guard.max_consecutive)
         self.run_config: dict[str, Any] | None = None  # the CLI's resolved config, kept in checkpoints
@@ -183,9 +174,21 @@ class LoGRAPolicyModule(pl.LightningModule):
         )
         self.policy, self.tokenizer, eos = load_training_policy(source, self.dtype_name, self.attn_implementation)
         world = trainer.world_size if trainer is not None else 1
-        self.engine = resolve_engine(self.engine_kind)(
-            EngineRequest(source, self.policy, self.tokenizer, eos, self, world)
+        rank = int(trainer.global_rank) if trainer is not None else 0
+        broadcast = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else (lambda value: value)
+        request = EngineRequest(
+            source,
+            self.policy,
+            self.tokenizer,
+            eos,
+            world,
+            self.rollout_settings,
+            self.dtype_name,
+            list(self.targets),
+            rank,
+            broadcast,
         )
+        self.engine = build_engine(self.engine_spec, request)
         any_rank, zero = self._any_rank, lambda: compat.trainer_of(self) is None or self.trainer.is_global_zero
         self.link = EngineLink(self.engine, self.method, self.policy, any_rank, zero)
         self.method.prepare_policy(self.policy, self.targets)  # after the engine's copy: it holds plain matrices

@@ -3,7 +3,7 @@
 vLLM's CPU worker binds threads and sets process-wide state, so each scenario runs in its own process. Usage:
 
 - ``python export_vllm_run.py serve FOLDER REPORT``: a ``VLLMEngine`` on an exported folder, greedy generation.
-- ``python export_vllm_run.py smollm2 REPORT``: ``LoGRAPolicyModule(policy="smollm2", engine="vllm")``'s
+- ``python export_vllm_run.py smollm2 REPORT``: ``LoGRAPolicyModule(policy="smollm2", engine=VLLMSettings(...))``'s
   ``configure_model()`` loads the GGUF policy, writes the engine's cache folder and starts vLLM on it; greedy
   generation. Also compares the cache folder's weights and chat template with the module's policy and tokenizer.
 """
@@ -66,9 +66,8 @@ def run_smollm2(report_path: Path) -> None:
 
     module = LoGRAPolicyModule(
         policy="smollm2",
-        engine="vllm",
+        engine=VLLMSettings(kv_cache_gib=1.0, max_model_len=512),
         rollout=RolloutSettings(max_new_tokens=4),
-        vllm=VLLMSettings(kv_cache_gib=1.0, max_model_len=512),
     )
     start = time.perf_counter()
     module.configure_model()  # GGUF load (~20 s), cache folder write, vLLM start

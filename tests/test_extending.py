@@ -113,7 +113,7 @@ def test_every_example_in_one_python_run(tmp_path: Path, rl_run, examples) -> No
     module = tiny_module(
         loss=LossConfig(kind="k2_loss.REINFORCE_K2", params={"kl_coef": 0.5}),
         verifier=verifier_mod.CorrectWithLengthPenalty(per_char=0.1),
-        engine="timed_engine.build_engine",
+        engine=timed.TimedSettings(history=100),
     )
     trainer = rl_run(module, tmp_path, 2, callbacks=[histogram], data=data)
     ctx, metrics = module.step_context, trainer.callback_metrics
@@ -132,6 +132,7 @@ def test_every_example_in_one_python_run(tmp_path: Path, rl_run, examples) -> No
     # The engine sampled every rollout.
     engine = module.engine
     assert isinstance(engine, timed.TimedEngine) and isinstance(engine, RolloutEngine)
+    assert engine.latencies.maxlen == 100 and engine.receivers == 1
     assert len(engine.latencies) == 2 and engine.tokens[-1] == ctx.rollout.num_response_tokens
     assert ctx.rollout.timings["timed_engine_s"] == engine.latencies[-1]
 
@@ -181,7 +182,8 @@ def test_cli_callback_loss_and_engine(tmp_path: Path, examples) -> None:
         "--trainer.callbacks.init_args.bins=2",
         "--model.loss.kind=k2_loss.REINFORCE_K2",
         "--model.loss.params={kl_coef: 0.5}",
-        "--model.engine=timed_engine.build_engine",
+        "--model.engine.class_path=timed_engine.TimedSettings",
+        "--model.engine.init_args.history=1",
     )
     module, trainer = cli.model, cli.trainer
     histograms = [cb for cb in trainer.callbacks if isinstance(cb, histogram_mod.RewardHistogram)]
@@ -191,7 +193,9 @@ def test_cli_callback_loss_and_engine(tmp_path: Path, examples) -> None:
     assert any(type(cb).__name__ == "RunSummary" for cb in trainer.callbacks)  # appended to the config's callbacks
     assert module.loss_config.spec is k2.REINFORCE_K2 and module.loss_config.hyper_parameters() == {"kl_coef": 0.5}
     assert "train/k2" in trainer.callback_metrics
-    assert isinstance(module.engine, timed.TimedEngine) and len(module.engine.latencies) == 2
+    # The engine was built from its YAML settings: it kept the last generate call only.
+    assert module.engine_spec == timed.TimedSettings(history=1)
+    assert isinstance(module.engine, timed.TimedEngine) and len(module.engine.latencies) == 1
 
 
 # ------------------------------------------------------------------------------------- 6. an update method

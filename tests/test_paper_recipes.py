@@ -32,6 +32,7 @@ from logra_pl.data.rg_hard import RG_HARD_TASKS, RGHardDataModule
 from logra_pl.memory import GiB, plan
 from logra_pl.memory import main as plan_main
 from logra_pl.module import LoGRAPolicyModule
+from logra_pl.rollout.remote import RemoteSettings
 from logra_pl.strategy import LoGRAStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +217,7 @@ def test_instantiates_with_a_cpu_topology(case: tuple[Path, ...]) -> None:
     cfg = _resolved(case)
     assert isinstance(cli.model, LoGRAPolicyModule)
     assert isinstance(cli.datamodule, RGHardDataModule if "rg_hard" in case[0].name else DapoMath7_5kDataModule)
-    assert cli.model.engine_kind == "remote"
+    assert isinstance(cli.model.engine_spec, RemoteSettings)
     built = {type(cb).__name__ for cb in cli.trainer.callbacks}
     assert set(_callbacks(cfg)) <= built
     strategy = yaml.safe_load(case[0].read_text())["trainer"]["strategy"]  # as the recipe writes it
@@ -251,7 +252,8 @@ def test_recipe_holds_the_paper_settings(recipe: Path) -> None:
     assert (strategy["data_parallel_size"], strategy["param_dtype"]) == (4, "bfloat16")
     assert strategy["activation_checkpointing"] and model["activation_checkpointing"]
     assert model["dtype"] == "float32"
-    assert model["engine"] == "remote" and model["remote"]["urls"] == URLS
+    engine = model["engine"]
+    assert engine["class_path"] == "logra_pl.rollout.remote.RemoteSettings" and engine["init_args"]["urls"] == URLS
     # The RL step (§3.1, SPEC §8): one response per prompt, 128 prompts, microbatch 1, REINFORCE + TIS, baseline.
     assert model["microbatch_size"] == 1 and data["prompts_per_step"] == 128
     rollout = model["rollout"]
@@ -348,7 +350,7 @@ def test_header_commands_fit_the_recipe(case: tuple[Path, ...]) -> None:
             assert model["adamw"]["train_all"]
     # One request must hold a LoGRA payload (bf16 d_out x r per matrix = half the fp32 sketches) or a weight chunk.
     request_mib = float(serve.get("--max-request-mib", 1024))
-    assert model["remote"]["chunk_mib"] < request_mib
+    assert model["engine"]["init_args"]["chunk_mib"] < request_mib
     if model["optimizer"] == "logra":
         rows = _plan(model["policy"], model["logra"]["rank"])
         assert rows["logra"].report.sketches / 2 / 2**20 < request_mib

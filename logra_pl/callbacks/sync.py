@@ -111,12 +111,10 @@ class PolicySync(pl.Callback):
         sent = 0.0
         if self.mode == "factors":
             for payload in ctx.payloads:
-                engine.apply_payload(payload)
-                sent += _sent_bytes(engine, lambda p=payload: len(p.to_bytes()))
+                sent += engine.apply_payload(payload).bytes
         else:
             tensors = cast_floats(pl_module.trained_tensors(), self.wire_dtype_for(engine))
-            engine.load_weights(tensors)
-            sent += _sent_bytes(engine, lambda: sum(t.numel() * t.element_size() for t in tensors.values()))
+            sent += engine.load_weights(tensors).bytes
         seconds = time.perf_counter() - start
         self.syncs += 1
         checks: dict[str, float] = {}
@@ -124,7 +122,7 @@ class PolicySync(pl.Callback):
             checks = self.verify_and_repair(pl_module)
         metrics = {
             "sync/payload_bytes": sent,
-            "sync/full_bytes": float(self.full_bf16_bytes(pl_module) * _receivers(engine)),
+            "sync/full_bytes": float(self.full_bf16_bytes(pl_module) * engine.receivers),
             "sync/seconds": seconds,
             "sync/full_resyncs": float(self.full_resyncs),
         }
@@ -224,15 +222,3 @@ class PolicySync(pl.Callback):
         self.full_resyncs = int(state_dict.get("full_resyncs", 0))
         self.syncs = int(state_dict.get("syncs", 0))
         self.probe = state_dict.get("probe")
-
-
-def _receivers(engine: Any) -> int:
-    """Engines one update is sent to (served engines: every URL), so both byte metrics count the same copies."""
-    settings = getattr(engine, "settings", None)
-    return len(getattr(settings, "urls", None) or [None])
-
-
-def _sent_bytes(engine: Any, fallback: Any) -> float:
-    """Bytes the engine reports for its last sync (vLLM: serialized size), else ``fallback()``."""
-    last = getattr(engine, "last_sync", None)
-    return float(last["bytes"]) if last else float(fallback())

@@ -72,24 +72,47 @@ class Rollout:
         return sum(len(r) for r in self.response_ids)
 
 
+@dataclass(frozen=True)
+class SyncReport:
+    """What one weight change sent to the engine (returned by ``apply_payload`` and ``load_weights``).
+
+    Arguments:
+        bytes: bytes sent, over all receivers (a payload's serialized size, or the tensors' bytes, times the
+            receivers; a served engine counts it on every rank, though rank 0 alone sends).
+        receivers: engines the change went to.
+        seconds: time the change took (0 on a rank that sends nothing).
+    """
+
+    bytes: int
+    receivers: int = 1
+    seconds: float = 0.0
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the training module needs from a rollout engine — the whole contract; nothing else is read.
+    """What the training module and its callbacks may read of a rollout engine — the whole contract.
 
-    Implementations here: :class:`~logra_pl.rollout.hf.HFEngine` (transformers, in the trainer process) and
-    :class:`~logra_pl.rollout.vllm.VLLMEngine`; engines are built by name (:mod:`logra_pl.rollout.registry`).
+    Implementations here: :class:`~logra_pl.rollout.hf.HFEngine` (transformers, in the trainer process),
+    :class:`~logra_pl.rollout.vllm.VLLMEngine` and :class:`~logra_pl.rollout.remote.RemoteEngine` (``logra-pl
+    serve`` engines over HTTP); engines are built from their settings (:mod:`logra_pl.rollout.registry`).
 
-    Attributes:
-        context_limit: longest prompt + response the engine accepts (tokens).
-        shares_weights: the engine samples with the trainer's own parameters (nothing to sync).
+    Callers may read exactly:
 
-    Optional attributes, read with ``getattr``: ``wire_dtype`` (the dtype the engine stores its weights in: full
-    loads are cast to it before they are sent), ``can_go_stale`` with ``check_current()`` (an engine that can hold
-    other weights than expected: :meth:`~logra_pl.module.LoGRAPolicyModule.generate_rollout` repairs it).
+    - ``context_limit``: longest prompt + response the engine accepts (tokens);
+    - ``shares_weights``: the engine samples with the trainer's own parameters (nothing to sync);
+    - ``receivers``: engines a weight change is sent to (served: one per URL; else 1);
+    - the methods below; ``apply_payload`` and ``load_weights`` return a :class:`SyncReport`;
+    - optionally ``wire_dtype`` (read with ``getattr``, default None): the dtype the engine stores its weights in;
+      full loads are cast to it before they are sent.
+
+    An engine that can hold other weights than the trainer expects (a served one: a lost update, a restart) also
+    meets :class:`StaleableEngine`; :meth:`~logra_pl.module.LoGRAPolicyModule.generate_rollout` then checks and
+    repairs it before generating.
     """
 
     context_limit: int
     shares_weights: bool
+    receivers: int
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, prompt_seeds: Sequence[int] | None = None
@@ -103,11 +126,11 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def apply_payload(self, payload: Payload) -> None:
+    def apply_payload(self, payload: Payload) -> SyncReport:
         """Apply a LoGRA factor payload (``W ← W − F P``) to the engine's weights, exactly as the trainer merged it."""
         ...
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> SyncReport:
         """Overwrite the named tensors (checkpoint names; trainer wrapper prefixes ignored) in the engine."""
         ...
 
@@ -117,6 +140,29 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's resources (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class StaleableEngine(RolloutEngine, Protocol):
+    """An engine that can hold other weights than the trainer expects, and knows when it might.
+
+    Callers may read, besides :class:`RolloutEngine`:
+
+    - ``never_synced``: no weights were sent yet (the first sync of a run, not a repair);
+    - ``check_current()``: True when, as far as this process knows, every engine holds the expected weights (no
+      network call); False means a full load is due;
+    - ``stale_engines()``: the engines (URLs) known to hold other weights.
+    """
+
+    never_synced: bool
+
+    def check_current(self) -> bool:
+        """True when every engine is known to hold the expected weights (no network call)."""
+        ...
+
+    def stale_engines(self) -> list[str]:
+        """Names (URLs) of the engines known to hold other weights than expected."""
         ...
 
 

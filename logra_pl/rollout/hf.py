@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from logra_pl.errors import PolicyDivergedError
-from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
+from logra_pl.errors import ConfigError, PolicyDivergedError
+from logra_pl.rollout.base import FinishReason, Rollout, RolloutEngine, SamplingConfig, SyncReport, expand_prompts
+from logra_pl.rollout.registry import EngineRequest, EngineSpec
 from logra_pl.sketch.payload import Payload, apply_payload, weight_tensors
 
 
@@ -32,6 +34,32 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+@dataclass
+class HFSettings(EngineSpec):
+    """The transformers engine in the trainer process (``model.engine: hf``, the default).
+
+    It has no settings of its own: ``model.rollout.max_batch`` bounds its forward batches and
+    ``model.rollout.share_weights`` makes it sample with the trainer's own weights (one process only) instead of a
+    private copy.
+    """
+
+    def build(self, request: EngineRequest) -> RolloutEngine:
+        """An :class:`HFEngine` on a private copy of ``request.model`` (or on the model itself: share_weights)."""
+        settings = request.rollout
+        if settings.share_weights and request.world_size > 1:
+            raise ConfigError(
+                "rollout.share_weights generates with the trainer's weights, which are sharded over "
+                f"{request.world_size} ranks: set it to false for data-parallel runs"
+            )
+        return HFEngine(
+            request.model,
+            request.eos,
+            request.tokenizer.pad_token_id,
+            max_batch=settings.max_batch,
+            copy=not settings.share_weights,
+        )
+
+
 class HFEngine:
     """Batched sampling from a private copy of a transformers causal LM.
 
@@ -43,6 +71,8 @@ class HFEngine:
         copy: deep-copy ``model`` so the engine's weights are its own. ``False`` generates with ``model`` itself
             (under ``no_grad``, where sketch hooks do nothing): one copy of the weights less, nothing to sync.
     """
+
+    receivers = 1
 
     def __init__(
         self,
@@ -74,22 +104,36 @@ class HFEngine:
     def close(self) -> None:
         """Nothing to release: the copy is garbage-collected with the engine."""
 
-    def apply_payload(self, payload: Payload) -> None:
-        """``W ← W − F P`` for every matrix of ``payload`` — :func:`apply_payload`, as the trainer merges."""
-        apply_payload(payload, self.model)
+    def apply_payload(self, payload: Payload) -> SyncReport:
+        """``W ← W − F P`` for every matrix of ``payload`` — :func:`apply_payload`, as the trainer merges.
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy the named tensors (``<module>.weight`` etc., wrapper prefixes ignored) into the engine's model."""
+        The report counts the payload's serialized size, what a separate engine would receive.
+        """
+        start = time.perf_counter()
+        apply_payload(payload, self.model)
+        seconds = time.perf_counter() - start
+        return SyncReport(bytes=len(payload.to_bytes()), receivers=1, seconds=seconds)
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> SyncReport:
+        """Copy the named tensors (``<module>.weight`` etc., wrapper prefixes ignored) into the engine's model.
+
+        ``tensors`` may gather each value when it is read (:class:`~logra_pl.rollout.base.GatheredState`): every
+        value is read once, and the report counts the bytes of the values read.
+        """
+        start = time.perf_counter()
         by_name = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         canon = weight_tensors(self.model)
+        sent = 0
         with torch.no_grad():
             for key, value in tensors.items():
+                sent += value.numel() * value.element_size()
                 if key in by_name:
                     by_name[key].data.copy_(value)
                 elif key.endswith(".weight") and key[: -len(".weight")] in canon:
                     canon[key[: -len(".weight")]].data.copy_(value)
                 else:
                     raise KeyError(f"engine model has no tensor {key!r}")
+        return SyncReport(bytes=sent, receivers=1, seconds=time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------------ sampling
     @torch.no_grad()

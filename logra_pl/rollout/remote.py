@@ -1,6 +1,7 @@
 """``RemoteEngine``: the rollout-engine contract over HTTP, against ``logra-pl serve`` engines (algorithm.md §9).
 
-``model.engine: remote`` with ``model.remote.urls: [http://host:8100, ...]``. Every training rank has one
+``model.engine: {class_path: logra_pl.rollout.remote.RemoteSettings, init_args: {urls: [http://host:8100, ...]}}``
+(or ``model.engine: remote`` for one engine on ``http://127.0.0.1:8100``). Every training rank has one
 ``RemoteEngine``; each sends its own prompts, spread over the engines (rank ``r`` starts at engine ``r mod E``), and
 gets its responses with the exact log-probs of the sampled tokens. Weight changes are sent by global rank 0 only —
 the merged LoGRA payload is identical on every rank (sketches are all-reduced before the proposal), so nothing needs
@@ -8,10 +9,12 @@ gathering for it — once to every engine. Full weights (the first sync, a repai
 every rank and sent by rank 0, in chunks or through a shared folder.
 
 Every weight change creates a new version ``<run id>/<n>``; every rank counts the changes it took part in, so all
-ranks know the version the engines should hold without talking to each other. A generate request carries that
-version and the engine refuses it (409 → :class:`~logra_pl.errors.StaleEngineError`) when it holds other weights:
-nothing is sampled from stale weights. The module then agrees over all ranks that an engine is stale and repairs it
-with a full resync (:meth:`logra_pl.module.LoGRAPolicyModule.generate_rollout`).
+ranks know the version the engines should hold without talking to each other (:mod:`logra_pl.rollout.versions`
+holds the rules). A generate request carries that version and the engine refuses it (409 →
+:class:`~logra_pl.errors.StaleEngineError`) when it holds other weights: nothing is sampled from stale weights. The
+module then agrees over all ranks that an engine is stale and repairs it with a full resync
+(:meth:`logra_pl.module.LoGRAPolicyModule.generate_rollout`). Requests and answers are the models of
+:mod:`logra_pl.rollout.protocol`, shared with the server.
 
 An engine that does not answer is retried with exponential backoff for ``retry_for_s`` seconds (a restarting
 engine comes back within that window and is then resynced), after which the run stops with an error naming its URL.
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from logra_pl.errors import (
     ConfigError,
@@ -40,21 +44,46 @@ from logra_pl.errors import (
     StaleEngineError,
     check_range,
 )
-from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
+from logra_pl.rollout.base import FinishReason, Rollout, RolloutEngine, SamplingConfig, SyncReport, expand_prompts
+from logra_pl.rollout.protocol import (  # re-exported: the API's names were defined here before protocol.py
+    API_KEY_ENV,
+    API_VERSION,
+    AUTH_HEADER,
+    CHUNK_HEADER,
+    EXPECT_HEADER,
+    FULL_HEADER,
+    NEW_HEADER,
+    OCTET_STREAM,
+    DigestAnswer,
+    DigestRequest,
+    GenerateRequest,
+    GenerateResponse,
+    HealthInfo,
+    WeightsPathRequest,
+    bearer,
+    describe,
+)
+from logra_pl.rollout.registry import EngineRequest, EngineSpec
+from logra_pl.rollout.versions import ExpectedVersions
 from logra_pl.sketch.payload import Payload
 
-API_VERSION = 1
-API_KEY_ENV = "LOGRA_PL_API_KEY"
-EXPECT_HEADER = "X-LoGRA-Expect-Version"
-NEW_HEADER = "X-LoGRA-New-Version"
-CHUNK_HEADER = "X-LoGRA-Chunk"
-FULL_HEADER = "X-LoGRA-Full"
+__all__ = [
+    "API_KEY_ENV",
+    "API_VERSION",
+    "CHUNK_HEADER",
+    "EXPECT_HEADER",
+    "FULL_HEADER",
+    "NEW_HEADER",
+    "RemoteEngine",
+    "RemoteSettings",
+]
+
 _RETRY_STATUS = (502, 503, 504)
 
 
 @dataclass
-class RemoteSettings:
-    """How the trainer reaches served engines (``model.engine: remote``).
+class RemoteSettings(EngineSpec):
+    """How the trainer reaches served engines (``model.engine: {class_path: ...RemoteSettings, init_args: ...}``).
 
     Arguments:
         urls: base URLs of ``logra-pl serve`` engines; prompts are spread over them, updates go to all.
@@ -84,10 +113,10 @@ class RemoteSettings:
         if isinstance(self.urls, str):
             self.urls = [self.urls]
         if not self.urls:
-            raise ConfigError("model.remote.urls is empty: give the URL of at least one `logra-pl serve` engine")
+            raise ConfigError("remote.urls is empty: give the URL of at least one `logra-pl serve` engine")
         bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
         if bad:
-            raise ConfigError(f"model.remote.urls must be http(s) URLs such as http://127.0.0.1:8100, got {bad}")
+            raise ConfigError(f"remote.urls must be http(s) URLs such as http://127.0.0.1:8100, got {bad}")
         self.urls = [str(u).rstrip("/") for u in self.urls]
         check_range("remote.timeout_s", self.timeout_s, 0.0, low_open=True)
         check_range("remote.retry_for_s", self.retry_for_s, 0.0)
@@ -95,9 +124,34 @@ class RemoteSettings:
         check_range("remote.max_backoff_s", self.max_backoff_s, 0.0, low_open=True)
         check_range("remote.chunk_mib", self.chunk_mib, 0.0, low_open=True)
 
+    def build(self, request: EngineRequest) -> RolloutEngine:
+        """A :class:`RemoteEngine` on these engines, checked against the trainer's policy; any number of ranks."""
+        from logra_pl.sketch.targets import select_targets
+
+        if request.rollout.share_weights:
+            raise ConfigError("rollout.share_weights applies to the HF engine; served engines hold their own weights")
+        run_id = uuid.uuid4().hex[:12]
+        if request.world_size > 1:
+            run_id = request.broadcast(run_id)  # every rank names the same weight versions
+        targets = select_targets(request.model, request.targets)
+        matrices = {name: (m.out_features, m.in_features) for name, m in targets.items()}
+        return RemoteEngine(
+            self,
+            request.eos,
+            rank=request.rank,
+            world_size=request.world_size,
+            run_id=run_id,
+            trainer_dtype=request.dtype,
+            matrices=matrices,
+            vocab_size=int(request.model.config.vocab_size),
+        )
+
 
 class RemoteEngine:
     """Rollouts from, and weight updates to, ``logra-pl serve`` engines over HTTP.
+
+    Meets :class:`~logra_pl.rollout.base.StaleableEngine`: it knows when an engine may hold other weights than
+    the trainer's, and the module repairs it before generating.
 
     Arguments:
         settings: URLs, key, timeouts.
@@ -108,9 +162,15 @@ class RemoteEngine:
         trainer_dtype: the trainer's parameter dtype; a ``shadow`` engine's master copy must have it.
         matrices: ``{name: (d_out, d_in)}`` of the trainer's target matrices, checked against every engine.
         vocab_size: the trainer's vocabulary size, checked against every engine.
+
+    Attributes:
+        versions: the version every engine should hold and the engines known to hold others
+            (:class:`~logra_pl.rollout.versions.ExpectedVersions`).
+        infos: ``{url: HealthInfo}`` of every engine, read at start.
+        last_sync: ``{"bytes", "seconds"}`` of the last weight change (what :class:`~logra_pl.rollout.base.SyncReport`
+            reports).
     """
 
-    can_go_stale = True  # the engine can hold other weights than expected: the module checks before generating
     shares_weights = False
 
     def __init__(
@@ -131,34 +191,65 @@ class RemoteEngine:
         self.eos = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
         self.rank = rank
         self.world_size = world_size
-        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.versions = ExpectedVersions(run_id or uuid.uuid4().hex[:12])
         self.trainer_dtype = trainer_dtype
         self.api_key = os.environ.get(s.api_key_env) or None
         self.http = httpx.Client(timeout=httpx.Timeout(s.timeout_s, connect=min(10.0, s.timeout_s)))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(s.urls)), thread_name_prefix="logra-remote")
-        self.seq = 0
-        self.expected: str | None = None  # the version every engine should hold; None until the first full sync
-        self.stale: set[str] = set()  # engines known (on this rank) to hold other weights
         self.last_sync: dict[str, float] = {}
         self.counts = {"retries": 0, "stale_refusals": 0, "full_loads": 0, "payloads": 0}
         self.infos = {url: self.health(url) for url in s.urls}
         self._check_engines(matrices, vocab_size)
-        self.context_limit = min(int(i["max_model_len"]) for i in self.infos.values())
+        self.context_limit = min(info.max_model_len for info in self.infos.values())
         first = next(iter(self.infos.values()))
-        stored = first.get("master_dtype") if first.get("sync_mode") == "shadow" else first.get("dtype")
-        self.wire_dtype = getattr(torch, str(stored), None)  # full loads travel in the dtype the engine stores
+        self.wire_dtype = getattr(torch, first.stored_dtype(), None)  # full loads travel in the dtype the engine stores
+
+    # -------------------------------------------------------------------------------------- the contract
+    @property
+    def receivers(self) -> int:
+        """Engines every weight change goes to: one per URL."""
+        return len(self.settings.urls)
+
+    @property
+    def run_id(self) -> str:
+        return self.versions.run_id
+
+    @property
+    def expected(self) -> str | None:
+        """The version every engine should hold; None until the first weight change."""
+        return self.versions.expected
+
+    @expected.setter
+    def expected(self, version: str | None) -> None:
+        self.versions.expected = version
+
+    @property
+    def stale(self) -> set[str]:
+        """Engines known (on this rank) to hold other weights."""
+        return self.versions.stale
+
+    @property
+    def never_synced(self) -> bool:
+        """No weight change was sent yet: the first full load is a first sync, not a repair."""
+        return self.versions.never_synced
+
+    def check_current(self) -> bool:
+        """True when, as far as this rank knows, every engine holds the expected weights (no network call)."""
+        return self.versions.current()
+
+    def stale_engines(self) -> list[str]:
+        """URLs of the engines known (on this rank) to hold other weights, sorted."""
+        return sorted(self.versions.stale)
 
     # ------------------------------------------------------------------------------------------- checks
     def _check_engines(self, matrices: Mapping[str, tuple[int, int]] | None, vocab_size: int | None) -> None:
         for url, info in self.infos.items():
-            if int(info.get("api", 0)) != API_VERSION:
-                raise ConfigError(f"{url} speaks engine API {info.get('api')}, the trainer {API_VERSION}: upgrade both")
-            if vocab_size is not None and int(info.get("vocab_size", vocab_size)) != int(vocab_size):
+            if vocab_size is not None and info.vocab_size != int(vocab_size):
                 raise ConfigError(
-                    f"{url} serves a model with vocabulary {info.get('vocab_size')}, the trainer's policy has "
+                    f"{url} serves a model with vocabulary {info.vocab_size}, the trainer's policy has "
                     f"{vocab_size}: start `logra-pl serve --model` with the trainer's policy"
                 )
-            served = {k: tuple(v) for k, v in info.get("matrices", {}).items()}
+            served = {k: tuple(v) for k, v in info.matrices.items()}
             mine = dict(matrices or {})
             wrong = {n: (tuple(shape), served.get(n)) for n, shape in mine.items() if served.get(n) != tuple(shape)}
             if wrong:
@@ -167,15 +258,11 @@ class RemoteEngine:
                     f"{url} serves another model: {len(wrong)} trainer matrices differ, e.g. {name!r} is {ours} in the "
                     f"trainer and {theirs} in the engine; start `logra-pl serve --model` with the trainer's policy"
                 )
-            if info.get("sync_mode") == "shadow" and info.get("master_dtype") != self.trainer_dtype:
+            if info.sync_mode == "shadow" and info.master_dtype != self.trainer_dtype:
                 raise ConfigError(
-                    f"{url} keeps its master copy in {info.get('master_dtype')}, the trainer's weights are "
+                    f"{url} keeps its master copy in {info.master_dtype}, the trainer's weights are "
                     f"{self.trainer_dtype}: merges would not match; restart it with --master-dtype {self.trainer_dtype}"
                 )
-
-    def check_current(self) -> bool:
-        """True when, as far as this rank knows, every engine holds the expected weights (no network call)."""
-        return self.expected is not None and not self.stale
 
     def place(self, device: torch.device) -> bool:
         """Served engines run on their own devices: nothing to move."""
@@ -190,13 +277,14 @@ class RemoteEngine:
     def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         headers = dict(extra or {})
         if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+            headers[AUTH_HEADER] = bearer(self.api_key)
         return headers
 
     def request(self, method: str, url: str, path: str, **kwargs: Any) -> dict[str, Any]:
         """One API call with retries: transport errors and 502/503/504 back off and retry until ``retry_for_s``.
 
-        409 raises :class:`StaleEngineError`; other errors raise with the server's message.
+        Returns the answer's JSON body. 409 raises :class:`StaleEngineError`; other errors raise with the server's
+        message.
         """
         import httpx
 
@@ -217,7 +305,7 @@ class RemoteEngine:
                 raise EngineUnavailableError(
                     f"rollout engine {url} did not answer {path} for {s.retry_for_s:g} s (last: {problem}): is "
                     "`logra-pl serve` running there? Restart it and resume with --ckpt_path last; "
-                    "model.remote.retry_for_s sets how long to wait"
+                    "model.engine.init_args.retry_for_s sets how long to wait"
                 )
             self.counts["retries"] += 1
             time.sleep(wait)
@@ -234,20 +322,26 @@ class RemoteEngine:
         message = body.get("error", body)
         if status == 409:
             self.counts["stale_refusals"] += 1
-            self.stale.add(url)  # it holds other weights than expected until a full load succeeds
+            self.versions.refused(url)  # it holds other weights than expected until a full load succeeds
             raise StaleEngineError(f"{url}: {message}", url=url, version=body.get("version"))
         if status == 401:
             raise ConfigError(
                 f"{url} refused {path}: {message}; put the server's key in ${self.settings.api_key_env} "
-                "(model.remote.api_key_env names the variable)"
+                "(model.engine.init_args.api_key_env names the variable)"
             )
         if status == 422 and "non-finite" in str(message):
             raise PolicyDivergedError(f"{url}: {message}")
         raise LoGRAError(f"{url} answered {path} with HTTP {status}: {message}")
 
-    def health(self, url: str) -> dict[str, Any]:
-        """``GET /v1/health`` of one engine (retried while it starts)."""
-        return self.request("GET", url, "/v1/health")
+    def health(self, url: str) -> HealthInfo:
+        """``GET /v1/health`` of one engine (retried while it starts), checked to speak this trainer's API."""
+        body = self.request("GET", url, "/v1/health")
+        if int(body.get("api", 0)) != API_VERSION:
+            raise ConfigError(f"{url} speaks engine API {body.get('api')}, the trainer {API_VERSION}: upgrade both")
+        try:
+            return HealthInfo.model_validate(body)
+        except ValidationError as err:
+            raise ConfigError(f"{url} answered /v1/health with {describe(err)}: upgrade both") from None
 
     # ---------------------------------------------------------------------------------------- sampling
     def generate(
@@ -270,50 +364,52 @@ class RemoteEngine:
         jobs = []
         for k, (lo, hi) in enumerate(parts):
             url = urls[(self.rank + k) % len(urls)]
-            body = {
-                "prompts": [list(map(int, p)) for p in prompts[lo:hi]],
-                "n": sampling.n,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "max_new_tokens": sampling.max_new_tokens,
-                "seeds": seeds[lo * sampling.n : hi * sampling.n],
-                "stop_token_ids": self.eos,
-                "expect_version": self.expected,
-            }
-            jobs.append(self.pool.submit(self.request, "POST", url, "/v1/generate", json=body))
-        answers = _results(jobs)
-        responses = [r for a in answers for r in a["responses"]]
-        reasons: list[FinishReason] = ["stop" if r["finish_reason"] == "stop" else "length" for r in responses]
+            body = GenerateRequest(
+                prompts=[list(map(int, p)) for p in prompts[lo:hi]],
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_new_tokens=sampling.max_new_tokens,
+                seeds=seeds[lo * sampling.n : hi * sampling.n],
+                stop_token_ids=self.eos,
+                expect_version=self.versions.expected,
+            )
+            json = body.model_dump(exclude_unset=True)
+            jobs.append(self.pool.submit(self.request, "POST", url, "/v1/generate", json=json))
+        answers = [GenerateResponse.model_validate(a) for a in _results(jobs)]
+        responses = [r for a in answers for r in a.responses]
+        reasons: list[FinishReason] = ["stop" if r.finish_reason == "stop" else "length" for r in responses]
         return Rollout(
             prompt_ids=rows,
-            response_ids=[list(r["token_ids"]) for r in responses],
-            logprobs=[[float(x) for x in r["logprobs"]] for r in responses],
+            response_ids=[r.token_ids for r in responses],
+            logprobs=[r.logprobs for r in responses],
             finish_reasons=reasons,
             prompt_index=index,
             timings={"generate_s": time.perf_counter() - start},
         )
 
     # ----------------------------------------------------------------------------------------- weights
-    def _next_version(self) -> tuple[str | None, str]:
-        self.seq += 1
-        prev, self.expected = self.expected, f"{self.run_id}/{self.seq}"
-        return prev, self.expected
-
     def _each_engine(self, send: Any) -> list[Any]:
         """Run ``send(url)`` for every engine at once; return results, re-raising the first error."""
         return _results([self.pool.submit(send, url) for url in self.settings.urls])
 
-    def apply_payload(self, payload: Payload) -> None:
+    def _report(self, nbytes: int, start: float | None) -> SyncReport:
+        """The report of a change of ``nbytes`` per engine (``start`` None: this rank sent nothing)."""
+        seconds = 0.0 if start is None else time.perf_counter() - start
+        report = SyncReport(bytes=nbytes * self.receivers, receivers=self.receivers, seconds=seconds)
+        self.last_sync = {"bytes": float(report.bytes), "seconds": report.seconds}
+        return report
+
+    def apply_payload(self, payload: Payload) -> SyncReport:
         """Rank 0 sends the payload to every engine; an engine that refuses it (409) is marked stale."""
-        prev, new = self._next_version()
+        prev, new = self.versions.next()
         data = payload.to_bytes()
-        self.last_sync = {"bytes": float(len(data) * len(self.settings.urls)), "seconds": 0.0}
         if self.rank != 0:
-            return
+            return self._report(len(data), None)
         start = time.perf_counter()
 
         def send(url: str) -> None:
-            headers = {EXPECT_HEADER: prev or "", NEW_HEADER: new, "Content-Type": "application/octet-stream"}
+            headers = {EXPECT_HEADER: prev or "", NEW_HEADER: new, "Content-Type": OCTET_STREAM}
             try:
                 self.request("POST", url, "/v1/payload", content=data, headers=headers)
                 self.counts["payloads"] += 1
@@ -321,9 +417,9 @@ class RemoteEngine:
                 pass  # marked stale by the refusal itself
 
         self._each_engine(send)
-        self.last_sync["seconds"] = time.perf_counter() - start
+        return self._report(len(data), start)
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> SyncReport:
         """Stream tensors to every engine in chunks of ``chunk_mib`` (or through ``weights_path``); rank 0 sends.
 
         ``tensors`` may gather each value when it is read (the module passes FSDP shards that all-gather on
@@ -335,13 +431,14 @@ class RemoteEngine:
         """
         from logra_pl.rollout.vllm_worker import _checkpoint_key, tensors_to_bytes
 
-        prev, new = self._next_version()
-        served = set(next(iter(self.infos.values())).get("tensors", []))
+        prev, new = self.versions.next()
+        served = set(next(iter(self.infos.values())).tensors)
         names = [k for k in tensors if not served or _checkpoint_key(k) in served]
         full = bool(served) and served <= {_checkpoint_key(k) for k in names}
         sizes = {k: _nbytes(tensors, k) for k in names}
         plan = _plan_chunks(sizes, int(self.settings.chunk_mib * 2**20))
-        self.last_sync = {"bytes": float(sum(sizes.values()) * len(self.settings.urls)), "seconds": 0.0}
+        nbytes = sum(sizes.values())
+        self.last_sync = {"bytes": float(nbytes * self.receivers), "seconds": 0.0}
         start = time.perf_counter()
         folder = Path(str(self.settings.weights_path)) / new.replace("/", "-") if self.settings.weights_path else None
         tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}") if folder is not None else None
@@ -359,7 +456,7 @@ class RemoteEngine:
                 NEW_HEADER: new,
                 CHUNK_HEADER: f"{index}/{len(plan)}",
                 FULL_HEADER: "1" if full else "0",
-                "Content-Type": "application/octet-stream",
+                "Content-Type": OCTET_STREAM,
             }
 
             def send(url: str, data: bytes = data, headers: dict[str, str] = headers) -> None:
@@ -373,31 +470,32 @@ class RemoteEngine:
             self._each_engine(send)
             del chunk, data
         if self.rank != 0:
-            return
+            return self._report(nbytes, None)
         if folder is not None and tmp is not None:
             _publish(tmp, folder)
+            body = WeightsPathRequest(path=str(folder), expect_version=prev, new_version=new, full=full)
 
             def send_path(url: str) -> None:
-                body = {"path": str(folder), "expect_version": prev, "new_version": new, "full": full}
                 try:
-                    self.request("POST", url, "/v1/weights/path", json=body)
+                    self.request("POST", url, "/v1/weights/path", json=body.model_dump())
                 except StaleEngineError:
                     failed.add(url)
 
             self._each_engine(send_path)
         for url in self.settings.urls:
             if url in failed:
-                self.stale.add(url)
+                self.versions.refused(url)
             else:
-                self.stale.discard(url)
+                self.versions.accepted(url)
                 self.counts["full_loads"] += 1
-        self.last_sync["seconds"] = time.perf_counter() - start
+        return self._report(nbytes, start)
 
     # ------------------------------------------------------------------------------------ verification
     def weights_digest(self, names: Sequence[str], url: str | None = None) -> dict[str, str]:
         """``{name: digest}`` of an engine's current weights (:func:`~logra_pl.rollout.vllm_worker.tensor_digest`)."""
-        answer = self.request("POST", url or self.settings.urls[0], "/v1/weights/digest", json={"names": list(names)})
-        return dict(answer["digests"])
+        body = DigestRequest(names=list(names)).model_dump()
+        answer = self.request("POST", url or self.settings.urls[0], "/v1/weights/digest", json=body)
+        return dict(DigestAnswer.model_validate(answer).digests)
 
 
 def _results(jobs: list[Any]) -> list[Any]:

@@ -1,21 +1,18 @@
 """``logra-pl serve``: vLLM engines behind an HTTP API that speaks the rollout-engine contract (algorithm.md §9).
 
 The paper's topology puts the training ranks and the generation engines on different GPUs, often different hosts.
-This module serves one vLLM engine — vLLM's own ``AsyncLLM`` engine client, built by vLLM's server machinery, with
-the :class:`~logra_pl.rollout.vllm_worker.LoGRAWorkerExtension` in every worker — behind a small FastAPI app run by
-uvicorn (both ship with vLLM). :class:`~logra_pl.rollout.remote.RemoteEngine` is the trainer's side.
+``logra-pl serve`` runs one vLLM engine — vLLM's own ``AsyncLLM`` engine client, built by vLLM's server machinery,
+with the :class:`~logra_pl.rollout.vllm_worker.LoGRAWorkerExtension` in every worker — behind a small FastAPI app
+run by uvicorn (both ship with vLLM). :class:`~logra_pl.rollout.remote.RemoteEngine` is the trainer's side. Three
+modules, one concern each:
 
-The API (version 1, every path under ``/v1``; documented in docs/serving.md):
-
-- ``GET  /v1/health``: state of the engine — its weights ``version``, model, dtypes, context, matrix shapes.
-- ``POST /v1/generate``: token ids in; token ids, finish reasons and the exact log-probs of the sampled tokens out
-  (the contract of the in-process engines), one seed per response.
-- ``POST /v1/probe``: greedy generation with log-probs, for verification.
-- ``POST /v1/payload``: a serialized LoGRA factor payload (``W ← W − F P`` on every matrix it names).
-- ``POST /v1/weights``: full tensors as safetensors bytes, in one or several chunks; ``POST /v1/weights/path``:
-  the same, read from safetensors files on a filesystem the server shares with the trainer.
-- ``POST /v1/weights/digest``: digests of the engine's weights (bit-identical weights ⇔ equal digests).
-- ``POST /v1/reset_prefix_cache``.
+- :mod:`logra_pl.rollout.protocol`: the API (version 1, every path under ``/v1``; docs/serving.md): request and
+  answer models and header names, shared with the trainer's client;
+- :mod:`logra_pl.rollout.serve_app`: the FastAPI routes (:func:`build_app`);
+- :mod:`logra_pl.rollout.serve_state`: the engine's state (:class:`EngineState`): the weights version
+  (:mod:`logra_pl.rollout.versions`), the checks every payload and weight chunk passes, the readers/writer lock;
+- this module: the launch — :class:`ServeSettings`, the ``logra-pl serve`` flags, one engine per process, and
+  ``--data-parallel-size`` engine processes supervised.
 
 **Weight versions.** The server's weights carry a version string. Every weight change names the version it
 expects to replace and the one it creates; a change that does not start from the server's version is refused
@@ -33,20 +30,17 @@ parsed and checked — names, shapes, finiteness — before it reaches the engin
 leaves the weights untouched.
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`Request`) as objects.
+from __future__ import annotations
+
 import argparse
 import asyncio
 import contextlib
-import hmac
 import ipaddress
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +48,25 @@ from typing import Any
 import torch
 
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
-from logra_pl.rollout.remote import API_KEY_ENV, API_VERSION, CHUNK_HEADER, EXPECT_HEADER, FULL_HEADER, NEW_HEADER
+from logra_pl.rollout.protocol import API_KEY_ENV
+from logra_pl.rollout.serve_app import build_app
+from logra_pl.rollout.serve_state import EngineState, RequestError, WeightsLock, checkpoint_shapes
+
+__all__ = [  # the app and the state lived here before the split: re-exported
+    "READY_LINE",
+    "EngineState",
+    "RequestError",
+    "ServeSettings",
+    "WeightsLock",
+    "build_app",
+    "checkpoint_shapes",
+    "is_loopback",
+    "main",
+    "parse_args",
+    "run_engines",
+    "serve_engine",
+    "served_model_folder",
+]
 
 READY_LINE = "logra-pl serve: ready at"
 
@@ -117,8 +129,8 @@ class ServeSettings:
         if not is_loopback(self.host) and not self.api_key:
             raise ConfigError(
                 f"--host {self.host} exposes the engine beyond this machine, and anyone who reaches it could change "
-                f"the policy's weights: set --api-key (or {API_KEY_ENV}) and give the trainer the same key "
-                "(model.remote.api_key), or bind to 127.0.0.1"
+                f"the policy's weights: set --api-key (or {API_KEY_ENV}) and give the trainer the same key (in the "
+                "variable its model.engine.init_args.api_key_env names), or bind to 127.0.0.1"
             )
 
     def device_groups(self) -> list[str | None]:
@@ -148,19 +160,6 @@ def is_loopback(host: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- the model
-def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[list[int], str]]:
-    """``{tensor name: (shape, dtype)}`` of a safetensors folder, read from the file headers (no tensor data)."""
-    from safetensors import safe_open
-
-    out: dict[str, tuple[list[int], str]] = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                sl = f.get_slice(key)
-                out[key] = (list(sl.get_shape()), str(sl.get_dtype()))
-    return out
-
-
 def served_model_folder(source: str, dtype: str) -> Path:
     """A safetensors folder of ``source`` that vLLM can read (written once to the cache when needed)."""
     from logra_pl.models.load import load_policy, resolve_source
@@ -168,439 +167,6 @@ def served_model_folder(source: str, dtype: str) -> Path:
 
     resolved = resolve_source(source)
     return engine_model_folder(source, resolved, dtype, lambda: load_policy(source, dtype=getattr(torch, dtype)))
-
-
-class WeightsLock:
-    """Many generations at a time, or one weight change: a change waits until running generations finish."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._readers = 0
-        self._writing = False
-
-    @contextlib.asynccontextmanager
-    async def read(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def write(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
-            self._writing = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._writing = False
-                self._cond.notify_all()
-
-
-class RequestError(Exception):
-    """A request the server refuses: an HTTP status and a message that names the problem."""
-
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.extra = extra
-
-
-# ---------------------------------------------------------------------------------------------- the state
-class EngineState:
-    """One served engine: the vLLM engine client, the weights version and the checks every request passes.
-
-    Arguments:
-        client: vLLM's ``AsyncLLM`` (an ``EngineClient``) with the LoGRA worker extension.
-        settings: the serve settings.
-        model_dir: the safetensors folder the engine was built from.
-        info: what ``logra_setup`` returned from the workers (sync mode, platform...).
-    """
-
-    def __init__(self, client: Any, settings: ServeSettings, model_dir: Path, info: list[dict[str, Any]]) -> None:
-        self.client = client
-        self.settings = settings
-        self.model_dir = model_dir
-        self.info = info
-        self.engine_id = uuid.uuid4().hex[:12]
-        self.version = f"base:{self.engine_id}"
-        self.loading: dict[str, Any] | None = None  # chunked full load in progress: {"version", "next", "total"}
-        self.shapes = checkpoint_shapes(model_dir)
-        config = json.loads((model_dir / "config.json").read_text())
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.vocab_size = int(config.get("vocab_size", 0))
-        self.max_model_len = int(client.model_config.max_model_len)
-        self.lock = WeightsLock()
-        self.counts = {"payloads": 0, "full_loads": 0, "refused": 0, "generate_requests": 0}
-        self.started = time.time()
-
-    # -------------------------------------------------------------------------------------------- views
-    def health(self) -> dict[str, Any]:
-        """The engine's state, as ``GET /v1/health`` reports it."""
-        matrices = {
-            k[: -len(".weight")]: shape
-            for k, (shape, _) in self.shapes.items()
-            if k.endswith(".weight") and len(shape) == 2
-        }
-        return {
-            "status": "ok",
-            "api": API_VERSION,
-            "engine_id": self.engine_id,
-            "version": self.version,
-            "loading": self.loading is not None,
-            "model": str(self.settings.model),
-            "dtype": self.settings.dtype,
-            "master_dtype": self.settings.master_dtype,
-            "sync_mode": self.info[0].get("mode"),
-            "platform": self.info[0].get("platform"),
-            "tensor_parallel_size": self.settings.tensor_parallel_size,
-            "max_model_len": self.max_model_len,
-            "vocab_size": self.vocab_size,
-            "matrices": matrices,
-            "tensors": sorted(self.shapes),
-            "counts": dict(self.counts),
-            "uptime_s": time.time() - self.started,
-        }
-
-    # ----------------------------------------------------------------------------------------- sampling
-    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Sample one response per row (``prompts`` repeated ``n`` times in a row) with its own seed."""
-        from vllm.inputs import TokensPrompt
-
-        from logra_pl.errors import PolicyDivergedError
-        from logra_pl.rollout.base import SamplingConfig, expand_prompts
-        from logra_pl.rollout.vllm import request_params, rollout_from_outputs, row_seeds
-
-        try:
-            prompts = [[int(t) for t in p] for p in body["prompts"]]
-            sampling = SamplingConfig(
-                n=int(body.get("n", 1)),
-                temperature=float(body.get("temperature", 1.0)),
-                top_p=float(body.get("top_p", 1.0)),
-                max_new_tokens=int(body.get("max_new_tokens", 32)),
-                seed=int(body.get("seed", 0)),
-            )
-            prompt_seeds = body.get("prompt_seeds")
-            rows, index, seeds = expand_prompts(prompts, sampling, self.max_model_len, prompt_seeds)
-            if body.get("seeds") is not None:  # one seed per response, chosen by the trainer
-                seeds = [int(x) % 2**63 for x in body["seeds"]]
-                if len(seeds) != len(rows):
-                    raise ValueError(f"{len(seeds)} seeds for {len(rows)} responses")
-            eos = [int(t) for t in body.get("stop_token_ids", [])]
-        except (KeyError, TypeError, ValueError) as err:
-            raise RequestError(400, f"malformed generate request: {err}") from err
-        if any(t < 0 or (self.vocab_size and t >= self.vocab_size) for p in prompts for t in p):
-            raise RequestError(400, f"prompt token ids must lie in [0, {self.vocab_size})")
-        params = request_params(sampling, seeds if seeds is not None else row_seeds(sampling, len(rows)), eos)
-        expect = body.get("expect_version")
-        async with self.lock.read():
-            if expect is not None and expect != self.version:
-                self.counts["refused"] += 1
-                raise RequestError(
-                    409,
-                    f"the engine holds weights {self.version!r}, the request expects {expect!r}",
-                    version=self.version,
-                )
-            self.counts["generate_requests"] += 1
-            start = time.perf_counter()
-            batch = uuid.uuid4().hex[:8]
-            outputs = await asyncio.gather(
-                *(
-                    _final(self.client.generate(TokensPrompt(prompt_token_ids=row), p, request_id=f"{batch}-{i}"))
-                    for i, (row, p) in enumerate(zip(rows, params, strict=True))
-                )
-            )
-            version = self.version
-        try:  # the in-process engine's own reading of vLLM's outputs: ids, processed log-probs, finish reasons
-            rollout = rollout_from_outputs(outputs, rows, index, start)
-        except PolicyDivergedError as err:
-            raise RequestError(422, f"non-finite log-probs for sampled tokens: {err}") from err
-        responses = [
-            {"token_ids": ids, "logprobs": lps, "finish_reason": reason}
-            for ids, lps, reason in zip(rollout.response_ids, rollout.logprobs, rollout.finish_reasons, strict=True)
-        ]
-        return {"responses": responses, "version": version, "seconds": time.perf_counter() - start}
-
-    # ------------------------------------------------------------------------------------------ weights
-    def _check_versions(self, expect: str | None, new: str | None) -> bool:
-        """True when the change must be applied; False when it already was (a repeated request). 409 otherwise."""
-        if not new:
-            raise RequestError(400, f"a weight change needs the {NEW_HEADER} header (the version it creates)")
-        if self.version == new:
-            return False
-        if expect != self.version:
-            self.counts["refused"] += 1
-            raise RequestError(
-                409,
-                f"the engine holds weights {self.version!r}; this change applies to {expect!r}: an update was lost "
-                "or the engine restarted — resend the full weights",
-                version=self.version,
-            )
-        return True
-
-    def check_payload(self, data: bytes) -> Any:
-        """Parse a payload and check it against the served model before any weight is touched."""
-        from logra_pl.sketch.payload import Payload
-
-        try:
-            payload = Payload.from_bytes(data)
-        except (ValueError, TypeError) as err:
-            raise RequestError(400, f"malformed payload: {err}") from err
-        if payload.distribution not in ("rademacher", "gaussian"):
-            raise RequestError(400, f"malformed payload: unknown projection distribution {payload.distribution!r}")
-        if not payload.factors:
-            raise RequestError(400, "malformed payload: no factors")
-        for name, factor in payload.factors.items():
-            entry = self.shapes.get(f"{name}.weight")
-            if entry is None:
-                raise RequestError(400, f"malformed payload: the served model has no matrix {name!r}")
-            d_out, d_in = entry[0]
-            if factor.ndim != 2 or factor.shape[0] != d_out or factor.shape[1] != payload.rank or payload.rank > d_in:
-                raise RequestError(
-                    400,
-                    f"malformed payload: factor of {name!r} has shape {tuple(factor.shape)}, the served matrix is "
-                    f"{d_out}x{d_in} at rank {payload.rank}",
-                )
-            if not bool(torch.isfinite(factor).all()):
-                raise RequestError(400, f"payload factor of {name!r} is not finite: refused, weights unchanged")
-        if payload.dense:  # new values of densely trained parameters: names, shapes, finite
-            self._check_named(dict(payload.dense))
-        return payload
-
-    def check_tensors(self, data: bytes) -> dict[str, torch.Tensor]:
-        """Parse safetensors bytes of full tensors and check names, shapes and finiteness."""
-        from safetensors.torch import load as st_load
-
-        from logra_pl.rollout.vllm_worker import _checkpoint_key
-
-        try:
-            tensors = {_checkpoint_key(k): v for k, v in st_load(data).items()}
-        except Exception as err:
-            raise RequestError(400, f"malformed weights: not safetensors bytes ({err})") from err
-        return self._check_named(tensors)
-
-    def _check_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not tensors:
-            raise RequestError(400, "malformed weights: no tensors")
-        for key, value in tensors.items():
-            entry = self.shapes.get(key)
-            if entry is None and self.tied and key == "lm_head.weight":
-                continue
-            if entry is None:
-                raise RequestError(400, f"malformed weights: the served model has no tensor {key!r}")
-            if list(value.shape) != entry[0]:
-                raise RequestError(
-                    400, f"malformed weights: {key!r} has shape {list(value.shape)}, the served one {entry[0]}"
-                )
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise RequestError(400, f"weights {key!r} are not finite: refused, weights unchanged")
-        return tensors
-
-    async def apply_payload(self, data: bytes, expect: str | None, new: str | None) -> dict[str, Any]:
-        """Merge a checked payload into every worker, reset the prefix cache, move to version ``new``."""
-        payload = self.check_payload(data)
-        async with self.lock.write():
-            if not self._check_versions(expect, new):
-                return {"version": self.version, "applied": False}
-            start = time.perf_counter()
-            self.version = f"partial:{new}"  # an error inside the engine leaves a version no trainer expects
-            await self.client.collective_rpc("logra_apply_payload", args=(data,))
-            await self.client.reset_prefix_cache()
-            self.version = str(new)
-            self.counts["payloads"] += 1
-        return {
-            "version": self.version,
-            "applied": True,
-            "matrices": len(payload.factors),
-            "update_index": payload.update_index,
-            "seconds": time.perf_counter() - start,
-        }
-
-    async def load_weights(
-        self,
-        tensors: dict[str, torch.Tensor],
-        data: bytes,
-        expect: str | None,
-        new: str | None,
-        chunk: str | None,
-        full: bool = False,
-    ) -> dict[str, Any]:
-        """Load one chunk of weights; the last chunk of a complete, in-order transfer sets version ``new``.
-
-        A ``full`` load (every tensor of the policy) replaces the weights whatever they were, so it is accepted
-        from any version — it is how a restarted or out-of-sync engine is repaired. A partial load (the tensors a
-        dense update changed) builds on the previous weights and must name them, like a payload.
-        """
-        from logra_pl.rollout.vllm_worker import tensors_to_bytes
-
-        try:
-            index, total = (int(x) for x in (chunk or "0/1").split("/"))
-            if not 0 <= index < total:
-                raise ValueError(chunk)
-        except ValueError as err:
-            raise RequestError(400, f"malformed {CHUNK_HEADER} header {chunk!r}: use '<index>/<total>'") from err
-        async with self.lock.write():
-            if index == 0:
-                if not new:
-                    raise RequestError(400, f"a weight change needs the {NEW_HEADER} header (the version it creates)")
-                if self.version == new:
-                    return {"version": self.version, "applied": False}
-                if not full:
-                    self._check_versions(expect, new)
-                self.loading = {"version": new, "next": 0, "total": total}
-            elif self.loading is None or self.loading["version"] != new or self.loading["next"] != index:
-                self.counts["refused"] += 1
-                raise RequestError(
-                    409,
-                    f"chunk {index}/{total} of weights {new!r} does not continue the transfer in progress "
-                    f"({self.loading}): restart the transfer from chunk 0",
-                    version=self.version,
-                )
-            start = time.perf_counter()
-            self.version = f"partial:{new}"
-            payload = data if data else tensors_to_bytes(tensors)
-            await self.client.collective_rpc("logra_load_weights", args=(payload, False))
-            self.loading["next"] = index + 1
-            if index + 1 == total:
-                await self.client.collective_rpc("logra_reload")
-                await self.client.reset_prefix_cache()
-                self.version = str(new)
-                self.loading = None
-                self.counts["full_loads"] += 1
-        return {"version": self.version, "applied": True, "chunk": index, "seconds": time.perf_counter() - start}
-
-    async def digest(self, names: Sequence[str]) -> dict[str, Any]:
-        """Digests of the engine's current values of ``<module>.weight`` tensors."""
-        unknown = [n for n in names if n not in self.shapes]
-        if unknown:
-            raise RequestError(400, f"unknown tensors {unknown[:5]}")
-        async with self.lock.read():
-            result = await self.client.collective_rpc("logra_digest", args=(list(names),))
-            return {"digests": result[0], "version": self.version}
-
-
-async def _final(stream: AsyncIterator[Any]) -> Any:
-    """The last output of a vLLM request stream (the finished request)."""
-    last = None
-    async for out in stream:
-        last = out
-    return last
-
-
-# ------------------------------------------------------------------------------------------------- the app
-def build_app(state: EngineState) -> Any:
-    """The FastAPI app of one engine (see the module docstring for the endpoints)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-
-    settings = state.settings
-    limit = int(settings.max_request_mib * 2**20)
-    app = FastAPI(title="logra-pl engine", version=str(API_VERSION))
-
-    async def body_of(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and int(declared) > limit:
-            raise RequestError(
-                413, f"request of {int(declared)} bytes exceeds --max-request-mib {settings.max_request_mib:g}"
-            )
-        chunks = []
-        size = 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise RequestError(413, f"request exceeds --max-request-mib {settings.max_request_mib:g}")
-            chunks.append(part)
-        return b"".join(chunks)
-
-    async def json_of(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await body_of(request))
-        except json.JSONDecodeError as err:
-            raise RequestError(400, f"request body is not JSON: {err}") from err
-        if not isinstance(body, dict):
-            raise RequestError(400, "request body must be a JSON object")
-        return body
-
-    def authorize(request: Request) -> None:
-        if not settings.api_key:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-            raise RequestError(401, "weight-changing requests need 'Authorization: Bearer <api key>'")
-
-    @app.exception_handler(RequestError)
-    async def refused(request: Request, err: RequestError) -> JSONResponse:
-        return JSONResponse({"error": str(err), **err.extra}, status_code=err.status)
-
-    @app.get("/v1/health")
-    async def health() -> dict[str, Any]:
-        return state.health()
-
-    @app.post("/v1/generate")
-    async def generate(request: Request) -> dict[str, Any]:
-        return await state.generate(await json_of(request))
-
-    @app.post("/v1/probe")
-    async def probe(request: Request) -> dict[str, Any]:
-        body = await json_of(request)
-        body.update(n=1, temperature=0.0, top_p=1.0, prompt_seeds=None, seeds=None)
-        return await state.generate(body)
-
-    @app.post("/v1/payload")
-    async def payload(request: Request) -> dict[str, Any]:
-        authorize(request)
-        data = await body_of(request)
-        return await state.apply_payload(data, request.headers.get(EXPECT_HEADER), request.headers.get(NEW_HEADER))
-
-    @app.post("/v1/weights")
-    async def weights(request: Request) -> dict[str, Any]:
-        authorize(request)
-        data = await body_of(request)
-        tensors = state.check_tensors(data)
-        h = request.headers
-        full = h.get(FULL_HEADER, "0") == "1"
-        return await state.load_weights(
-            tensors, data, h.get(EXPECT_HEADER), h.get(NEW_HEADER), h.get(CHUNK_HEADER), full
-        )
-
-    @app.post("/v1/weights/path")
-    async def weights_path(request: Request) -> dict[str, Any]:
-        authorize(request)
-        body = await json_of(request)
-        from safetensors.torch import load_file
-
-        from logra_pl.rollout.vllm_worker import _checkpoint_key
-
-        path = Path(str(body.get("path", "")))
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise RequestError(400, f"no safetensors files at {str(path)!r} on the engine's host")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update({_checkpoint_key(k): v for k, v in load_file(str(f)).items()})
-        state._check_named(tensors)
-        expect, new, full = body.get("expect_version"), body.get("new_version"), bool(body.get("full", False))
-        return await state.load_weights(tensors, b"", expect, new, "0/1", full)
-
-    @app.post("/v1/weights/digest")
-    async def digest(request: Request) -> dict[str, Any]:
-        body = await json_of(request)
-        return await state.digest([str(n) for n in body.get("names", [])])
-
-    @app.post("/v1/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> dict[str, Any]:
-        authorize(request)
-        async with state.lock.write():
-            await state.client.reset_prefix_cache()
-        return {"version": state.version}
-
-    return app
 
 
 # ----------------------------------------------------------------------------------------------- running

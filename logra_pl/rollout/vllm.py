@@ -21,14 +21,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
-from logra_pl.errors import PolicyDivergedError, check_choice, check_int, check_range
-from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, expand_prompts
+from logra_pl.errors import ConfigError, PolicyDivergedError, check_choice, check_int, check_range
+from logra_pl.rollout.base import FinishReason, Rollout, RolloutEngine, SamplingConfig, SyncReport, expand_prompts
+from logra_pl.rollout.registry import EngineRequest, EngineSpec, engine_model_folder
 from logra_pl.rollout.vllm_worker import tensors_to_bytes
 from logra_pl.sketch.payload import Payload
 
@@ -40,8 +41,8 @@ _INSTALL_HINT = (
 
 
 @dataclass
-class VLLMSettings:
-    """How the vLLM rollout engine is built.
+class VLLMSettings(EngineSpec):
+    """One vLLM engine in the trainer process (``model.engine: {class_path: logra_pl.rollout.vllm.VLLMSettings}``).
 
     Arguments:
         dtype: engine weights and activations; ``"auto"`` uses the trainer's dtype (bit-exact sync needs it).
@@ -73,6 +74,8 @@ class VLLMSettings:
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    max_training_processes: ClassVar[int] = 1  # the engine lives in the training process (checked by the CLI)
+
     def __post_init__(self) -> None:
         check_int("vllm.tensor_parallel_size", self.tensor_parallel_size, 1)
         check_range("vllm.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
@@ -82,6 +85,24 @@ class VLLMSettings:
         check_choice("vllm.sync_mode", self.sync_mode, ("auto", "inplace", "shadow"))
         check_int("vllm.max_num_seqs", self.max_num_seqs, 1)
         check_int("vllm.seed", self.seed, 0)
+
+    def build(self, request: EngineRequest) -> RolloutEngine:
+        """A :class:`VLLMEngine` on a safetensors folder of the policy (written once to the cache when needed)."""
+        from logra_pl.models.load import resolve_source
+
+        if request.rollout.share_weights:
+            raise ConfigError("rollout.share_weights applies to the HF engine; vLLM holds its own weights")
+        if request.world_size > 1:
+            raise ConfigError(
+                "model.engine=vllm runs one vLLM engine in the trainer process, so it needs one training process "
+                f"(got {request.world_size}); use model.engine=remote (engines started with `logra-pl serve`) or "
+                "hf with several ranks, or train on one rank"
+            )
+        resolved = resolve_source(request.source)
+        folder = engine_model_folder(
+            request.source, resolved, request.dtype, lambda: (request.model, request.tokenizer)
+        )
+        return VLLMEngine(folder, request.eos, self, trainer_dtype=request.dtype)
 
 
 def import_vllm() -> Any:
@@ -102,6 +123,8 @@ class VLLMEngine:
         settings: engine settings.
         trainer_dtype: the trainer's parameter dtype (``"float32"``...): the worker's master copy uses it.
     """
+
+    receivers = 1
 
     def __init__(
         self,
@@ -142,21 +165,27 @@ class VLLMEngine:
         return False
 
     # ------------------------------------------------------------------------------------------- weights
-    def apply_payload(self, payload: Payload) -> None:
+    def apply_payload(self, payload: Payload) -> SyncReport:
         """Send ``payload`` (seeds + bf16 factors) to every worker, which merges ``W ← W − F P``; reset the cache."""
         data = payload.to_bytes()
         start = time.perf_counter()
         self.llm.collective_rpc("logra_apply_payload", args=(data,))
         self.llm.reset_prefix_cache()
-        self.last_sync = {"bytes": float(len(data)), "seconds": time.perf_counter() - start}
+        return self._sent(len(data), start)
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> SyncReport:
         """Send full tensors (checkpoint names; trainer wrapper prefixes are stripped); reset the cache."""
         data = tensors_to_bytes(dict(tensors))
         start = time.perf_counter()
         self.llm.collective_rpc("logra_load_weights", args=(data,))
         self.llm.reset_prefix_cache()
-        self.last_sync = {"bytes": float(len(data)), "seconds": time.perf_counter() - start}
+        return self._sent(len(data), start)
+
+    def _sent(self, nbytes: int, start: float) -> SyncReport:
+        """The report of a change of ``nbytes`` serialized bytes started at ``start`` (also kept as ``last_sync``)."""
+        report = SyncReport(bytes=nbytes, receivers=1, seconds=time.perf_counter() - start)
+        self.last_sync = {"bytes": float(report.bytes), "seconds": report.seconds}
+        return report
 
     def get_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The engine's values of ``<module>.weight`` tensors (tensor-parallel rank 0's view)."""

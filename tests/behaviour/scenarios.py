@@ -106,7 +106,7 @@ def run(scenario: Scenario, save_dir: Path, url: str | None = None) -> Path:
     args += COMMON + list(scenario.extra)
     args += [f"--trainer.logger.init_args.save_dir={save_dir}"]
     if url is not None:
-        args += [f"--model.remote.urls=[{url}]"]
+        args += [f"--model.engine.init_args.urls=[{url}]"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:

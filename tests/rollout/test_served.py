@@ -85,16 +85,16 @@ def _probe_matches(engine: RemoteEngine, model: torch.nn.Module, pad: int) -> fl
 def test_health_generate_and_full_load(server: Server) -> None:
     engine, model, tok = _engine(server)
     info = engine.infos[server.url]
-    assert info["api"] == 1 and info["sync_mode"] == "shadow" and info["master_dtype"] == "float32"
-    assert info["version"].startswith("base:") and engine.context_limit == info["max_model_len"]
+    assert info.api == 1 and info.sync_mode == "shadow" and info.master_dtype == "float32"
+    assert info.version.startswith("base:") and engine.context_limit == info.max_model_len
     assert engine.wire_dtype == torch.float32  # a shadow engine stores the trainer's dtype: full loads travel in it
     # Other weights than the served ones: every tensor perturbed (embedding and tied lm_head included).
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    engine.load_weights(model.state_dict())
-    assert engine.check_current() and engine.last_sync["bytes"] > 0
+    report = engine.load_weights(model.state_dict())
+    assert engine.check_current() and report.bytes == engine.last_sync["bytes"] > 0 and report.receivers == 1
     names = sorted(k for k in model.state_dict() if k.endswith("proj.weight"))
     assert engine.weights_digest(names) == _digests(model.state_dict(), names)
     assert _probe_matches(engine, model, tok.pad_token_id) <= TOL
@@ -131,14 +131,14 @@ def test_payload_exact_lost_and_duplicated_updates(server: Server) -> None:
     )
     assert answer["applied"] is False and engine.weights_digest(names) == before
     # A lost update: the trainer moves on without the engine receiving update 2; update 3 is refused.
-    engine._next_version()
+    engine.versions.next()
     payload(2)
     p3 = payload(3)
     engine.apply_payload(p3)
-    assert not engine.check_current() and server.url in engine.stale
+    assert not engine.check_current() and engine.stale_engines() == [server.url]
     assert engine.weights_digest(names) == before  # refused: nothing was merged
     health = engine.health(server.url)
-    assert health["counts"]["refused"] >= 1 and health["version"] == after_p1
+    assert health.counts["refused"] >= 1 and health.version == after_p1
     # The repair: full weights, after which the engine equals the trainer bit for bit.
     engine.load_weights(model.state_dict())
     assert engine.check_current()
@@ -179,7 +179,7 @@ def test_malformed_requests_get_4xx_and_leave_weights(server: Server) -> None:
         assert r.status_code == 400
         r = http.post(f"{server.url}/v1/generate", json={"prompts": [[1, 2]], "expect_version": "other/1"})
         assert r.status_code == 409  # never sampled from other weights than expected
-    assert engine.weights_digest(names) == before and engine.health(server.url)["version"] == version
+    assert engine.weights_digest(names) == before and engine.health(server.url).version == version
     with pytest.raises(ConfigError, match="SERVED_TEST_NO_KEY"):
         RemoteEngine(RemoteSettings(urls=[server.url], api_key_env="SERVED_TEST_NO_KEY"), 0).load_weights(
             model.state_dict()
@@ -203,7 +203,7 @@ def test_two_engines_share_prompts_and_receive_every_update(tmp_path_factory: py
         model, tok = load_policy("tiny")
         shared = RemoteSettings(urls=urls, weights_path=str(tmp / "shared"), retry_for_s=30)
         engine = RemoteEngine(shared, tok.eos_token_id)
-        assert len({engine.infos[u]["engine_id"] for u in urls}) == 2
+        assert len({engine.infos[u].engine_id for u in urls}) == 2
         torch.manual_seed(2)
         with torch.no_grad():
             for p in model.parameters():
@@ -223,7 +223,7 @@ def test_two_engines_share_prompts_and_receive_every_update(tmp_path_factory: py
         ]
         sampling = SamplingConfig(n=2, max_new_tokens=6)
         both = engine.generate(prompts, sampling, prompt_seeds=list(range(6)))
-        assert all(engine.health(u)["counts"]["generate_requests"] == 1 for u in urls)  # 3 prompts each
+        assert all(engine.health(u).counts["generate_requests"] == 1 for u in urls)  # 3 prompts each
         single = RemoteEngine(RemoteSettings(urls=urls[1:], retry_for_s=30), tok.eos_token_id)
         single.expected = engine.expected
         alone = single.generate(prompts, sampling, prompt_seeds=list(range(6)))
@@ -247,8 +247,7 @@ def test_lora_run_sends_merged_weights_to_a_served_engine(server: Server, rl_run
         optimizer="lora",
         lora=LoRAConfig(rank=8, alpha=16.0),
         adamw=AdamWConfig(lr=1e-3, warmup_steps=0),
-        engine="remote",
-        remote=RemoteSettings(urls=[server.url], api_key_env=KEY_ENV),
+        engine=RemoteSettings(urls=[server.url], api_key_env=KEY_ENV),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,
     )
@@ -282,7 +281,7 @@ def _fit(tmp: Path, name: str, url: str, *extra: str, timeout: float = 900) -> s
         "logra_pl.cli",
         "fit",
         f"--config={CONFIG}",
-        f"--model.remote.urls=[{url}]",
+        f"--model.engine.init_args.urls=[{url}]",
         "--trainer.max_steps=5",
         "--trainer.limit_val_batches=0",
         "--trainer.enable_progress_bar=false",
@@ -381,7 +380,7 @@ def test_server_killed_and_restarted_mid_run(server: Server, tmp_path: Path) -> 
     starts = server.starts
     done = threading.Event()
     watcher = _kill_after(server, payloads=3, restart=True, done=done)
-    proc = _fit(tmp_path, "restart", server.url, "--trainer.max_steps=8", "--model.remote.retry_for_s=240")
+    proc = _fit(tmp_path, "restart", server.url, "--trainer.max_steps=8", "--model.engine.init_args.retry_for_s=240")
     done.set()
     watcher.join(timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -395,7 +394,7 @@ def test_server_killed_and_restarted_mid_run(server: Server, tmp_path: Path) -> 
 def test_engine_stays_down_then_resume(server: Server, tmp_path: Path) -> None:
     done = threading.Event()
     watcher = _kill_after(server, payloads=4, restart=False, done=done)
-    flags = ("--trainer.max_steps=8", "--model.remote.retry_for_s=3", "--checkpoint.every_n_updates=2")
+    flags = ("--trainer.max_steps=8", "--model.engine.init_args.retry_for_s=3", "--checkpoint.every_n_updates=2")
     proc = _fit(tmp_path, "down", server.url, *flags)
     done.set()
     watcher.join(timeout=120)

@@ -40,7 +40,7 @@ def run_fit(out: Path) -> None:
     from logra_pl.callbacks import PolicySync
     from logra_pl.data import ReasoningGymDataModule
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-    from logra_pl.rollout.base import SamplingConfig
+    from logra_pl.rollout.base import SamplingConfig, SyncReport
     from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
     from logra_pl.sketch import LoGRAConfig
 
@@ -53,8 +53,7 @@ def run_fit(out: Path) -> None:
         logra=LoGRAConfig(rank=16, update_ratio=2e-2),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,
-        engine="vllm",
-        vllm=VLLMSettings(kv_cache_gib=1.0),
+        engine=VLLMSettings(kv_cache_gib=1.0),
     )
     report: dict = {"steps": [], "dropped": []}
 
@@ -67,11 +66,11 @@ def run_fit(out: Path) -> None:
             report["worker_info"] = engine.worker_info
             apply = engine.apply_payload
 
-            def dropping_apply(payload) -> None:  # fault injection: update 6 never reaches the engine
+            def dropping_apply(payload) -> SyncReport:  # fault injection: update 6 never reaches the engine
                 if payload.update_index == 5:
                     report["dropped"].append(payload.update_index)
-                    return
-                apply(payload)
+                    return SyncReport(bytes=0)
+                return apply(payload)
 
             engine.apply_payload = dropping_apply
 
