@@ -37,7 +37,7 @@ from logra_pl.errors import ConfigError, PolicyDivergedError, ResumeMismatchErro
 from logra_pl.guard import DivergenceGuard
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.lora import LoRAConfig, MergedState, attach_lora, lora_layers, merged_tensors
-from logra_pl.losses import Baseline, length_weights
+from logra_pl.losses import AdvantageBaseline, LegacyBaselineSettings, Loss, build_baseline, build_loss
 from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.optim import AdamWConfig, LoGRAOptimizer, adamw_step_preview, adamw_update_norm
@@ -46,7 +46,12 @@ from logra_pl.rollout.base import GatheredState, Rollout, RolloutEngine, Samplin
 from logra_pl.rollout.registry import EngineRequest, resolve_engine
 from logra_pl.rollout.remote import RemoteSettings
 from logra_pl.rollout.vllm import VLLMSettings
-from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
+from logra_pl.settings import (
+    LegacyLossSettings,
+    LossConfig,  # noqa: F401  (deprecated; re-exported for old code and checkpoints)
+    RolloutSettings,
+    ScoringSettings,
+)
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, memory_report, select_targets
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.payload import Payload
@@ -100,8 +105,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             adapters on the same matrices, trained by ``adamw``'s AdamW; the engine receives merged weights).
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
         adamw: AdamW hyper-parameters and schedule (``optimizer="adamw"``).
-        loss: the surrogate.
-        baseline: the advantage baseline: running (algorithm.md §8), or per-prompt ``group`` / ``rloo``.
+        loss: the surrogate, a :class:`~logra_pl.losses.Loss`: ``reinforce_tis`` (default) or ``ppo`` by short name,
+            any loss by ``class_path`` (:func:`~logra_pl.losses.build_loss`; the deprecated ``LossConfig`` too).
+        baseline: the advantage baseline: ``running`` (algorithm.md §8), or per-prompt ``group`` / ``rloo``, or any
+            :class:`~logra_pl.losses.AdvantageBaseline` by ``class_path`` (:func:`~logra_pl.losses.build_baseline`).
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass (at most).
         max_tokens_per_microbatch: token budget of one forward/backward pass (rows × longest row, padding
@@ -135,8 +142,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRAConfig | None = None,
         adamw: AdamWConfig | None = None,
         lora: LoRAConfig | None = None,
-        loss: LossConfig | None = None,
-        baseline: Baseline | None = None,
+        loss: str | Loss | LegacyLossSettings | None = None,
+        baseline: str | AdvantageBaseline | LegacyBaselineSettings | None = None,
         rollout: RolloutSettings | None = None,
         microbatch_size: int = 16,
         max_tokens_per_microbatch: int | None = None,
@@ -166,13 +173,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.logra_config = logra or LoGRAConfig()
         self.adamw_config = adamw or AdamWConfig()
         self.lora_config = lora or LoRAConfig()
-        self.loss_config = loss or LossConfig()
-        self.baseline = baseline or Baseline()
+        self.loss_config = build_loss(loss)
+        self.baseline = build_baseline(baseline)
         self.rollout_settings = rollout or RolloutSettings()
-        if self.baseline.kind != "running" and self.rollout_settings.responses_per_prompt < 2:
+        if self.baseline.needs_groups and self.rollout_settings.responses_per_prompt < 2:
             raise ConfigError(
-                f"baseline.kind={self.baseline.kind!r} compares a prompt's responses with each other: set "
-                "rollout.responses_per_prompt >= 2 (or use baseline.kind: running)"
+                f"baseline {type(self.baseline).__name__} compares a prompt's responses with each other: set "
+                "rollout.responses_per_prompt >= 2 (or use baseline: running)"
             )
         self.microbatch_size = microbatch_size
         if max_tokens_per_microbatch is not None:
@@ -481,17 +488,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         ctx = self.make_step_context(batch)
         self.step_context = ctx
         t_rollout = time.perf_counter() - t0
-        rows = list(range(len(ctx.rollout)))
-        cfg = self.loss_config
-        if cfg.spec.reference == "rollout":
-            plan = [rows]
-        else:  # against the pre-update trainer: several updates from one rollout
-            gen = torch.Generator().manual_seed(self._sampling_seed("ppo"))
-            plan = []
-            for _ in range(cfg.ppo_epochs):
-                perm = torch.randperm(len(rows), generator=gen).tolist()
-                size = math.ceil(len(rows) / cfg.ppo_minibatches)
-                plan += [perm[i : i + size] for i in range(0, len(perm), size)]
+        plan = self.loss_config.plan(len(ctx.rollout), self._sampling_seed("ppo"))  # one update, or PPO's several
         t_train = t_update = 0.0
         losses, norms = [], []
         for part in plan:
@@ -546,30 +543,28 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
         """Microbatched loss/backward over ``rows``, then one optimizer step and the engine sync."""
-        cfg = self.loss_config
+        loss_fn = self.loss_config
         opt = self.optimizers()
         t0 = time.perf_counter()
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
         num_tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
         # REINFORCE+TIS weighs by π/π_rollout (capped); PPO by π/π_old with π_old the pre-update trainer.
-        spec, params = cfg.spec, cfg.hyper_parameters()
-        reference = ctx.logp_rollout if spec.reference == "rollout" else ctx.logp_trainer
+        reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
         total = 0.0
         trim = self.max_tokens_per_microbatch is not None
         for mb in self._microbatches(rows, ctx.packed):
             packed = _select(ctx.packed, mb, trim).to(self.device)
             logp = response_logprobs(self.policy, packed, ctx.temperature)
             adv = ctx.advantages[mb].to(self.device)
-            weights = length_weights(packed.lengths, cfg.length_reference)
+            weights = loss_fn.weights(packed.lengths)
             ref = reference[mb].to(self.device)
-            loss = spec.fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights, **params)
+            loss = loss_fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights)
             self.manual_backward(loss)
             total += float(loss.detach())
-            if spec.stats is not None:
-                for name, (num, den) in spec.stats(logp.detach(), ref, packed.response_mask, **params).items():
-                    acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
-                    acc[0] += num
-                    acc[1] += den
+            for name, (num, den) in loss_fn.stats(logp.detach(), ref, packed.response_mask).items():
+                acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
+                acc[0] += num
+                acc[1] += den
         t1 = time.perf_counter()
         if self.optimizer_name != "logra":  # dense AdamW, or AdamW on LoRA adapters
             rejected = self._guard_adamw(opt.optimizer)
