@@ -497,8 +497,9 @@ BASELINE_ALIASES: dict[str, type[AdvantageBaseline]] = {
 
 # --------------------------------------------------------------------------------- from a config to an object
 class LegacyBaselineSettings(TypedDict, total=False):
-    """The keys of the old ``baseline: {kind: ..., momentum: ...}`` section. A config that still uses them is
-    refused with its translation to the ``class_path`` form (:func:`build_baseline`)."""
+    """The keys of the old ``baseline: {kind: ..., momentum: ...}`` section (deprecated). Old configs and the
+    hyper-parameters of old CLI checkpoints hold it; :func:`build_baseline` reads it with a ``FutureWarning`` that
+    gives the ``class_path`` form, and refuses it without a ``kind``."""
 
     kind: str
     momentum: float
@@ -578,7 +579,8 @@ def build_loss(value: Any = None, setting: str = "model.loss") -> Loss:
     Accepted: None (:class:`ReinforceTIS`), a loss object, a short name (``reinforce_tis``, ``ppo``), a class name
     (``PPOClip``), a dotted path (to a class, built with its defaults, or an instance), a ``{class_path, init_args}``
     mapping, and the deprecated forms — a ``LossConfig`` (what old checkpoints hold), a name or dotted path of the
-    loss registry. The old YAML section ``{kind: ..., tis_cap: ...}`` is refused with its translation.
+    loss registry, and the old section ``{kind: ..., tis_cap: ...}`` (old configs, and what old CLI checkpoints
+    hold: read with a ``FutureWarning`` giving its ``class_path`` form; without a ``kind`` it is refused).
     """
     from logra_pl.settings import LossConfig  # settings imports this module
 
@@ -595,7 +597,9 @@ def build_loss(value: Any = None, setting: str = "model.loss") -> Loss:
         return build_loss(_from_text(value, setting, LOSS_ALIASES, "logra_pl.losses.PPOClip"), setting)
     elif isinstance(value, Mapping):
         if "class_path" not in value:
-            raise ConfigError(_legacy_loss_message(value, setting))
+            from logra_pl.settings import LossConfig
+
+            return build_loss(_legacy_section(LossConfig, value, setting), setting)
         cls = _import_class(str(value["class_path"]), setting, LOSS_ALIASES)
         loss = _construct(cls, value.get("init_args"), setting)
     else:
@@ -604,11 +608,17 @@ def build_loss(value: Any = None, setting: str = "model.loss") -> Loss:
     return loss
 
 
+def _describe(obj: Any) -> str:
+    """``module.Name`` of a class or function, else of the object's class."""
+    named = obj if inspect.isclass(obj) or inspect.isroutine(obj) else type(obj)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
 def check_loss(loss: Any, setting: str = "model.loss") -> None:
     """Raise :class:`ConfigError` unless ``loss`` has the whole :class:`Loss` contract."""
-    name = f"{type(loss).__module__}.{type(loss).__qualname__}"
+    name = _describe(loss)
     if inspect.isclass(loss):
-        raise ConfigError(f"{setting} {loss.__module__}.{loss.__qualname__} is a class, not an instance")
+        raise ConfigError(f"{setting} {name} is a class, not an instance (in YAML: class_path + init_args)")
     missing = [m for m in ("plan", "stats", "weights") if not callable(getattr(loss, m, None))]
     if not callable(loss):
         missing.insert(0, "__call__")
@@ -621,47 +631,40 @@ def check_loss(loss: Any, setting: str = "model.loss") -> None:
         raise ConfigError(f"{setting} {name}: reference must be 'rollout' or 'trainer', got {reference!r}")
 
 
-def _no_class_message(value: Mapping[str, Any], setting: str, translated: dict[str, Any] | str) -> str:
-    """The refusal of settings without a ``class_path``: the old section form, or arguments after a short name.
-    ``translated`` is what the old section form builds (``class_path`` settings), or why it cannot."""
+def _legacy_section(legacy: type, value: Mapping[str, Any], setting: str) -> Any:
+    """The object an old ``{kind: ..., <arguments>}`` section means (deprecated: a ``FutureWarning`` gives the
+    ``class_path`` form to write). A mapping without ``kind`` is refused: it is more likely arguments given after a
+    short name (``--model.loss ppo --model.loss.clip_eps 0.1``), which would otherwise be silently dropped."""
     what = setting.rpartition(".")[2]
     given = _flow(dict(value))
-    if "kind" in value:
-        head = f"{setting} {given} is the old form (kind and arguments in one section)"
-        if isinstance(translated, str):
-            return f"{head} and does not build ({translated}). Write {what}: {{class_path: ..., init_args: {{...}}}}"
-        return f"{head}: a {what} is now chosen by class_path with its own arguments. Write {what}: {_flow(translated)}"
-    flags = " ".join(f"--{setting}.{k} {_flow(v)}" for k, v in value.items())
-    head = (
-        f"{setting} {given} gives arguments but no class_path. A short name takes none: name the class instead "
-        f"(--{setting} CLASS {flags}, or {what}: {{class_path: CLASS, init_args: {{...}}}})"
-    )
-    if isinstance(translated, str):
-        return head
-    return f"{head}. In the old {what}: {{kind: ...}} form these settings meant {what}: {_flow(translated)}"
-
-
-def _legacy_translation(legacy: type, value: Mapping[str, Any]) -> dict[str, Any] | str:
-    """What the deprecated dataclass builds from ``value``, as ``class_path`` settings (or why it cannot)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            return legacy(**dict(value)).to_config()
-    except (TypeError, ValueError) as err:
-        return str(err)
-
-
-def _legacy_loss_message(value: Mapping[str, Any], setting: str) -> str:
-    from logra_pl.settings import LossConfig
-
-    return _no_class_message(value, setting, _legacy_translation(LossConfig, value))
+            built = legacy(**dict(value)).build()
+    except TypeError as err:
+        raise ConfigError(f"{setting} {given}: {err}; write {what}: {{class_path: ..., init_args: {{...}}}}") from None
+    translated = _flow(built.to_config())
+    if "kind" not in value:
+        flags = " ".join(f"--{setting}.{k} {_flow(v)}" for k, v in value.items())
+        raise ConfigError(
+            f"{setting} {given} gives arguments but no class_path. A short name takes none: name the class instead "
+            f"(--{setting} CLASS {flags}, or {what}: {{class_path: CLASS, init_args: {{...}}}}). A section of the "
+            f"old form names its kind; without one, these settings would mean {what}: {translated}"
+        )
+    warnings.warn(
+        f"{setting} {{kind: {value['kind']}, ...}} is the deprecated form (an old config or checkpoint); it is read as "
+        f"{what}: {translated}, the form to write from now on",
+        FutureWarning,
+        stacklevel=4,
+    )
+    return built
 
 
 def build_baseline(value: Any = None, setting: str = "model.baseline") -> AdvantageBaseline:
     """The baseline a config or a caller gives, checked: None (:class:`RunningBaseline`), an object, a short name
     (``running``, ``group``, ``rloo``), a class name or dotted path, a ``{class_path, init_args}`` mapping, or the
-    deprecated ``Baseline(kind=...)`` (what old checkpoints hold). The old YAML section ``{kind: ..., momentum: ...}``
-    is refused with its translation."""
+    deprecated ``Baseline(kind=...)`` (what old checkpoints hold), or the old section ``{kind: ..., momentum: ...}``
+    (read with a ``FutureWarning`` giving its ``class_path`` form; without a ``kind`` it is refused)."""
     if value is None:
         baseline = RunningBaseline()
     elif isinstance(value, Baseline):
@@ -670,7 +673,7 @@ def build_baseline(value: Any = None, setting: str = "model.baseline") -> Advant
         return build_baseline(_from_text(value, setting, BASELINE_ALIASES, "logra_pl.losses.RLOOBaseline"), setting)
     elif isinstance(value, Mapping):
         if "class_path" not in value:
-            raise ConfigError(_legacy_baseline_message(value, setting))
+            return build_baseline(_legacy_section(Baseline, value, setting), setting)
         cls = _import_class(str(value["class_path"]), setting, BASELINE_ALIASES)
         baseline = _construct(cls, value.get("init_args"), setting)
     else:
@@ -681,9 +684,9 @@ def build_baseline(value: Any = None, setting: str = "model.baseline") -> Advant
 
 def check_baseline(baseline: Any, setting: str = "model.baseline") -> None:
     """Raise :class:`ConfigError` unless ``baseline`` has the whole :class:`AdvantageBaseline` contract."""
-    name = f"{type(baseline).__module__}.{type(baseline).__qualname__}"
+    name = _describe(baseline)
     if inspect.isclass(baseline):
-        raise ConfigError(f"{setting} {baseline.__module__}.{baseline.__qualname__} is a class, not an instance")
+        raise ConfigError(f"{setting} {name} is a class, not an instance (in YAML: class_path + init_args)")
     missing = [m for m in ("advantages", "state_dict", "load_state_dict") if not callable(getattr(baseline, m, None))]
     missing += [a for a in ("value", "needs_groups") if not hasattr(baseline, a)]
     if missing:
@@ -691,10 +694,6 @@ def check_baseline(baseline: Any, setting: str = "model.baseline") -> None:
             f"{setting} {name} is not a baseline: it lacks {', '.join(missing)} "
             "(subclass logra_pl.losses.AdvantageBaseline)"
         )
-
-
-def _legacy_baseline_message(value: Mapping[str, Any], setting: str) -> str:
-    return _no_class_message(value, setting, _legacy_translation(Baseline, value))
 
 
 def canonical_settings(value: Any, kind: Literal["loss", "baseline"]) -> Any:

@@ -77,8 +77,9 @@ class RolloutSettings:
 
 
 class LegacyLossSettings(TypedDict, total=False):
-    """The keys of the old ``loss: {kind: ..., tis_cap: ...}`` section. A config that still uses them is refused with
-    its translation to the ``class_path`` form (:func:`logra_pl.losses.build_loss`)."""
+    """The keys of the old ``loss: {kind: ..., tis_cap: ...}`` section (deprecated). Old configs and the
+    hyper-parameters of old CLI checkpoints hold it; :func:`logra_pl.losses.build_loss` reads it with a
+    ``FutureWarning`` that gives the ``class_path`` form, and refuses it without a ``kind``."""
 
     kind: str
     tis_cap: float

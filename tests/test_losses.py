@@ -292,8 +292,9 @@ def test_build_loss_accepts_every_form() -> None:
         ("nope", r"unknown model\.loss 'nope': use one of 'reinforce_tis', 'ppo'"),
         ({"class_path": "PPOClip", "init_args": {"nope": 1}}, r"PPOClip does not take 'nope'; its arguments are clip"),
         ("{class_path: PPOClip, init_args: {nope: 1}}", r"PPOClip does not take 'nope'"),
-        ({"kind": "ppo", "clip_eps": 0.3}, r"is the old form .* Write loss: \{class_path: logra_pl\.losses\.PPOClip, "),
-        ({"clip_eps": 0.3}, r"gives arguments but no class_path\. A short name takes none"),
+        ({"clip_eps": 0.3}, r"gives arguments but no class_path\. A short name takes none: .*--model\.loss CLASS "),
+        ({"kind": "ppo", "nope": 1}, r"unexpected keyword argument 'nope'"),
+        ({"kind": "ppo", "clip_eps": 0}, r"loss\.clip_eps must lie in \(0, 1\), got 0"),
         ("logra_pl.losses.NoSuch", r"model\.loss 'logra_pl\.losses\.NoSuch': cannot import it"),
         ("logra_pl.losses.length_weights", r"length_weights is not a loss: it lacks plan, stats, weights"),
         (PPOClip, r"is a class, not an instance"),
@@ -330,12 +331,24 @@ def test_build_baseline_accepts_every_form() -> None:
     converted = build_baseline(legacy)
     assert type(converted) is GroupBaseline and converted.momentum == 0.5 and converted.value == 0.25
     assert legacy.to_config() == converted.to_config()  # `value` is state, not a setting
-    with pytest.raises(ConfigError, match=r"is the old form .* Write baseline: \{class_path: logra_pl\.losses\.RLOO"):
-        build_baseline({"kind": "rloo", "momentum": 0.9})
+    with pytest.raises(ConfigError, match=r"gives arguments but no class_path"):
+        build_baseline({"momentum": 0.5})  # no kind: arguments after a short name, most likely
     with pytest.raises(ConfigError, match=r"unknown model\.baseline 'median'"):
         build_baseline("median")
     with pytest.raises(ConfigError, match=r"is not a baseline: it lacks advantages"):
         build_baseline("logra_pl.losses.length_weights")
+
+
+def test_the_old_sections_are_read_with_their_class_path_form() -> None:
+    """``{kind: ..., <arguments>}``: old configs, and the hyper-parameters of old CLI checkpoints (which
+    ``load_from_checkpoint`` re-parses with the current type hints)."""
+    message = r"model\.loss \{kind: ppo, \.\.\.\} is the deprecated form .* read as loss: \{class_path: .*PPOClip, "
+    with pytest.warns(FutureWarning, match=message):
+        ppo = build_loss({"kind": "ppo", "clip_eps": 0.3, "ppo_epochs": 3, "tis_cap": 2.0, "params": {}})
+    assert ppo.to_config() == PPOClip(clip_eps=0.3, epochs=3).to_config()
+    with pytest.warns(FutureWarning, match=r"read as baseline: \{class_path: logra_pl\.losses\.RLOOBaseline, "):
+        rloo = build_baseline({"kind": "rloo", "momentum": 0.5, "value": 0.25})
+    assert type(rloo) is RLOOBaseline and rloo.momentum == 0.5 and rloo.value == 0.25
 
 
 def test_loss_config_is_a_deprecated_adapter_to_the_objects() -> None:
@@ -456,8 +469,11 @@ def test_checkpoints_of_the_old_layout_load_and_resume(tmp_path, rl_run) -> None
     """A checkpoint written before losses were objects: its hyper-parameters pickle ``LossConfig`` and
     ``Baseline`` and its settings hold the old ``{kind: ...}`` sections. It loads, restores ``b``, resumes under the
     equivalent new settings, and is refused (naming the class) under another loss."""
+    from logra_pl import resume
     from logra_pl.errors import ResumeMismatchError
     from logra_pl.module import LoGRAPolicyModule
+
+    instantiator = "lightning.pytorch.cli.instantiate_module"  # how the CLI has Lightning rebuild its modules
 
     first = _tiny()
     rl_run(first, tmp_path, 2)
@@ -481,6 +497,14 @@ def test_checkpoints_of_the_old_layout_load_and_resume(tmp_path, rl_run) -> None
     loaded = LoGRAPolicyModule.load_from_checkpoint(old, weights_only=False)
     assert isinstance(loaded.loss_config, ReinforceTIS) and type(loaded.baseline) is RunningBaseline
     assert loaded.baseline.value == b
+    # The CLI's checkpoints hold the config's sections as plain data, which load_from_checkpoint parses again with
+    # the current type hints: the old sections are read (with a FutureWarning naming their class_path form).
+    cli_style = dict(raw, hyper_parameters=resume.plain(raw["hyper_parameters"]) | {"_instantiator": instantiator})
+    cli_style["hyper_parameters"] |= {"loss": settings["loss"], "baseline": settings["baseline"]}
+    torch.save(cli_style, tmp_path / "old_cli.ckpt")
+    with pytest.warns(FutureWarning, match=r"model\.baseline \{kind: running, \.\.\.\} is the deprecated form"):
+        loaded = LoGRAPolicyModule.load_from_checkpoint(tmp_path / "old_cli.ckpt", weights_only=False)
+    assert isinstance(loaded.loss_config, ReinforceTIS) and loaded.baseline.value == b
 
     resumed = _tiny(loss="reinforce_tis", baseline=RunningBaseline())
     rl_run(resumed, tmp_path, 3, ckpt_path=old)
