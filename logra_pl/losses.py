@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypedDict
@@ -153,7 +154,7 @@ def _check_length_reference(value: float | None) -> None:
         check_range("loss.length_reference", value, 0.0, low_open=True)
 
 
-class Loss(_Configured):
+class Loss(_Configured, ABC):
     """A policy-gradient loss: the whole contract the module uses (subclass it to select yours by ``class_path``).
 
     Attributes and methods:
@@ -168,8 +169,9 @@ class Loss(_Configured):
             ``train/<name>``; default none.
         weights(lengths): the per-response weights passed to ``__call__``; default from ``length_reference``.
 
-    A subclass stores each constructor argument under its own name (``to_config`` and ``repr`` read them back)
-    and checks them in ``__init__``, so a bad value fails before any model loads.
+    A subclass defines ``__call__``, stores each constructor argument under its own name (``to_config`` and
+    ``repr`` read them back) and checks them in ``__init__``, so a bad value fails before any model loads. The class
+    is abstract, so a config section without a ``class_path`` never builds it.
     """
 
     reference: ClassVar[Reference] = "rollout"
@@ -179,6 +181,7 @@ class Loss(_Configured):
         """The updates of one rollout of ``rows`` responses: here one, over every row."""
         return [list(range(rows))]
 
+    @abstractmethod
     def __call__(
         self,
         logp: torch.Tensor,
@@ -188,7 +191,7 @@ class Loss(_Configured):
         num_tokens: int,
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define __call__")
+        """The loss of one microbatch: the sum over valid tokens divided by ``num_tokens``."""
 
     def stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, tuple[float, float]]:
         """Token statistics of one microbatch as (numerator, denominator); none by default."""
@@ -364,13 +367,14 @@ class SpecLoss(Loss):
         return self.registered.stats(logp, ref_logp, mask, **self.hyper_parameters())
 
 
-class AdvantageBaseline(_Configured):
+class AdvantageBaseline(_Configured, ABC):
     """Rewards → advantages (algorithm.md §8): the contract the module uses, and the outcome mapping all share.
 
     ``outcome = success_value if reward ≥ success_threshold else failure_value`` (mode ``"outcome"``) or the plain
     reward (mode ``"reward"``). Every baseline tracks the global running mean ``b ← momentum·b + (1−momentum)·
     mean(outcome)`` (logged as ``train/baseline``, saved in checkpoints); a subclass says in :meth:`compare_to`
-    what each outcome is compared with, or overrides :meth:`advantages` altogether.
+    what each outcome is compared with (and may override :meth:`advantages` altogether). The class is abstract, so
+    a config section without a ``class_path`` never builds it.
 
     Attributes and methods:
         needs_groups: whether it compares a prompt's responses with each other (the module then requires
@@ -419,9 +423,9 @@ class AdvantageBaseline(_Configured):
             return rewards
         return torch.where(rewards >= self.success_threshold, self.success_value, self.failure_value).to(torch.float64)
 
+    @abstractmethod
     def compare_to(self, outcome: torch.Tensor, groups: list[int] | torch.Tensor | None) -> torch.Tensor | float:
         """What each outcome is compared with (``A = outcome − compare_to(...)``)."""
-        raise NotImplementedError(f"{type(self).__name__} must define compare_to (or advantages)")
 
     def advantages(
         self,

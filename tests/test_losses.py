@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -520,3 +521,35 @@ def test_a_new_baseline_subclass_needs_only_compare_to() -> None:
 
     adv = build_baseline(Median()).advantages(torch.tensor([1.0, 0.0, 1.0]))
     assert torch.allclose(adv, torch.tensor([0.0, -1.01, 0.0], dtype=torch.float64))
+
+
+def test_the_cli_reads_old_sections_that_name_their_kind_and_refuses_the_others(tmp_path, monkeypatch) -> None:
+    import yaml
+
+    from logra_pl.cli import LoGRACLI
+
+    monkeypatch.setattr("sys.argv", ["logra-pl"])
+    base = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    config = yaml.safe_load(base.read_text())
+    config["model"]["loss"] = {"kind": "ppo", "clip_eps": 0.3}  # the old section form, as configs wrote it
+    config["model"]["baseline"] = {"kind": "rloo", "momentum": 0.5}
+    config["model"]["rollout"]["responses_per_prompt"] = 2
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(config))
+    with pytest.warns(FutureWarning, match="is the deprecated form"):
+        cli = LoGRACLI(args=["--config", str(old)], run=False)
+    assert repr(cli.model.loss_config) == "PPOClip(clip_eps=0.3, epochs=2, minibatches=2, length_reference=None)"
+    assert type(cli.model.baseline) is RLOOBaseline and cli.model.baseline.momentum == 0.5
+    # Without a kind, the section is refused (not the abstract base class built, not the old default assumed): so
+    # are arguments given after a short name, which would otherwise be dropped.
+    config["model"]["baseline"] = {"momentum": 0.9, "mode": "outcome", "failure_value": -0.01}
+    old.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"model\.baseline \{.*momentum: 0\.9\} gives arguments but no class_path"):
+        LoGRACLI(args=["--config", str(old)], run=False)
+    flags = ["--model.baseline=rloo", "--model.baseline.momentum=0.5", "--model.rollout.responses_per_prompt=2"]
+    with pytest.raises(ConfigError, match=r"--model\.baseline CLASS --model\.baseline\.momentum 0\.5"):
+        LoGRACLI(args=["--config", str(base), *flags], run=False)
+    with pytest.raises(TypeError, match="abstract"):
+        Loss()
+    with pytest.raises(TypeError, match="abstract"):
+        AdvantageBaseline()
