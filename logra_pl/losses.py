@@ -134,10 +134,11 @@ class _Configured:
     """An object a config builds by ``class_path``/``init_args``: it can say so again (:meth:`to_config`)."""
 
     def init_args(self) -> dict[str, Any]:
-        """The constructor's arguments, read back from the attributes of the same names."""
+        """The constructor's arguments, read back from the attributes of the same names (those it keeps)."""
         params = inspect.signature(type(self).__init__).parameters.values()
         keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        return {p.name: getattr(self, p.name) for p in params if p.name != "self" and p.kind in keyword}
+        names = [p.name for p in params if p.name != "self" and p.kind in keyword]
+        return {name: getattr(self, name) for name in names if hasattr(self, name)}
 
     def to_config(self) -> dict[str, Any]:
         """``{"class_path": ..., "init_args": ...}``: the YAML that builds this object (resumes compare it)."""
