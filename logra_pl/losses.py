@@ -1,134 +1,39 @@
-"""Policy-gradient losses, their registry, and the baselines (algorithm.md §8), on padded per-token tensors.
+"""Policy-gradient losses and advantage baselines (algorithm.md §8), as objects chosen by ``class_path``.
 
-Shapes: ``logp``, ``logp_rollout``, ``logp_old``, ``mask`` are ``(batch, response_len)``; ``advantages`` and
-``weights`` are ``(batch,)``. Every loss is a *sum* over valid tokens divided by ``num_tokens`` — the token
-count of the whole update — so that summing microbatch losses gives the update's token-mean loss exactly.
+Shapes: ``logp``, ``ref_logp``, ``mask`` are ``(batch, response_len)``; ``advantages`` and ``weights`` are
+``(batch,)``. Every loss is a *sum* over valid tokens divided by ``num_tokens`` — the token count of the whole
+update — so that summing microbatch losses gives the update's token-mean loss exactly.
 
-A loss is one function plus one :class:`LossSpec` entry in :data:`LOSSES` (:func:`register_loss`): which
-reference log-probs it is given (the rollout engine's, or the trainer's before the update — the latter also
-means several updates per rollout, ``ppo_epochs × ppo_minibatches``), the names of its hyper-parameters (fields
-of ``LossConfig`` or keys of ``LossConfig.params``), and optionally token statistics to log (``train/<name>``).
+A loss is a :class:`Loss`: which reference log-probs it is given, the updates one rollout makes (:meth:`Loss.plan`),
+the loss itself, the token statistics it logs, and the per-response length weights. A baseline is an
+:class:`AdvantageBaseline`: rewards → advantages, with its own state. Both are selected in YAML by
+``class_path``/``init_args`` or by a short name (``ppo``, ``rloo``); :func:`build_loss` and :func:`build_baseline`
+turn what a config or a caller gives into the object.
+
+The registry of the previous layout (:class:`LossSpec`, :func:`register_loss`, ``LossConfig(kind=...)``) and
+``Baseline(kind=...)`` remain as deprecated adapters: old checkpoints pickle them, and they build the objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import math
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypedDict
 
 import torch
 
-from logra_pl.errors import ConfigError, check_choice, check_range, import_dotted
+from logra_pl.errors import ConfigError, check_choice, check_int, check_range, import_dotted
 
 OutcomeMode = Literal["outcome", "reward"]
 BaselineKind = Literal["running", "group", "rloo"]
+Reference = Literal["rollout", "trainer"]
 
 
-@dataclass
-class Baseline:
-    """The advantage baseline: the global running baseline (algorithm.md §8), or per-prompt group baselines.
-
-    ``outcome = success_value if reward ≥ success_threshold else failure_value`` (mode ``"outcome"``) or the
-    plain reward (mode ``"reward"``). Then, by ``kind``:
-
-    - ``running`` (default): ``A = outcome − b``, then ``b ← momentum·b + (1−momentum)·mean(outcome)``, so a
-      batch's advantages use the baseline of previous batches only;
-    - ``group`` (GRPO-style): ``A = outcome − mean(outcomes of the same prompt)``;
-    - ``rloo`` (leave-one-out): ``A = outcome − mean(outcomes of the prompt's other responses)``.
-
-    The group kinds need several responses per prompt (``rollout.responses_per_prompt > 1``); ``b`` is still
-    tracked (and logged) for them, but not used.
-
-    Arguments:
-        kind: ``"running"``, ``"group"`` or ``"rloo"``.
-        momentum: EMA factor of the baseline (0.9).
-        mode: ``"outcome"`` (algorithm.md §8 default) or ``"reward"``.
-        success_threshold: reward at or above which a response counts as a success (1.0).
-        success_value: outcome of a success (1.0).
-        failure_value: outcome of a failure (−0.01).
-        value: the current baseline ``b`` (0 at the start).
-    """
-
-    kind: BaselineKind = "running"
-    momentum: float = 0.9
-    mode: OutcomeMode = "outcome"
-    success_threshold: float = 1.0
-    success_value: float = 1.0
-    failure_value: float = -0.01
-    value: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_choice("baseline.kind", self.kind, ("running", "group", "rloo"))
-        check_choice("baseline.mode", self.mode, ("outcome", "reward"))
-        check_range("baseline.momentum", self.momentum, 0.0, 1.0, high_open=True)
-        for name in ("success_threshold", "success_value", "failure_value", "value"):
-            check_range(f"baseline.{name}", getattr(self, name))
-
-    def outcomes(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Map verifier rewards to outcomes."""
-        rewards = rewards.to(torch.float64)
-        if self.mode == "reward":
-            return rewards
-        return torch.where(rewards >= self.success_threshold, self.success_value, self.failure_value).to(torch.float64)
-
-    def advantages(
-        self,
-        rewards: torch.Tensor,
-        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        groups: list[int] | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The advantages of this batch (by ``kind``), then update ``b`` from this batch's mean outcome.
-
-        ``groups`` gives each response's prompt (rows of one prompt share a value); the group kinds need it. A
-        prompt's responses are always on one rank, so group means need no communication. ``all_reduce_sum``
-        sums ``[Σ outcome, count]`` over data-parallel ranks, so every rank moves ``b`` by the global batch mean
-        and the baseline stays identical everywhere.
-        """
-        outcome = self.outcomes(rewards)
-        if self.kind == "running":
-            adv = outcome - self.value
-        else:
-            adv = outcome - group_baseline(outcome, groups, leave_one_out=self.kind == "rloo")
-        stats = torch.tensor([float(outcome.sum()), float(outcome.numel())], dtype=torch.float64)
-        if all_reduce_sum is not None:
-            stats = all_reduce_sum(stats)
-        if float(stats[1]) > 0:
-            self.value = self.momentum * self.value + (1.0 - self.momentum) * float(stats[0] / stats[1])
-        return adv
-
-    def state_dict(self) -> dict[str, Any]:
-        """The baseline value (the settings come from the config)."""
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the baseline value."""
-        self.value = float(state["value"])
-
-
-RunningBaseline = Baseline  # the name of algorithm.md §8's default, kept for configs and checkpoints that use it
-
-
-def group_baseline(outcome: torch.Tensor, groups: list[int] | torch.Tensor | None, leave_one_out: bool) -> torch.Tensor:
-    """Per response: the mean outcome of its prompt's responses (``leave_one_out``: of the *other* responses).
-
-    ``b_i = (Σ_{j∈g(i)} o_j) / n_g``, or ``(Σ_{j∈g(i)} o_j − o_i) / (n_g − 1)`` leave-one-out. A prompt with one
-    response has no baseline from others: leave-one-out is then an error.
-    """
-    if groups is None:
-        raise ValueError("a group baseline needs the prompt of every response (groups)")
-    g = torch.as_tensor(groups, dtype=torch.long)
-    if g.numel() != outcome.numel():
-        raise ValueError(f"{g.numel()} group ids for {outcome.numel()} responses")
-    _, inverse = torch.unique(g, return_inverse=True)
-    sums = torch.zeros(int(inverse.max()) + 1, dtype=outcome.dtype).index_add_(0, inverse, outcome)
-    counts = torch.zeros_like(sums).index_add_(0, inverse, torch.ones_like(outcome))
-    if not leave_one_out:
-        return sums[inverse] / counts[inverse]
-    if bool((counts < 2).any()):
-        raise ValueError("the leave-one-out (rloo) baseline needs at least 2 responses per prompt")
-    return (sums[inverse] - outcome) / (counts[inverse] - 1)
-
-
+# ------------------------------------------------------------------------------------------ the arithmetic
 def length_weights(lengths: torch.Tensor, reference: float | None) -> torch.Tensor:
     """Per-response weight ``reference / L`` (algorithm.md §8, optional), or ones when ``reference`` is None."""
     if reference is None:
@@ -191,23 +96,637 @@ def ppo_stats(
     return {"clip_fraction": (float(outside.sum()), float(mask.sum()))}
 
 
+def shuffled_plan(rows: int, generator_seed: int, epochs: int, minibatches: int) -> list[list[int]]:
+    """``epochs`` passes over ``rows`` rows: each a seeded random permutation cut into parts of ``ceil(rows /
+    minibatches)`` (the last may be shorter); one ``torch.Generator`` seeded once draws every epoch's permutation."""
+    gen = torch.Generator().manual_seed(generator_seed)
+    size = max(math.ceil(rows / minibatches), 1)
+    plan: list[list[int]] = []
+    for _ in range(epochs):
+        perm = torch.randperm(rows, generator=gen).tolist()
+        plan += [perm[i : i + size] for i in range(0, len(perm), size)]
+    return plan
+
+
+def group_baseline(outcome: torch.Tensor, groups: list[int] | torch.Tensor | None, leave_one_out: bool) -> torch.Tensor:
+    """Per response: the mean outcome of its prompt's responses (``leave_one_out``: of the *other* responses).
+
+    ``b_i = (Σ_{j∈g(i)} o_j) / n_g``, or ``(Σ_{j∈g(i)} o_j − o_i) / (n_g − 1)`` leave-one-out. A prompt with one
+    response has no baseline from others: leave-one-out is then an error.
+    """
+    if groups is None:
+        raise ValueError("a group baseline needs the prompt of every response (groups)")
+    g = torch.as_tensor(groups, dtype=torch.long)
+    if g.numel() != outcome.numel():
+        raise ValueError(f"{g.numel()} group ids for {outcome.numel()} responses")
+    _, inverse = torch.unique(g, return_inverse=True)
+    sums = torch.zeros(int(inverse.max()) + 1, dtype=outcome.dtype).index_add_(0, inverse, outcome)
+    counts = torch.zeros_like(sums).index_add_(0, inverse, torch.ones_like(outcome))
+    if not leave_one_out:
+        return sums[inverse] / counts[inverse]
+    if bool((counts < 2).any()):
+        raise ValueError("the leave-one-out (rloo) baseline needs at least 2 responses per prompt")
+    return (sums[inverse] - outcome) / (counts[inverse] - 1)
+
+
+# ------------------------------------------------------------------------------------- configured objects
+class _Configured:
+    """An object a config builds by ``class_path``/``init_args``: it can say so again (:meth:`to_config`)."""
+
+    def init_args(self) -> dict[str, Any]:
+        """The constructor's arguments, read back from the attributes of the same names (those it keeps)."""
+        params = inspect.signature(type(self).__init__).parameters.values()
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names = [p.name for p in params if p.name != "self" and p.kind in keyword]
+        return {name: getattr(self, name) for name in names if hasattr(self, name)}
+
+    def to_config(self) -> dict[str, Any]:
+        """``{"class_path": ..., "init_args": ...}``: the YAML that builds this object (resumes compare it)."""
+        cls = type(self)
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": self.init_args()}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.init_args().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _check_length_reference(value: float | None) -> None:
+    if value is not None:
+        check_range("loss.length_reference", value, 0.0, low_open=True)
+
+
+class Loss(_Configured, ABC):
+    """A policy-gradient loss: the whole contract the module uses (subclass it to select yours by ``class_path``).
+
+    Attributes and methods:
+        reference: whose log-probs weigh the tokens — ``"rollout"`` (the engine's, per sampled token) or
+            ``"trainer"`` (the trainer's before this rollout's first update, as PPO's ``π_old``).
+        length_reference: per-response reweighting ``length_reference / L`` (algorithm.md §8 uses 1024); None: off.
+        plan(rows, generator_seed): the updates one rollout makes, as lists of row indices; each list is one
+            optimizer step. Default: one update over all rows.
+        __call__(logp, ref_logp, advantages, mask, num_tokens, weights): the loss of one microbatch — the sum over
+            valid tokens divided by ``num_tokens`` (the whole update's token count over all ranks).
+        stats(logp, ref_logp, mask): ``{name: (numerator, denominator)}`` summed over microbatches and logged as
+            ``train/<name>``; default none.
+        weights(lengths): the per-response weights passed to ``__call__``; default from ``length_reference``.
+
+    A subclass defines ``__call__``, stores each constructor argument under its own name (``to_config`` and
+    ``repr`` read them back) and checks them in ``__init__``, so a bad value fails before any model loads. The class
+    is abstract, so a config section without a ``class_path`` never builds it.
+    """
+
+    reference: ClassVar[Reference] = "rollout"
+    length_reference: float | None = None
+
+    def plan(self, rows: int, generator_seed: int) -> list[list[int]]:
+        """The updates of one rollout of ``rows`` responses: here one, over every row."""
+        return [list(range(rows))]
+
+    @abstractmethod
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        ref_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        num_tokens: int,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The loss of one microbatch: the sum over valid tokens divided by ``num_tokens``."""
+
+    def stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, tuple[float, float]]:
+        """Token statistics of one microbatch as (numerator, denominator); none by default."""
+        return {}
+
+    def weights(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Per-response weights from the response lengths: ``length_reference / L``, or ones."""
+        return length_weights(lengths, self.length_reference)
+
+
+class ReinforceTIS(Loss):
+    """REINFORCE with truncated importance sampling (algorithm.md §8 default; the authors' form).
+
+    ``loss = Σ −A·w·min(π/π_rollout, tis_cap).detach()·log π / num_tokens``, one update per rollout.
+
+    Arguments:
+        tis_cap: truncation of the rollout importance ratio ``π_train/π_rollout`` (2.0).
+        length_reference: reweight each response by ``length_reference / L``; None: off.
+    """
+
+    reference: ClassVar[Reference] = "rollout"
+
+    def __init__(self, tis_cap: float = 2.0, length_reference: float | None = None) -> None:
+        check_range("loss.tis_cap", tis_cap, 0.0, low_open=True, hint="a cap of 0 zeroes every token's weight")
+        _check_length_reference(length_reference)
+        self.tis_cap = tis_cap
+        self.length_reference = length_reference
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        ref_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        num_tokens: int,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return reinforce_tis_loss(logp, ref_logp, advantages, mask, num_tokens, weights, tis_cap=self.tis_cap)
+
+
+class PPOClip(Loss):
+    """PPO's clipped surrogate against the trainer before the update, ``epochs × minibatches`` updates per rollout.
+
+    ``loss = Σ −min(r·A·w, clip(r, 1−ε, 1+ε)·A·w) / num_tokens`` with ``r = π/π_old``. Each epoch is a seeded
+    random permutation of the rollout cut into ``minibatches`` parts of ``ceil(N / minibatches)`` rows; each part is
+    one optimizer step. Logs ``train/clip_fraction``, the share of tokens whose ratio lies outside ``[1−ε, 1+ε]``.
+
+    Arguments:
+        clip_eps: the ratio clip ``ε`` (0.2).
+        epochs: passes over each rollout (2).
+        minibatches: updates per pass (2).
+        length_reference: reweight each response by ``length_reference / L``; None: off.
+    """
+
+    reference: ClassVar[Reference] = "trainer"
+
+    def __init__(
+        self, clip_eps: float = 0.2, epochs: int = 2, minibatches: int = 2, length_reference: float | None = None
+    ) -> None:
+        check_range("loss.clip_eps", clip_eps, 0.0, 1.0, low_open=True, high_open=True)
+        check_int("loss.epochs", epochs, 1)
+        check_int("loss.minibatches", minibatches, 1)
+        _check_length_reference(length_reference)
+        self.clip_eps = clip_eps
+        self.epochs = epochs
+        self.minibatches = minibatches
+        self.length_reference = length_reference
+
+    def plan(self, rows: int, generator_seed: int) -> list[list[int]]:
+        """``epochs`` seeded permutations of the rows, each cut into ``minibatches`` updates."""
+        return shuffled_plan(rows, generator_seed, self.epochs, self.minibatches)
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        ref_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        num_tokens: int,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return ppo_clip_loss(logp, ref_logp, advantages, mask, num_tokens, weights, clip_eps=self.clip_eps)
+
+    def stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, tuple[float, float]]:
+        """``clip_fraction`` as (clipped tokens, valid tokens)."""
+        return ppo_stats(logp, ref_logp, mask, clip_eps=self.clip_eps)
+
+
+class SpecLoss(Loss):
+    """A loss of the deprecated registry (:class:`LossSpec`) as a :class:`Loss`: what ``LossConfig(kind=...)``
+    builds for a kind that is not built in, and the YAML form of such a loss while it is being ported.
+
+    Arguments:
+        spec: a registered name or the dotted path of a :class:`LossSpec`.
+        params: the hyper-parameters the spec lists (passed to its ``fn`` and ``stats``).
+        epochs: passes over each rollout when the spec's reference is ``"trainer"``.
+        minibatches: updates per pass (likewise).
+        length_reference: reweight each response by ``length_reference / L``; None: off.
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        params: dict[str, float] | None = None,
+        epochs: int = 2,
+        minibatches: int = 2,
+        length_reference: float | None = None,
+    ) -> None:
+        resolved = resolve_loss(spec)
+        params = dict(params or {})
+        missing = [name for name in resolved.params if name not in params]
+        if missing:
+            raise ConfigError(f"loss {spec!r} needs the hyper-parameter {missing[0]!r}: set loss.params.{missing[0]}")
+        check_int("loss.epochs", epochs, 1)
+        check_int("loss.minibatches", minibatches, 1)
+        _check_length_reference(length_reference)
+        self.spec_name = spec
+        self.params = params
+        self.epochs = epochs
+        self.minibatches = minibatches
+        self.length_reference = length_reference
+        self.registered = resolved
+
+    def init_args(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec_name,
+            "params": dict(self.params),
+            "epochs": self.epochs,
+            "minibatches": self.minibatches,
+            "length_reference": self.length_reference,
+        }
+
+    @property
+    def reference(self) -> Reference:  # type: ignore[override]
+        return self.registered.reference
+
+    @property
+    def spec(self) -> LossSpec:
+        return self.registered
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        return {name: self.params[name] for name in self.registered.params}
+
+    def plan(self, rows: int, generator_seed: int) -> list[list[int]]:
+        if self.reference == "rollout":
+            return [list(range(rows))]
+        return shuffled_plan(rows, generator_seed, self.epochs, self.minibatches)
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        ref_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        num_tokens: int,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.registered.fn(logp, ref_logp, advantages, mask, num_tokens, weights, **self.hyper_parameters())
+
+    def stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, tuple[float, float]]:
+        if self.registered.stats is None:
+            return {}
+        return self.registered.stats(logp, ref_logp, mask, **self.hyper_parameters())
+
+
+class AdvantageBaseline(_Configured, ABC):
+    """Rewards → advantages (algorithm.md §8): the contract the module uses, and the outcome mapping all share.
+
+    ``outcome = success_value if reward ≥ success_threshold else failure_value`` (mode ``"outcome"``) or the plain
+    reward (mode ``"reward"``). Every baseline tracks the global running mean ``b ← momentum·b + (1−momentum)·
+    mean(outcome)`` (logged as ``train/baseline``, saved in checkpoints); a subclass says in :meth:`compare_to`
+    what each outcome is compared with (and may override :meth:`advantages` altogether). The class is abstract, so
+    a config section without a ``class_path`` never builds it.
+
+    Attributes and methods:
+        needs_groups: whether it compares a prompt's responses with each other (the module then requires
+            ``rollout.responses_per_prompt >= 2``).
+        value: the running baseline ``b`` (0 at the start).
+        advantages(rewards, all_reduce_sum, groups): this batch's advantages; then ``b`` moves.
+        state_dict() / load_state_dict(state): ``{"value": b}``, as checkpoints of every version hold it.
+
+    Arguments:
+        momentum: EMA factor of ``b`` (0.9).
+        mode: ``"outcome"`` (algorithm.md §8 default) or ``"reward"``.
+        success_threshold: reward at or above which a response counts as a success (1.0).
+        success_value: outcome of a success (1.0).
+        failure_value: outcome of a failure (−0.01).
+    """
+
+    needs_groups: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        momentum: float = 0.9,
+        mode: OutcomeMode = "outcome",
+        success_threshold: float = 1.0,
+        success_value: float = 1.0,
+        failure_value: float = -0.01,
+    ) -> None:
+        check_choice("baseline.mode", mode, ("outcome", "reward"))
+        check_range("baseline.momentum", momentum, 0.0, 1.0, high_open=True)
+        for name, value in (
+            ("success_threshold", success_threshold),
+            ("success_value", success_value),
+            ("failure_value", failure_value),
+        ):
+            check_range(f"baseline.{name}", value)
+        self.momentum = momentum
+        self.mode = mode
+        self.success_threshold = success_threshold
+        self.success_value = success_value
+        self.failure_value = failure_value
+        self.value = 0.0
+
+    def outcomes(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Map verifier rewards to outcomes (float64)."""
+        rewards = rewards.to(torch.float64)
+        if self.mode == "reward":
+            return rewards
+        return torch.where(rewards >= self.success_threshold, self.success_value, self.failure_value).to(torch.float64)
+
+    @abstractmethod
+    def compare_to(self, outcome: torch.Tensor, groups: list[int] | torch.Tensor | None) -> torch.Tensor | float:
+        """What each outcome is compared with (``A = outcome − compare_to(...)``)."""
+
+    def advantages(
+        self,
+        rewards: torch.Tensor,
+        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        groups: list[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The advantages of this batch, then update ``b`` from this batch's mean outcome.
+
+        ``groups`` gives each response's prompt (rows of one prompt share a value); group baselines need it. A
+        prompt's responses are always on one rank, so group means need no communication. ``all_reduce_sum``
+        sums ``[Σ outcome, count]`` over data-parallel ranks, so every rank moves ``b`` by the global batch mean
+        and the baseline stays identical everywhere.
+        """
+        outcome = self.outcomes(rewards)
+        adv = outcome - self.compare_to(outcome, groups)
+        stats = torch.tensor([float(outcome.sum()), float(outcome.numel())], dtype=torch.float64)
+        if all_reduce_sum is not None:
+            stats = all_reduce_sum(stats)
+        if float(stats[1]) > 0:
+            self.value = self.momentum * self.value + (1.0 - self.momentum) * float(stats[0] / stats[1])
+        return adv
+
+    def state_dict(self) -> dict[str, Any]:
+        """The baseline value (the settings come from the config)."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the baseline value."""
+        self.value = float(state["value"])
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in [*self.init_args().items(), ("value", self.value)])
+        return f"{type(self).__name__}({args})"
+
+
+class RunningBaseline(AdvantageBaseline):
+    """The global running baseline (algorithm.md §8 default): ``A = outcome − b``, with ``b`` from previous batches
+    only (it moves after this batch's advantages are formed)."""
+
+    def compare_to(self, outcome: torch.Tensor, groups: list[int] | torch.Tensor | None) -> float:
+        return self.value
+
+
+class GroupBaseline(AdvantageBaseline):
+    """GRPO-style (mean only, no division by the standard deviation): ``A = outcome − mean(outcomes of the same
+    prompt)``. Needs several responses per prompt; ``b`` is still tracked and logged, but not used."""
+
+    needs_groups: ClassVar[bool] = True
+
+    def compare_to(self, outcome: torch.Tensor, groups: list[int] | torch.Tensor | None) -> torch.Tensor:
+        return group_baseline(outcome, groups, leave_one_out=False)
+
+
+class RLOOBaseline(AdvantageBaseline):
+    """Leave-one-out: ``A = outcome − mean(outcomes of the prompt's other responses)``. Needs at least 2 responses
+    per prompt; ``b`` is still tracked and logged, but not used."""
+
+    needs_groups: ClassVar[bool] = True
+
+    def compare_to(self, outcome: torch.Tensor, groups: list[int] | torch.Tensor | None) -> torch.Tensor:
+        return group_baseline(outcome, groups, leave_one_out=True)
+
+
+# The short names a config may give instead of a class_path (with default arguments).
+LOSS_ALIASES: dict[str, type[Loss]] = {"reinforce_tis": ReinforceTIS, "ppo": PPOClip}
+BASELINE_ALIASES: dict[str, type[AdvantageBaseline]] = {
+    "running": RunningBaseline,
+    "group": GroupBaseline,
+    "rloo": RLOOBaseline,
+}
+
+
+# --------------------------------------------------------------------------------- from a config to an object
+class LegacyBaselineSettings(TypedDict, total=False):
+    """The keys of the old ``baseline: {kind: ..., momentum: ...}`` section (deprecated). Old configs and the
+    hyper-parameters of old CLI checkpoints hold it; :func:`build_baseline` reads it with a ``FutureWarning`` that
+    gives the ``class_path`` form, and refuses it without a ``kind``."""
+
+    kind: str
+    momentum: float
+    mode: str
+    success_threshold: float
+    success_value: float
+    failure_value: float
+    value: float
+
+
+def _flow(value: Any) -> str:
+    """A value as YAML flow text (``{class_path: x, init_args: {a: 1}}``), for messages."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_flow(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_flow(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _import_class(path: str, setting: str, aliases: Mapping[str, type]) -> type:
+    by_name = {cls.__name__: cls for cls in aliases.values()}
+    if path in aliases or path in by_name:
+        return aliases.get(path) or by_name[path]
+    found = import_dotted(path, setting)
+    if not inspect.isclass(found):
+        raise ConfigError(f"{setting} class_path {path!r} is not a class")
+    return found
+
+
+def _construct(cls: type, init_args: Mapping[str, Any] | None, setting: str) -> Any:
+    """``cls(**init_args)``; arguments it does not take are a :class:`ConfigError` listing those it does."""
+    init_args = dict(init_args or {})
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    unknown = sorted(set(init_args) - {p.name for p in params})
+    if unknown and not takes_any:
+        raise ConfigError(
+            f"{setting}: {cls.__module__}.{cls.__qualname__} does not take {', '.join(map(repr, unknown))}; its "
+            f"arguments are {', '.join(p.name for p in params) or 'none'}"
+        )
+    return cls(**init_args)
+
+
+def _from_text(text: str, setting: str, aliases: Mapping[str, type], builtin: str) -> Any:
+    """A short name, a class name, a dotted path (class or instance), or a ``{class_path: ...}`` mapping as text."""
+    text = text.strip()
+    if text.startswith("{"):  # a mapping given on the command line that jsonargparse could not take as an object
+        import yaml
+
+        try:
+            mapping = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{setting} {text!r} is not a valid mapping: {err}") from None
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"{setting} {text!r} is not a mapping")
+        return mapping
+    by_name = {cls.__name__: cls for cls in aliases.values()}
+    if text in aliases or text in by_name:
+        return (aliases.get(text) or by_name[text])()
+    found = import_dotted(text, setting)
+    if found is None:
+        names = ", ".join(repr(k) for k in aliases)
+        raise ConfigError(
+            f"unknown {setting} {text!r}: use one of {names}, a class_path such as {builtin}, or the dotted path of "
+            "your own class"
+        )
+    return found() if inspect.isclass(found) else found
+
+
+def build_loss(value: Any = None, setting: str = "model.loss") -> Loss:
+    """The :class:`Loss` a config or a caller gives, checked.
+
+    Accepted: None (:class:`ReinforceTIS`), a loss object, a short name (``reinforce_tis``, ``ppo``), a class name
+    (``PPOClip``), a dotted path (to a class, built with its defaults, or an instance), a ``{class_path, init_args}``
+    mapping, and the deprecated forms — a ``LossConfig`` (what old checkpoints hold), a name or dotted path of the
+    loss registry, and the old section ``{kind: ..., tis_cap: ...}`` (old configs, and what old CLI checkpoints
+    hold: read with a ``FutureWarning`` giving its ``class_path`` form; without a ``kind`` it is refused).
+    """
+    from logra_pl.settings import LossConfig  # settings imports this module
+
+    if value is None:
+        loss = ReinforceTIS()
+    elif isinstance(value, LossConfig):
+        loss = value.build()
+    elif isinstance(value, str):
+        name = value.strip()
+        if name not in LOSS_ALIASES and name in LOSSES:  # a name of the deprecated registry (register_loss)
+            return build_loss(SpecLoss(name), setting)
+        if "." in name and not name.startswith("{") and isinstance(import_dotted(name, setting), LossSpec):
+            return build_loss(SpecLoss(name), setting)
+        return build_loss(_from_text(value, setting, LOSS_ALIASES, "logra_pl.losses.PPOClip"), setting)
+    elif isinstance(value, Mapping):
+        if "class_path" not in value:
+            from logra_pl.settings import LossConfig
+
+            return build_loss(_legacy_section(LossConfig, value, setting), setting)
+        cls = _import_class(str(value["class_path"]), setting, LOSS_ALIASES)
+        loss = _construct(cls, value.get("init_args"), setting)
+    else:
+        loss = value
+    check_loss(loss, setting)
+    return loss
+
+
+def _describe(obj: Any) -> str:
+    """``module.Name`` of a class or function, else of the object's class."""
+    named = obj if inspect.isclass(obj) or inspect.isroutine(obj) else type(obj)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
+def check_loss(loss: Any, setting: str = "model.loss") -> None:
+    """Raise :class:`ConfigError` unless ``loss`` has the whole :class:`Loss` contract."""
+    name = _describe(loss)
+    if inspect.isclass(loss):
+        raise ConfigError(f"{setting} {name} is a class, not an instance (in YAML: class_path + init_args)")
+    missing = [m for m in ("plan", "stats", "weights") if not callable(getattr(loss, m, None))]
+    if not callable(loss):
+        missing.insert(0, "__call__")
+    if missing:
+        raise ConfigError(
+            f"{setting} {name} is not a loss: it lacks {', '.join(missing)} (subclass logra_pl.losses.Loss)"
+        )
+    reference = getattr(loss, "reference", None)
+    if reference not in ("rollout", "trainer"):
+        raise ConfigError(f"{setting} {name}: reference must be 'rollout' or 'trainer', got {reference!r}")
+
+
+def _legacy_section(legacy: type, value: Mapping[str, Any], setting: str) -> Any:
+    """The object an old ``{kind: ..., <arguments>}`` section means (deprecated: a ``FutureWarning`` gives the
+    ``class_path`` form to write). A mapping without ``kind`` is refused: it is more likely arguments given after a
+    short name (``--model.loss ppo --model.loss.clip_eps 0.1``), which would otherwise be silently dropped."""
+    what = setting.rpartition(".")[2]
+    given = _flow(dict(value))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            built = legacy(**dict(value)).build()
+    except TypeError as err:
+        raise ConfigError(f"{setting} {given}: {err}; write {what}: {{class_path: ..., init_args: {{...}}}}") from None
+    translated = _flow(built.to_config())
+    if "kind" not in value:
+        flags = " ".join(f"--{setting}.{k} {_flow(v)}" for k, v in value.items())
+        raise ConfigError(
+            f"{setting} {given} gives arguments but no class_path. A short name takes none: name the class instead "
+            f"(--{setting} CLASS {flags}, or {what}: {{class_path: CLASS, init_args: {{...}}}}). A section of the "
+            f"old form names its kind; without one, these settings would mean {what}: {translated}"
+        )
+    warnings.warn(
+        f"{setting} {{kind: {value['kind']}, ...}} is the deprecated form (an old config or checkpoint); it is read as "
+        f"{what}: {translated}, the form to write from now on",
+        FutureWarning,
+        stacklevel=4,
+    )
+    return built
+
+
+def build_baseline(value: Any = None, setting: str = "model.baseline") -> AdvantageBaseline:
+    """The baseline a config or a caller gives, checked: None (:class:`RunningBaseline`), an object, a short name
+    (``running``, ``group``, ``rloo``), a class name or dotted path, a ``{class_path, init_args}`` mapping, or the
+    deprecated ``Baseline(kind=...)`` (what old checkpoints hold), or the old section ``{kind: ..., momentum: ...}``
+    (read with a ``FutureWarning`` giving its ``class_path`` form; without a ``kind`` it is refused)."""
+    if value is None:
+        baseline = RunningBaseline()
+    elif isinstance(value, Baseline):
+        baseline = value.build()
+    elif isinstance(value, str):
+        return build_baseline(_from_text(value, setting, BASELINE_ALIASES, "logra_pl.losses.RLOOBaseline"), setting)
+    elif isinstance(value, Mapping):
+        if "class_path" not in value:
+            return build_baseline(_legacy_section(Baseline, value, setting), setting)
+        cls = _import_class(str(value["class_path"]), setting, BASELINE_ALIASES)
+        baseline = _construct(cls, value.get("init_args"), setting)
+    else:
+        baseline = value
+    check_baseline(baseline, setting)
+    return baseline
+
+
+def check_baseline(baseline: Any, setting: str = "model.baseline") -> None:
+    """Raise :class:`ConfigError` unless ``baseline`` has the whole :class:`AdvantageBaseline` contract."""
+    name = _describe(baseline)
+    if inspect.isclass(baseline):
+        raise ConfigError(f"{setting} {name} is a class, not an instance (in YAML: class_path + init_args)")
+    missing = [m for m in ("advantages", "state_dict", "load_state_dict") if not callable(getattr(baseline, m, None))]
+    missing += [a for a in ("value", "needs_groups") if not hasattr(baseline, a)]
+    if missing:
+        raise ConfigError(
+            f"{setting} {name} is not a baseline: it lacks {', '.join(missing)} "
+            "(subclass logra_pl.losses.AdvantageBaseline)"
+        )
+
+
+def canonical_settings(value: Any, kind: Literal["loss", "baseline"]) -> Any:
+    """A loss or baseline setting as ``{class_path, init_args}`` (plain data), whichever form it was written in —
+    short name, object, the deprecated classes, the old ``{kind: ...}`` section — so that a resume compares like
+    with like. A ``class_path`` mapping is kept as it is; what cannot be built is returned unchanged."""
+    if isinstance(value, Mapping) and "class_path" in value:
+        return value
+    build = build_loss if kind == "loss" else build_baseline
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            if isinstance(value, Mapping):  # the old section: what its dataclass would have built
+                from logra_pl.settings import LossConfig
+
+                legacy = LossConfig if kind == "loss" else Baseline
+                return legacy(**dict(value)).to_config()
+            return build(value).to_config()
+    except (ConfigError, TypeError, ValueError, AttributeError, ImportError):
+        return value
+
+
+# ------------------------------------------------------------------------------- the deprecated registry
 @dataclass(frozen=True)
 class LossSpec:
-    """One registered loss.
+    """Deprecated — a loss is now a :class:`Loss` object. One loss of the old registry.
 
     Arguments:
         fn: ``fn(logp, reference, advantages, mask, num_tokens, weights, **params) -> loss`` (a scalar tensor; the
             token sum divided by ``num_tokens``).
-        reference: the log-probs ``fn`` is given as ``reference``: ``"rollout"`` (the engine's, per sampled token)
-            or ``"trainer"`` (the trainer's before this rollout's first update; the rollout is then used for
-            ``ppo_epochs × ppo_minibatches`` updates).
+        reference: the log-probs ``fn`` is given as ``reference``: ``"rollout"`` or ``"trainer"`` (the rollout is
+            then used for ``ppo_epochs × ppo_minibatches`` updates).
         params: names of ``fn``'s hyper-parameters, read from ``LossConfig`` fields or ``LossConfig.params``.
-        stats: optional ``stats(logp, reference, mask, **params) -> {name: (numerator, denominator)}``; summed over
-            microbatches and logged as ``train/<name>`` = numerator / denominator.
+        stats: optional ``stats(logp, reference, mask, **params) -> {name: (numerator, denominator)}``.
     """
 
     fn: Callable[..., torch.Tensor]
-    reference: Literal["rollout", "trainer"]
+    reference: Reference
     params: tuple[str, ...] = ()
     stats: Callable[..., dict[str, tuple[float, float]]] | None = None
 
@@ -216,7 +735,16 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, spec: LossSpec) -> LossSpec:
-    """Add a loss under ``name`` (``loss.kind: name`` in a config). Re-registering a name replaces it."""
+    """Deprecated — subclass :class:`Loss` instead. Add a loss under ``name`` (``LossConfig(kind=name)``)."""
+    warnings.warn(
+        "register_loss/LossSpec are deprecated: write a logra_pl.losses.Loss subclass and select it by class_path",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _register(name, spec)
+
+
+def _register(name: str, spec: LossSpec) -> LossSpec:
     if spec.reference not in ("rollout", "trainer"):
         raise ValueError(f"loss {name!r}: reference must be 'rollout' or 'trainer', got {spec.reference!r}")
     LOSSES[name] = spec
@@ -229,12 +757,83 @@ def resolve_loss(kind: str) -> LossSpec:
         return LOSSES[kind]
     spec = import_dotted(kind, "loss.kind")
     if isinstance(spec, LossSpec):
-        return register_loss(kind, spec)
+        return _register(kind, spec)
     raise ConfigError(
         f"unknown loss.kind {kind!r}: use one of {sorted(LOSSES)}, or the dotted path of a LossSpec "
-        "(e.g. my_package.losses.MY_LOSS)"
+        "(e.g. my_package.losses.MY_LOSS); losses are now chosen by class_path (logra_pl.losses.PPOClip)"
     )
 
 
-register_loss("reinforce_tis", LossSpec(reinforce_tis_loss, "rollout", ("tis_cap",)))
-register_loss("ppo", LossSpec(ppo_clip_loss, "trainer", ("clip_eps",), stats=ppo_stats))
+_register("reinforce_tis", LossSpec(reinforce_tis_loss, "rollout", ("tis_cap",)))
+_register("ppo", LossSpec(ppo_clip_loss, "trainer", ("clip_eps",), stats=ppo_stats))
+_BUILTIN_SPECS = {name: LOSSES[name] for name in ("reinforce_tis", "ppo")}
+
+
+@dataclass
+class Baseline:
+    """Deprecated — use :class:`RunningBaseline`, :class:`GroupBaseline` or :class:`RLOOBaseline`. The baseline as
+    one settings block with a ``kind``; old checkpoints pickle it, and the module builds the new object from it.
+
+    Arguments:
+        kind: ``"running"``, ``"group"`` or ``"rloo"``.
+        momentum, mode, success_threshold, success_value, failure_value: as :class:`AdvantageBaseline`.
+        value: the current baseline ``b`` (0 at the start).
+    """
+
+    kind: BaselineKind = "running"
+    momentum: float = 0.9
+    mode: OutcomeMode = "outcome"
+    success_threshold: float = 1.0
+    success_value: float = 1.0
+    failure_value: float = -0.01
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        warnings.warn(
+            f"Baseline(kind=...) is deprecated: use logra_pl.losses.{BASELINE_ALIASES[self.kind].__name__}"
+            if self.kind in BASELINE_ALIASES
+            else "Baseline(kind=...) is deprecated: use RunningBaseline, GroupBaseline or RLOOBaseline",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        check_choice("baseline.kind", self.kind, tuple(BASELINE_ALIASES))
+        check_range("baseline.value", self.value)
+        self.build()
+
+    def build(self) -> AdvantageBaseline:
+        """The baseline object of ``kind``, with these settings and the current ``value``."""
+        check_choice("baseline.kind", self.kind, tuple(BASELINE_ALIASES))
+        baseline = BASELINE_ALIASES[self.kind](
+            momentum=self.momentum,
+            mode=self.mode,
+            success_threshold=self.success_threshold,
+            success_value=self.success_value,
+            failure_value=self.failure_value,
+        )
+        baseline.value = float(self.value)
+        return baseline
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``class_path`` form of these settings (what a resume compares; ``value`` is state, not a setting)."""
+        return self.build().to_config()
+
+    def outcomes(self, rewards: torch.Tensor) -> torch.Tensor:
+        return self.build().outcomes(rewards)
+
+    def advantages(
+        self,
+        rewards: torch.Tensor,
+        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        groups: list[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As the object of ``kind`` would (and ``value`` moves the same way)."""
+        baseline = self.build()
+        adv = baseline.advantages(rewards, all_reduce_sum, groups)
+        self.value = baseline.value
+        return adv
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])

@@ -12,7 +12,6 @@ own module: the update method (:mod:`logra_pl.methods`), the engine link (:mod:`
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from typing import Any, Literal
@@ -31,7 +30,7 @@ from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
 from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
 from logra_pl.lora import LoRAConfig
-from logra_pl.losses import Baseline, length_weights
+from logra_pl.losses import AdvantageBaseline, LegacyBaselineSettings, Loss, build_baseline, build_loss
 from logra_pl.methods import UpdateMethod
 from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
@@ -40,7 +39,7 @@ from logra_pl.ranks import all_reduce_sum, any_rank
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineRequest, EngineSpec, build_engine, engine_spec
-from logra_pl.settings import LossConfig, RolloutSettings, ScoringSettings  # re-exported: configs and checkpoints
+from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.step import StepContext, sampling_seed, step_metrics
@@ -68,8 +67,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
         adamw: AdamW and its schedule (``optimizer="adamw"``, or on LoRA's adapters).
         lora: adapter settings (``optimizer="lora"``).
-        loss: the surrogate.
-        baseline: the advantage baseline: running (algorithm.md §8), or per-prompt ``group`` / ``rloo``.
+        loss: the surrogate, a :class:`~logra_pl.losses.Loss` by ``class_path`` or short name ``reinforce_tis | ppo``.
+        baseline: the advantage baseline (:class:`~logra_pl.losses.AdvantageBaseline`): ``running`` (algorithm.md
+            §8), or per-prompt ``group`` / ``rloo``, or any by ``class_path``.
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass (at most).
         max_tokens_per_microbatch: token budget of one pass (rows × longest row); None: ``microbatch_size`` rows.
@@ -96,8 +96,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRAConfig | None = None,
         adamw: AdamWConfig | None = None,
         lora: LoRAConfig | None = None,
-        loss: LossConfig | None = None,
-        baseline: Baseline | None = None,
+        loss: str | Loss | LegacyLossSettings | None = None,
+        baseline: str | AdvantageBaseline | LegacyBaselineSettings | None = None,
         rollout: RolloutSettings | None = None,
         microbatch_size: int = 16,
         max_tokens_per_microbatch: int | None = None,
@@ -123,13 +123,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.policy_source, self.warm_start, self.dtype_name, self.seed = policy, warm_start, dtype, seed
         self.method = methods.resolve_method(method, optimizer, logra, adamw, lora)
         self.targets = tuple(targets or (logra.targets if logra is not None else DEFAULT_TARGETS))
-        self.loss_config = loss or LossConfig()
-        self.baseline = baseline or Baseline()
+        self.loss_config = build_loss(loss)
+        self.baseline = build_baseline(baseline)
         self.rollout_settings = rollout or RolloutSettings()
-        if self.baseline.kind != "running" and self.rollout_settings.responses_per_prompt < 2:
+        if self.baseline.needs_groups and self.rollout_settings.responses_per_prompt < 2:
             raise ConfigError(
-                f"baseline.kind={self.baseline.kind!r} compares a prompt's responses with each other: set "
-                "rollout.responses_per_prompt >= 2 (or use baseline.kind: running)"
+                f"baseline {type(self.baseline).__name__} compares a prompt's responses with each other: set "
+                "rollout.responses_per_prompt >= 2 (or use baseline: running)"
             )
         self.microbatch_size, self.max_tokens_per_microbatch = microbatch_size, max_tokens_per_microbatch
         self.activation_checkpointing, self.attn_implementation = activation_checkpointing, attn_implementation
@@ -301,16 +301,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         t0 = time.perf_counter()
         ctx = self.step_context = self.make_step_context(batch)
         t_rollout = time.perf_counter() - t0
-        rows, cfg = list(range(len(ctx.rollout))), self.loss_config
-        if cfg.spec.reference == "rollout":
-            plan = [rows]
-        else:  # against the pre-update trainer: several updates from one rollout
-            gen = torch.Generator().manual_seed(self._sampling_seed("ppo"))
-            plan = []
-            for _ in range(cfg.ppo_epochs):
-                perm = torch.randperm(len(rows), generator=gen).tolist()
-                size = math.ceil(len(rows) / cfg.ppo_minibatches)
-                plan += [perm[i : i + size] for i in range(0, len(perm), size)]
+        plan = self.loss_config.plan(len(ctx.rollout), self._sampling_seed("ppo"))  # one update, or PPO's several
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
@@ -329,24 +320,21 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
         """Microbatched loss/backward over ``rows``, then one update through the method and the engine sync."""
-        cfg, t0 = self.loss_config, time.perf_counter()
+        loss_fn, t0 = self.loss_config, time.perf_counter()
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
         num_tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
         # REINFORCE+TIS weighs by π/π_rollout (capped); PPO by π/π_old with π_old the pre-update trainer.
-        spec, params = cfg.spec, cfg.hyper_parameters()
-        reference = ctx.logp_rollout if spec.reference == "rollout" else ctx.logp_trainer
+        reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
         total, trim = 0.0, self.max_tokens_per_microbatch is not None
         for mb in self._microbatches(rows, ctx.packed):
             packed = select_rows(ctx.packed, mb, trim).to(self.device)
             logp = response_logprobs(self.policy, packed, ctx.temperature)
             adv, ref = ctx.advantages[mb].to(self.device), reference[mb].to(self.device)
-            weights = length_weights(packed.lengths, cfg.length_reference)
-            loss = spec.fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights, **params)
+            weights = loss_fn.weights(packed.lengths)
+            loss = loss_fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights)
             self.manual_backward(loss)
             total += float(loss.detach())
-            for name, (num, den) in (
-                spec.stats(logp.detach(), ref, packed.response_mask, **params) if spec.stats else {}
-            ).items():
+            for name, (num, den) in loss_fn.stats(logp.detach(), ref, packed.response_mask).items():
                 acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
                 acc[0] += num
                 acc[1] += den

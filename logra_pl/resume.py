@@ -26,7 +26,7 @@ STRUCTURAL: tuple[str, ...] = (
     "model.warm_start",
     "model.optimizer",
     "model.dtype",
-    "model.loss.kind",
+    "model.loss.class_path",  # the loss, whichever form chose it (short name, object, old kind: see canonical)
     "model.logra.targets",
     "model.logra.rank",
     "model.logra.distribution",
@@ -61,7 +61,10 @@ IGNORED: tuple[str, ...] = ("ckpt_path", "config", "seed_everything", "trainer.l
 
 
 def plain(value: Any) -> Any:
-    """Settings as plain Python: dataclasses and namespaces to dicts, tuples to lists."""
+    """Settings as plain Python: objects built by ``class_path`` (losses, baselines: ``to_config``) to their
+    ``{class_path, init_args}``, dataclasses and namespaces to dicts, tuples to lists."""
+    if callable(getattr(value, "to_config", None)) and not isinstance(value, type):
+        return plain(value.to_config())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if hasattr(value, "as_dict") and callable(value.as_dict):  # jsonargparse Namespace
@@ -141,9 +144,26 @@ def describe_changes(diffs: list[tuple[str, Any, Any]]) -> str:
     )
 
 
+def canonical(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain nested settings with ``model.loss`` and ``model.baseline`` in their ``{class_path, init_args}`` form,
+    whichever form wrote them: a short name (``ppo``), an object, or the old ``{kind: ...}`` section and its
+    dataclasses (checkpoints of earlier versions). So a resume compares the loss class, not how it was spelled."""
+    from logra_pl.losses import canonical_settings
+
+    out = dict(settings)
+    model = out.get("model")
+    if isinstance(model, Mapping):
+        model = dict(model)
+        for key in ("loss", "baseline"):
+            if key in model:  # None is the module's default (ReinforceTIS, RunningBaseline)
+                model[key] = plain(canonical_settings(model[key], key))
+        out["model"] = model
+    return out
+
+
 def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], ckpt_path: str | Path | None = None) -> None:
     """Raise :class:`ResumeMismatchError` on structural differences; log the others (flat or nested settings)."""
-    hard, soft = compare(flatten(plain(saved)), flatten(plain(current)))
+    hard, soft = compare(flatten(canonical(plain(saved))), flatten(canonical(plain(current))))
     if hard:
         raise ResumeMismatchError(mismatch_message(hard, ckpt_path))
     if soft:

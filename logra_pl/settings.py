@@ -1,17 +1,19 @@
 """The settings of a policy-update step that are not LoGRA's own: sampling, the loss, and scoring.
 
 Each is a dataclass that checks its values when it is built (``__post_init__``), so a bad value fails before any
-model is loaded; LightningCLI builds them from the ``model.rollout``, ``model.loss`` and ``model.scoring`` sections.
+model is loaded; LightningCLI builds them from the ``model.rollout`` and ``model.scoring`` sections. The loss is an
+object of its own (:mod:`logra_pl.losses`); :class:`LossConfig`, its former settings block, is a deprecated adapter.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from logra_pl.errors import ConfigError, check_int, check_range
-from logra_pl.losses import LossSpec, resolve_loss
+from logra_pl.losses import _BUILTIN_SPECS, Loss, LossSpec, PPOClip, ReinforceTIS, SpecLoss, resolve_loss
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +76,32 @@ class RolloutSettings:
             )
 
 
+class LegacyLossSettings(TypedDict, total=False):
+    """The keys of the old ``loss: {kind: ..., tis_cap: ...}`` section (deprecated). Old configs and the
+    hyper-parameters of old CLI checkpoints hold it; :func:`logra_pl.losses.build_loss` reads it with a
+    ``FutureWarning`` that gives the ``class_path`` form, and refuses it without a ``kind``."""
+
+    kind: str
+    tis_cap: float
+    clip_eps: float
+    ppo_epochs: int
+    ppo_minibatches: int
+    length_reference: float | None
+    params: dict[str, float]
+
+
 @dataclass
 class LossConfig:
-    """The policy-gradient surrogate.
+    """Deprecated — pass a loss object (:class:`~logra_pl.losses.ReinforceTIS`, :class:`~logra_pl.losses.PPOClip`,
+    your own :class:`~logra_pl.losses.Loss`), or in YAML ``loss: {class_path: ..., init_args: ...}``.
+
+    The policy-gradient surrogate as one settings block. Old checkpoints pickle it in their hyper-parameters, so it
+    stays importable; the module turns it into the object :meth:`build` returns (same arithmetic, same plan).
 
     Arguments:
-        kind: a registered loss (:data:`logra_pl.losses.LOSSES`): ``"reinforce_tis"`` (algorithm.md §8 default) or
-            ``"ppo"`` (clipped surrogate), or the dotted path of your own :class:`~logra_pl.losses.LossSpec`.
+        kind: ``"reinforce_tis"`` (:class:`~logra_pl.losses.ReinforceTIS`), ``"ppo"``
+            (:class:`~logra_pl.losses.PPOClip`), or a name or dotted path of the deprecated registry
+            (:class:`~logra_pl.losses.SpecLoss`).
         tis_cap: truncation of the rollout importance ratio (REINFORCE+TIS).
         clip_eps: PPO ratio clip ``ε``.
         ppo_epochs: passes over each rollout batch (losses against the pre-update trainer, e.g. PPO).
@@ -114,7 +135,37 @@ class LossConfig:
                 raise ConfigError(f"loss {self.kind!r} needs the hyper-parameter {name!r}: set loss.params.{name}")
         return out
 
+    def build(self) -> Loss:
+        """The loss object these settings mean: :class:`ReinforceTIS`, :class:`PPOClip`, or a :class:`SpecLoss`."""
+        spec, params = self.spec, self.hyper_parameters()
+        if spec is _BUILTIN_SPECS["reinforce_tis"]:
+            return ReinforceTIS(length_reference=self.length_reference, **params)
+        if spec is _BUILTIN_SPECS["ppo"]:
+            return PPOClip(
+                epochs=self.ppo_epochs,
+                minibatches=self.ppo_minibatches,
+                length_reference=self.length_reference,
+                **params,
+            )
+        return SpecLoss(
+            self.kind,
+            params=params,
+            epochs=self.ppo_epochs,
+            minibatches=self.ppo_minibatches,
+            length_reference=self.length_reference,
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``class_path`` form of these settings (what a resume compares)."""
+        return self.build().to_config()
+
     def __post_init__(self) -> None:
+        warnings.warn(
+            "LossConfig is deprecated: pass a loss object (logra_pl.losses.ReinforceTIS, PPOClip, or your Loss "
+            "subclass); in YAML loss: {class_path: logra_pl.losses.PPOClip, init_args: {clip_eps: 0.2}}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         self.hyper_parameters()  # an unknown kind or a missing hyper-parameter fails here
         check_range(
             "loss.tis_cap",

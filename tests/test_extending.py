@@ -8,11 +8,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 
 from logra_pl.cli import LoGRACLI
 from logra_pl.errors import ConfigError
-from logra_pl.losses import LOSSES
-from logra_pl.module import LoGRAPolicyModule, LossConfig, RolloutSettings
+from logra_pl.losses import Loss
+from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.rollout.base import RolloutEngine
 from logra_pl.rollout.registry import ENGINES
 from logra_pl.sketch import LoGRAConfig
@@ -31,10 +32,10 @@ PYTHON_BLOCK = re.compile(r"```python\n(.*?)```\n", re.DOTALL)
 def examples(monkeypatch: pytest.MonkeyPatch):
     """``examples("name")`` imports docs/examples/name.py as the top-level module ``name``, as a user's code would be.
 
-    Registrations an example or a dotted path made (losses, engines) are removed afterwards.
+    Registrations an example or a dotted path made (engines) are removed afterwards.
     """
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    losses, engines = set(LOSSES), set(ENGINES)
+    engines = set(ENGINES)
 
     def load(name: str) -> ModuleType:
         module = importlib.import_module(name)
@@ -42,8 +43,6 @@ def examples(monkeypatch: pytest.MonkeyPatch):
         return module
 
     yield load
-    for name in set(LOSSES) - losses:
-        LOSSES.pop(name)
     for name in set(ENGINES) - engines:
         ENGINES.pop(name)
 
@@ -105,13 +104,13 @@ def test_every_example_in_one_python_run(tmp_path: Path, rl_run, examples) -> No
         examples("length_penalty_verifier"),
     )
     data_mod, timed = examples("arithmetic_data"), examples("timed_engine")
-    assert LOSSES["reinforce_k2"] is k2.REINFORCE_K2  # registered on import: `loss.kind: reinforce_k2` works too
-    with pytest.raises(ConfigError, match=r"set loss\.params\.kl_coef"):
-        LossConfig(kind="reinforce_k2")  # a hyper-parameter the spec lists must be given
+    with pytest.raises(ConfigError, match=r"loss\.kl_coef must lie in \[0, inf\), got -1"):
+        k2.ReinforceK2(kl_coef=-1)  # the loss checks its own arguments, before any model loads
     histogram = histogram_mod.RewardHistogram(bins=4)
     data = data_mod.ArithmeticDataModule(train_size=32, eval_size=8, prompts_per_step=8)
+    loss = k2.ReinforceK2(kl_coef=0.5)
     module = tiny_module(
-        loss=LossConfig(kind="k2_loss.REINFORCE_K2", params={"kl_coef": 0.5}),
+        loss=loss,
         verifier=verifier_mod.CorrectWithLengthPenalty(per_char=0.1),
         engine=timed.TimedSettings(history=100),
     )
@@ -122,8 +121,8 @@ def test_every_example_in_one_python_run(tmp_path: Path, rl_run, examples) -> No
     assert sum(histogram.counts) == 2 * len(ctx.rewards)
     shares = [float(metrics[f"reward_hist/{k / 4:.2f}-{(k + 1) / 4:.2f}"]) for k in range(4)]
     assert sum(shares) == pytest.approx(1.0)
-    # The loss was the example's: its statistic is logged.
-    assert module.loss_config.spec is k2.REINFORCE_K2 and module.loss_config.hyper_parameters() == {"kl_coef": 0.5}
+    # The loss was the example's, one update per rollout (the default plan): its statistic is logged.
+    assert module.loss_config is loss and isinstance(loss, Loss) and module.global_step == 2
     assert set(ctx.loss_stats) == {"k2"} and float(metrics["train/k2"]) >= 0.0
     # The prompts came from the data module, and the rewards from the verifier (run in the scoring workers).
     assert len(ctx.items) == 8 and all(it["task"] == "addition" and it in data.train_items for it in ctx.items)
@@ -180,8 +179,8 @@ def test_cli_callback_loss_and_engine(tmp_path: Path, examples) -> None:
         "--data.prompts_per_step=8",
         "--trainer.callbacks+=reward_histogram.RewardHistogram",
         "--trainer.callbacks.init_args.bins=2",
-        "--model.loss.kind=k2_loss.REINFORCE_K2",
-        "--model.loss.params={kl_coef: 0.5}",
+        "--model.loss=k2_loss.ReinforceK2",
+        "--model.loss.kl_coef=0.5",
         "--model.engine.class_path=timed_engine.TimedSettings",
         "--model.engine.init_args.history=1",
     )
@@ -191,7 +190,8 @@ def test_cli_callback_loss_and_engine(tmp_path: Path, examples) -> None:
     assert sum(histograms[0].counts) == 2 * len(module.step_context.rewards)
     assert {"reward_hist/0.00-0.50", "reward_hist/0.50-1.00"} <= set(trainer.callback_metrics)
     assert any(type(cb).__name__ == "RunSummary" for cb in trainer.callbacks)  # appended to the config's callbacks
-    assert module.loss_config.spec is k2.REINFORCE_K2 and module.loss_config.hyper_parameters() == {"kl_coef": 0.5}
+    assert isinstance(module.loss_config, k2.ReinforceK2) and module.loss_config.kl_coef == 0.5
+    assert cli.config.fit.model.loss.class_path == "k2_loss.ReinforceK2"  # the saved config names the class
     assert "train/k2" in trainer.callback_metrics
     # The engine was built from its YAML settings: it kept the last generate call only.
     assert module.engine_spec == timed.TimedSettings(history=1)
@@ -239,3 +239,20 @@ def test_sgd_method_steps_exactly_and_trains_through_the_cli(examples, tmp_path:
     )
     assert module.global_step == 2 and module.rejections.total == 0
     assert "plain SGD (lr 0.05)" in module.training_report()
+
+
+def test_the_guides_loss_yaml_selects_the_example(tmp_path: Path, examples, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The YAML of section 2, as the guide prints it, over the base config: the example's loss with its argument."""
+    k2 = examples("k2_loss")
+    monkeypatch.setattr("sys.argv", ["logra-pl"])
+    text = GUIDE.read_text().split("## 2. A loss", 1)[1].split("## 3.", 1)[0]
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.DOTALL) if "class_path: k2_loss" in b]
+    overlay = tmp_path / "loss.yaml"
+    overlay.write_text(block)
+    assert yaml.safe_load(block)["model"]["loss"]["init_args"] == {"kl_coef": 0.5}
+    cli = LoGRACLI(args=["--config", CONFIG, "--config", str(overlay)], run=False)
+    loss = cli.model.loss_config
+    assert type(loss) is k2.ReinforceK2 and (loss.kl_coef, loss.length_reference) == (0.5, None)
+    # A short name selects a built-in loss at its defaults; a class name takes arguments.
+    cli = LoGRACLI(args=["--config", CONFIG, "--model.loss=PPOClip", "--model.loss.clip_eps=0.1"], run=False)
+    assert repr(cli.model.loss_config) == "PPOClip(clip_eps=0.1, epochs=2, minibatches=2, length_reference=None)"

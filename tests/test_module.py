@@ -8,7 +8,7 @@ import torch
 
 from logra_pl.cli import LoGRACLI
 from logra_pl.data import ReasoningGymDataModule
-from logra_pl.module import LoGRAPolicyModule, LossConfig, RolloutSettings
+from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
@@ -45,7 +45,7 @@ def test_engine_follows_trainer_every_update(tmp_path, kind: str) -> None:
     module = LoGRAPolicyModule(
         policy="tiny",
         logra=LoGRAConfig(rank=16, update_ratio=1e-2),
-        loss=LossConfig(kind=kind, ppo_epochs=2, ppo_minibatches=2),
+        loss=kind,  # the short names: ReinforceTIS(), PPOClip() with epochs = minibatches = 2
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
     )

@@ -258,8 +258,9 @@ def test_recipe_holds_the_paper_settings(recipe: Path) -> None:
     assert model["microbatch_size"] == 1 and data["prompts_per_step"] == 128
     rollout = model["rollout"]
     assert (rollout["responses_per_prompt"], rollout["temperature"], rollout["top_p"]) == (1, 1.0, 1.0)
-    assert model["loss"]["kind"] == "reinforce_tis" and model["loss"]["tis_cap"] == 2.0
-    assert model["baseline"]["kind"] == "running"
+    assert model["loss"]["class_path"] == "logra_pl.losses.ReinforceTIS"
+    assert model["loss"]["init_args"]["tis_cap"] == 2.0
+    assert model["baseline"]["class_path"] == "logra_pl.losses.RunningBaseline"
     # Sync: factors for LoGRA, full weights for a dense optimizer; a tolerance for bf16 engines.
     sync = callbacks["PolicySync"]
     assert sync["mode"] == ("factors" if model["optimizer"] == "logra" else "full")

@@ -101,7 +101,10 @@ def test_resume_refuses_structural_changes_and_notes_the_others(
     for flags, listed in [
         (["--model.logra.rank=32"], "model.logra.rank: checkpoint 64, now 32"),
         (["--model.optimizer=adamw"], "model.optimizer: checkpoint 'logra', now 'adamw'"),
-        (["--model.logra.rank=32", "--model.loss.kind=ppo"], "model.loss.kind: checkpoint 'reinforce_tis', now 'ppo'"),
+        (
+            ["--model.logra.rank=32", "--model.loss=ppo"],
+            "model.loss.class_path: checkpoint 'logra_pl.losses.ReinforceTIS', now 'logra_pl.losses.PPOClip'",
+        ),
         (["--data.seed=3"], "data.seed: checkpoint 0, now 3"),
     ]:
         with pytest.raises(SystemExit) as exit_info:

@@ -25,7 +25,6 @@ from typing_extensions import override
 from logra_pl import compat
 from logra_pl.errors import ConfigError, check_int
 from logra_pl.logprobs import PackedResponses, response_logprobs
-from logra_pl.losses import length_weights
 from logra_pl.sketch.diagnostics import SketchFidelity, sketch_fidelity
 from logra_pl.sketch.projection import make_projection
 
@@ -140,8 +139,7 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
     sketcher = pl_module.sketcher
     weights = {name: m.module.weight for name, m in sketcher.matrices.items()}
     device = pl_module.device
-    cfg = pl_module.loss_config
-    spec, params = cfg.spec, cfg.hyper_parameters()
+    loss_fn = pl_module.loss_config
     packed = probe_packed(probe)
     rows = packed.input_ids.shape[0]
     num_tokens = max(int(packed.response_mask.sum()), 1)
@@ -159,10 +157,9 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
             mb = PackedResponses(*(t[part] for t in (getattr(packed, f) for f in _PACKED_FIELDS))).to(device)
             with torch.enable_grad(), forward():
                 logp = response_logprobs(pl_module.policy, mb, probe["temperature"])
-                reference = probe["logp_rollout"][part].to(device) if spec.reference == "rollout" else logp.detach()
+                reference = probe["logp_rollout"][part].to(device) if loss_fn.reference == "rollout" else logp.detach()
                 advantages = probe["advantages"][part].to(device)
-                lengths = length_weights(mb.lengths, cfg.length_reference)
-                loss = spec.fn(logp, reference, advantages, mb.response_mask, num_tokens, lengths, **params)
+                loss = loss_fn(logp, reference, advantages, mb.response_mask, num_tokens, loss_fn.weights(mb.lengths))
             torch.autograd.backward(loss, inputs=list(weights.values()))
         grads = {n: w.grad for n, w in weights.items() if w.grad is not None}
     return grads

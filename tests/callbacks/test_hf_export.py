@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from logra_pl.callbacks import HFExport
 from logra_pl.export import PROVENANCE_FILE, export_checkpoint, policy_folder_complete
-from logra_pl.module import LoGRAPolicyModule, LossConfig, RolloutSettings
+from logra_pl.losses import PPOClip
+from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
@@ -111,7 +112,7 @@ def test_no_final_export_when_the_fit_fails(rl_run, tmp_path: Path) -> None:
 def test_ppo_updates_cross_the_period_and_resume_continues_the_count(rl_run, tmp_path: Path) -> None:
     # PPO: 2 epochs × 2 minibatches = 4 updates per training step, so global_step goes 4, 8: every 2 updates means
     # "whenever a multiple of 2 was crossed".
-    ppo = _module(loss=LossConfig(kind="ppo", ppo_epochs=2, ppo_minibatches=2))
+    ppo = _module(loss=PPOClip(epochs=2, minibatches=2))
     rl_run(ppo, tmp_path / "ppo", 8, [HFExport(every_n_updates=2, at_end=False, dirpath=str(tmp_path / "ppo_hf"))])
     assert _listing(tmp_path / "ppo_hf") == ["update-000004", "update-000008"]
 
