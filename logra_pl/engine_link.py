@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from logra_pl.errors import StaleEngineError
+from logra_pl.ranks import any_rank
 from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig, StaleableEngine, cast_floats
 from logra_pl.sketch.payload import Payload
 
@@ -30,8 +31,7 @@ class EngineLink:
         engine: the rollout engine.
         method: the :class:`~logra_pl.methods.UpdateMethod` (what a full or per-update sync sends).
         policy: the trainer's policy.
-        any_rank: ``flag`` OR-ed over the training processes (a collective; identity in one process).
-        is_global_zero: whether this process logs for the run.
+        trainer: the Trainer the module is attached to now (None outside one): its ranks agree on repairs.
     """
 
     def __init__(
@@ -39,14 +39,12 @@ class EngineLink:
         engine: RolloutEngine,
         method: Any,
         policy: torch.nn.Module,
-        any_rank: Callable[[bool], bool] = bool,
-        is_global_zero: Callable[[], bool] = lambda: True,
+        trainer: Callable[[], Any] = lambda: None,
     ) -> None:
         self.engine = engine
         self.method = method
         self.policy = policy
-        self.any_rank = any_rank
-        self.is_global_zero = is_global_zero
+        self.trainer = trainer
         self.resyncs = 0  # full resyncs of engines found stale (lost update, restart)
         self.last_payload: Payload | None = None  # what the last update merged (factor methods)
 
@@ -90,18 +88,18 @@ class EngineLink:
                 rollout = engine.generate(prompts, sampling, prompt_seeds=prompt_seeds)
             except StaleEngineError as err:  # the engine marked itself stale; every rank hears of it below
                 last = err
-            if not self.any_rank(rollout is None):
+            if not any_rank(self.trainer(), rollout is None):
                 return rollout
         raise StaleEngineError(f"engines stayed out of sync after 3 full resyncs (last: {last})")
 
     def ensure_current(self, device: torch.device) -> None:
         """Resend the full weights when any rank knows an engine to be stale (collective on all ranks)."""
         engine = self.engine
-        if self.any_rank(not engine.check_current()):
+        if any_rank(self.trainer(), not engine.check_current()):
             first = engine.never_synced  # a first sync, not a repair
             stale = ", ".join(engine.stale_engines()) or "an engine"
             self.sync(device, full=True)
             if not first:
                 self.resyncs += 1
-                if self.is_global_zero():
+                if self.trainer() is None or self.trainer().is_global_zero:
                     log.warning("%s held other weights than the trainer: full weights resent", stale)

@@ -1,12 +1,8 @@
 """``LoGRAPolicyModule``: one ``training_step`` is one rollout and its policy update(s) (algorithm.md §8).
 
-Flow of a step: the rollout engine samples responses (token ids + the log-probs of what it sampled) → the verifier
-scores them → the baseline gives advantages → the trainer's log-probs of the sampled tokens (no grad, pre-update) →
-microbatched loss + ``manual_backward`` → the update method's step (LoGRA: proposal → ``on_before_optimizer_step``
-callbacks → guard → merge) → the engine receives the update. This file is the orchestration; each part lives in its
-own module: the update method (:mod:`logra_pl.methods`), the engine link (:mod:`logra_pl.engine_link`), batches
-(:mod:`logra_pl.batching`), validation metrics (:mod:`logra_pl.validation`), the guard's counts
-(:mod:`logra_pl.guard`), policy loading (:mod:`logra_pl.policy_setup`). Callbacks read the step's data from
+The Lightning hooks and the orchestration of a step: rollout (:mod:`logra_pl.engine_link`) → rewards → advantages →
+pre-update log-probs (:mod:`logra_pl.step`) → microbatched backward (:mod:`logra_pl.backward`) → the update method's
+step (:mod:`logra_pl.methods`) → the engine receives the update. Callbacks read the step's data from
 :attr:`LoGRAPolicyModule.step_context` and the module through :class:`~logra_pl.step.PolicyModuleView`.
 """
 
@@ -20,29 +16,30 @@ import lightning.pytorch as pl
 import torch
 
 from logra_pl import compat, methods
-from logra_pl.batching import encode_prompts, microbatches, padded_logprobs, select_rows
+from logra_pl.backward import backward_over
+from logra_pl.batching import encode_prompts, microbatches, select_rows
 from logra_pl.callbacks.progress import replace_default_callbacks
 from logra_pl.checkpointing import enable_activation_checkpointing
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
 from logra_pl.engine_link import EngineLink
-from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
+from logra_pl.errors import PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
-from logra_pl.logprobs import PackedResponses, pack_responses, response_logprobs
+from logra_pl.logprobs import PackedResponses, response_logprobs
 from logra_pl.lora import LoRAConfig
 from logra_pl.losses import AdvantageBaseline, LegacyBaselineSettings, Loss, build_baseline, build_loss
 from logra_pl.methods import UpdateMethod
 from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
-from logra_pl.policy_setup import load_training_policy, rank_zero_first, training_source
-from logra_pl.ranks import all_reduce_sum, any_rank
+from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
+from logra_pl.ranks import all_reduce_sum
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
-from logra_pl.rollout.registry import EngineRequest, EngineSpec, build_engine, engine_spec
+from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
-from logra_pl.step import StepContext, sampling_seed, step_metrics
+from logra_pl.step import StepContext, assemble_step, sampling_seed, step_metrics
 from logra_pl.validation import ValidationMetrics, item_task
 from logra_pl.warm_start import WarmStart
 
@@ -112,25 +109,18 @@ class LoGRAPolicyModule(pl.LightningModule):
         verifier: Verifier | None = None,
     ) -> None:
         super().__init__()
-        if optimizer not in methods.SHORT_NAMES:
-            raise ValueError(f"unknown optimizer {optimizer!r}: use {', '.join(map(repr, methods.SHORT_NAMES))}")
         check_int("microbatch_size", microbatch_size, 1)
-        if max_tokens_per_microbatch is not None:
-            check_int("max_tokens_per_microbatch", max_tokens_per_microbatch, 1)
+        check_int("max_tokens_per_microbatch", 1 if max_tokens_per_microbatch is None else max_tokens_per_microbatch, 1)
         self.engine_spec = engine_spec(engine)  # an unknown engine fails here, before any model is loaded
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy_source, self.warm_start, self.dtype_name, self.seed = policy, warm_start, dtype, seed
-        self.method = methods.resolve_method(method, optimizer, logra, adamw, lora)
+        self.method = methods.resolve_method(method, optimizer, logra, adamw, lora)  # an unknown name fails here
         self.targets = tuple(targets or (logra.targets if logra is not None else DEFAULT_TARGETS))
         self.loss_config = build_loss(loss)
         self.baseline = build_baseline(baseline)
         self.rollout_settings = rollout or RolloutSettings()
-        if self.baseline.needs_groups and self.rollout_settings.responses_per_prompt < 2:
-            raise ConfigError(
-                f"baseline {type(self.baseline).__name__} compares a prompt's responses with each other: set "
-                "rollout.responses_per_prompt >= 2 (or use baseline: running)"
-            )
+        self.rollout_settings.check_baseline(self.baseline)
         self.microbatch_size, self.max_tokens_per_microbatch = microbatch_size, max_tokens_per_microbatch
         self.activation_checkpointing, self.attn_implementation = activation_checkpointing, attn_implementation
         self.scoring = scoring or ScoringSettings()
@@ -140,9 +130,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
         self.guard = guard or DivergenceGuard()
         self.rejections = RejectionCount(self.guard.max_consecutive)
-        self.run_config: dict[str, Any] | None = None  # the CLI's resolved config, kept in checkpoints
-        self.resume_from: str | None = None  # a resumed run's checkpoint: the warm start is then not needed
-        self.resume_checked = False  # the CLI already compared the checkpoint's settings with these
+        self.set_launch(run_config=None, resume_from=None, resume_checked=False)  # outside the CLI
         self.policy: torch.nn.Module | None = None
         self.tokenizer: Any = None
         self.engine: Any = None
@@ -152,9 +140,11 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.validation = ValidationMetrics(self.rollout_settings.pass_at(), self.rollout_settings.val_responses)
 
     def set_launch(self, run_config: dict[str, Any] | None, resume_from: str | None, resume_checked: bool) -> None:
-        """What the CLI knows of this launch: its resolved config (kept in checkpoints), the checkpoint a resume
-        starts from (the warm start is then skipped), and whether it already compared that checkpoint's settings."""
-        self.run_config, self.resume_from, self.resume_checked = run_config, resume_from, resume_checked
+        """The CLI's resolved config (kept in checkpoints), the checkpoint a resume starts from (the warm start is
+        then skipped), and whether the CLI already compared that checkpoint's settings with these."""
+        self.run_config: dict[str, Any] | None = run_config
+        self.resume_from: str | None = resume_from
+        self.resume_checked = resume_checked
 
     @property
     def sketcher(self) -> Any:
@@ -166,37 +156,21 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Load the policy (after the optional warm start) and give the rollout engine its own copy."""
         if self.policy is not None:
             return
-        trainer, dm = compat.trainer_of(self), self._datamodule()
+        trainer = compat.trainer_of(self)
+        dm = getattr(trainer, "datamodule", None)
         source = rank_zero_first(
             trainer,
             lambda: training_source(self.policy_source, self.warm_start, self.resume_from, dm),
             lambda: self.method.check_fits(self.policy_source, self.targets),
         )
         self.policy, self.tokenizer, eos = load_training_policy(source, self.dtype_name, self.attn_implementation)
-        world = trainer.world_size if trainer is not None else 1
-        rank = int(trainer.global_rank) if trainer is not None else 0
-        broadcast = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else (lambda value: value)
-        request = EngineRequest(
-            source,
-            self.policy,
-            self.tokenizer,
-            eos,
-            world,
-            self.rollout_settings,
-            self.dtype_name,
-            list(self.targets),
-            rank,
-            broadcast,
-        )
+        args = (self.policy, self.tokenizer, eos, self.rollout_settings, self.dtype_name, list(self.targets))
+        request = engine_request(trainer, source, *args)
         self.engine = build_engine(self.engine_spec, request)
-        any_rank, zero = self._any_rank, lambda: compat.trainer_of(self) is None or self.trainer.is_global_zero
-        self.link = EngineLink(self.engine, self.method, self.policy, any_rank, zero)
+        self.link = EngineLink(self.engine, self.method, self.policy, lambda: compat.trainer_of(self))
         self.method.prepare_policy(self.policy, self.targets)  # after the engine's copy: it holds plain matrices
         if self.activation_checkpointing:  # after the engine's copy: it generates without recomputation
             enable_activation_checkpointing(self.policy)
-
-    def _datamodule(self) -> Any:
-        return getattr(compat.trainer_of(self), "datamodule", None)
 
     def configure_optimizers(self) -> Any:
         """The update method's optimizer (and schedule) for the target matrices."""
@@ -208,9 +182,11 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.sync_engine(full=True)
 
     def on_validation_start(self) -> None:
-        """Validation samples from the engine too: make sure it holds the current weights."""
+        """Validation samples from the engine too: it must hold the current weights. Per-task pass@1 when the
+        evaluation problems mix tasks (their macro mean is the RG-Hard score)."""
         if self.engine is not None and self.engine.place(self.device):
             self.sync_engine(full=True)
+        self.validation.start(getattr(self.trainer.datamodule, "eval_items", None) or [], self.device)
 
     def teardown(self, stage: str) -> None:
         """Stop the scoring processes (they restart on the next ``score``)."""
@@ -232,10 +208,6 @@ class LoGRAPolicyModule(pl.LightningModule):
         """``engine.generate``; an engine found stale is repaired on every rank and asked again (EngineLink)."""
         return self.link.generate(self.device, prompts, sampling, prompt_seeds)
 
-    @property
-    def engine_resyncs(self) -> int:
-        return self.link.resyncs if self.link is not None else 0
-
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every tensor of the policy, gathered whole, as an engine holds it."""
         return dict(self.method.full_state(self.policy))
@@ -251,17 +223,13 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> torch.Tensor:
         """Verifier reward of every response, ``(N,)`` float64 — each call bounded by ``scoring.timeout_s``."""
-        texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        return torch.tensor(self.scorer.score(texts, [items[i] for i in rollout.prompt_index]), dtype=torch.float64)
+        return self.scorer.score_rollout(self.tokenizer, rollout, items)
 
     def _sampling_seed(self, split: str, key: str = "") -> int:
         return sampling_seed(self.seed, split, self.global_step, key)
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(compat.trainer_of(self), t, self.device)
-
-    def _any_rank(self, flag: bool) -> bool:
-        return any_rank(compat.trainer_of(self), flag)
 
     def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> list[list[int]]:
         return microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
@@ -276,9 +244,7 @@ class LoGRAPolicyModule(pl.LightningModule):
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
-        sampling = SamplingConfig(
-            rs.responses_per_prompt, rs.temperature, rs.top_p, rs.max_new_tokens, seed=self._sampling_seed("train")
-        )
+        sampling = rs.training_sampling(self._sampling_seed("train"))
         # One seed per prompt (from its question): a prompt's responses do not depend on batch or rank layout.
         seeds = [self._sampling_seed("train", prompt_key(it)) for it in items]
         try:
@@ -287,13 +253,8 @@ class LoGRAPolicyModule(pl.LightningModule):
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
         rewards = self.score(rollout, items)
         advantages = self.baseline.advantages(rewards, self._all_reduce_sum, groups=rollout.prompt_index)
-        packed = pack_responses(rollout.prompt_ids, rollout.response_ids, self.tokenizer.pad_token_id)
-        t_logp = rs.temperature if rs.temperature > 0 else 1.0
-        logp_trainer = self.trainer_logprobs(packed, t_logp)
-        logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)
-        return StepContext(
-            self.global_step, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, t_logp
-        )
+        t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
+        return assemble_step(self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp)
 
     # ---------------------------------------------------------------------------------------- training
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
@@ -306,7 +267,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
         if self.link.can_go_stale:
-            metrics["sync/engine_resyncs"] = float(self.engine_resyncs)
+            metrics["sync/engine_resyncs"] = float(self.link.resyncs)
         metrics["guard/rejected_updates"] = float(self.rejections.total)
         metrics |= self.method.metrics()
         metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
@@ -320,46 +281,31 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
         """Microbatched loss/backward over ``rows``, then one update through the method and the engine sync."""
-        loss_fn, t0 = self.loss_config, time.perf_counter()
+        t0 = time.perf_counter()
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
-        num_tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
-        # REINFORCE+TIS weighs by π/π_rollout (capped); PPO by π/π_old with π_old the pre-update trainer.
-        reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
-        total, trim = 0.0, self.max_tokens_per_microbatch is not None
-        for mb in self._microbatches(rows, ctx.packed):
-            packed = select_rows(ctx.packed, mb, trim).to(self.device)
-            logp = response_logprobs(self.policy, packed, ctx.temperature)
-            adv, ref = ctx.advantages[mb].to(self.device), reference[mb].to(self.device)
-            weights = loss_fn.weights(packed.lengths)
-            loss = loss_fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), weights)
-            self.manual_backward(loss)
-            total += float(loss.detach())
-            for name, (num, den) in loss_fn.stats(logp.detach(), ref, packed.response_mask).items():
-                acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
-                acc[0] += num
-                acc[1] += den
+        tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
+        groups, trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
+        total = backward_over(
+            self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim
+        )
         t1 = time.perf_counter()
         result = self.method.step(self.optimizers(), self.lr_schedulers(), self._all_reduce_sum)
         if result.payload is not None:
             ctx.payloads.append(result.payload)
         ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
-        say = self.trainer.is_global_zero
-        self.rejections.record(result.rejected, self.global_step, self.method.step_knob, ckpt, say)
+        self.rejections.record(
+            result.rejected, self.global_step, self.method.step_knob, ckpt, self.trainer.is_global_zero
+        )
         self.link.last_payload = result.payload
         if self.sync_owner is None:
             self.link.sync(self.device, payload=result.payload)
         return total, t1 - t0, time.perf_counter() - t1, result.update_norm
 
     # -------------------------------------------------------------------------------------- validation
-    def on_validation_epoch_start(self) -> None:
-        """Per-task pass@1 when the evaluation problems mix tasks (their macro mean is the RG-Hard score)."""
-        self.validation.start(getattr(self._datamodule(), "eval_items", None) or [], self.device)
-
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """Sample ``val_responses`` per problem at the validation settings; accumulate reward and pass@j."""
         rs = self.rollout_settings
-        seed = self._sampling_seed(f"val{batch_idx}")
-        sampling = SamplingConfig(rs.val_responses, rs.val_temperature, rs.val_top_p, rs.max_new_tokens, seed=seed)
+        sampling = rs.validation_sampling(self._sampling_seed(f"val{batch_idx}"))
         rollout = self.generate_rollout(self.encode_prompts(batch), sampling)
         rewards = self.score(rollout, batch)
         texts = []
@@ -374,12 +320,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         if out is None:
             return
         self.log("val/pass@1", out.pop("val/pass@1"), prog_bar=True)
-        if out:
-            self.log_dict(out)
-        experiment = getattr(self.logger, "experiment", None) if self.logger is not None else None
-        panel = self.validation.panel()
-        if panel and self.trainer.is_global_zero and hasattr(experiment, "add_text"):
-            experiment.add_text("val/samples", panel, global_step=self.global_step)
+        self.log_dict(out)
+        if self.trainer.is_global_zero:
+            self.validation.show(self.logger, self.global_step)
 
     # -------------------------------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

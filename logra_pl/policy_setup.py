@@ -70,3 +70,16 @@ def load_training_policy(source: str, dtype: str, attn_implementation: str | Non
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
     return model, tokenizer, sorted(eos)
+
+
+def engine_request(
+    trainer: Any, source: str, model: Any, tokenizer: Any, eos: list[int], rollout: Any, dtype: str, targets: list[str]
+) -> Any:
+    """What an engine spec builds from: the loaded policy and its stop tokens, the run's topology (world size, rank,
+    and a broadcast of rank 0's value: served engines name weight versions by one run id), sampling and dtype."""
+    from logra_pl.rollout.registry import EngineRequest
+
+    world = trainer.world_size if trainer is not None else 1
+    rank = int(trainer.global_rank) if trainer is not None else 0
+    broadcast = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else (lambda value: value)
+    return EngineRequest(source, model, tokenizer, eos, world, rollout, dtype, targets, rank, broadcast)

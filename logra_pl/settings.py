@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.losses import _BUILTIN_SPECS, Loss, LossSpec, PPOClip, ReinforceTIS, SpecLoss, resolve_loss
+from logra_pl.rollout.base import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,22 @@ class RolloutSettings:
     val_pass_at: list[int] = field(default_factory=list)
     max_batch: int = 256
     share_weights: bool = False
+
+    def training_sampling(self, seed: int) -> SamplingConfig:
+        """The sampling of one training rollout."""
+        return SamplingConfig(self.responses_per_prompt, self.temperature, self.top_p, self.max_new_tokens, seed=seed)
+
+    def validation_sampling(self, seed: int) -> SamplingConfig:
+        """The sampling of one validation batch."""
+        return SamplingConfig(self.val_responses, self.val_temperature, self.val_top_p, self.max_new_tokens, seed=seed)
+
+    def check_baseline(self, baseline: Any) -> None:
+        """A baseline that compares a prompt's responses with each other needs at least two of them."""
+        if baseline.needs_groups and self.responses_per_prompt < 2:
+            raise ConfigError(
+                f"baseline {type(baseline).__name__} compares a prompt's responses with each other: set "
+                "rollout.responses_per_prompt >= 2 (or use baseline: running)"
+            )
 
     def pass_at(self) -> list[int]:
         """The ``j`` of every ``val/pass@j`` logged (``pass@1`` always)."""

@@ -7,12 +7,14 @@ implements it; a module of your own that does can run the same callbacks).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from logra_pl.logprobs import PackedResponses
+from logra_pl.batching import padded_logprobs
+from logra_pl.logprobs import PackedResponses, pack_responses
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.sketch.payload import Payload
 
@@ -42,6 +44,24 @@ class StepContext:
     def eos_terminated(self) -> torch.Tensor:
         """``(N,)`` bool: responses that ended with EOS (not truncated)."""
         return torch.tensor([not t for t in self.rollout.truncated])
+
+
+def assemble_step(
+    update: int,
+    items: list[dict[str, Any]],
+    rollout: Rollout,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    pad_id: int,
+    trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor],
+    temperature: float,
+) -> StepContext:
+    """A step's context from its rollout, rewards and advantages: the responses packed for the trainer, the rollout
+    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``)."""
+    packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id)
+    logp_trainer = trainer_logprobs(packed, temperature)
+    logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)
+    return StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
 
 
 def sampling_seed(seed: int, split: str, update: int, key: str = "") -> int:

@@ -70,6 +70,13 @@ class ValidationMetrics(nn.Module):
         self.passes.reset()
         return out
 
+    def show(self, logger: Any, step: int) -> None:
+        """The sample panel as TensorBoard text (``val/samples``), for loggers that take text."""
+        experiment = getattr(logger, "experiment", None) if logger is not None else None
+        panel = self.panel()
+        if panel and hasattr(experiment, "add_text"):
+            experiment.add_text("val/samples", panel, global_step=step)
+
     def panel(self) -> str | None:
         """The samples as a markdown table (None when there are none)."""
         if not self.shown:

@@ -47,6 +47,8 @@ def resolve_method(
     """
     if isinstance(method, UpdateMethod):
         return method
+    if optimizer not in SHORT_NAMES:
+        raise ConfigError(f"unknown optimizer {optimizer!r}: use {', '.join(map(repr, SHORT_NAMES))}")
     name = optimizer if method is None else method
     if name == "logra":
         return LoGRAMethod(logra)

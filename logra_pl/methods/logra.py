@@ -86,7 +86,8 @@ class LoGRAMethod(UpdateMethod):
 
     @override
     def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
-        self._sketcher = LoGRASketcher(policy, self.with_targets(targets))
+        self.config = self.with_targets(targets)  # what trained_tensors and changed_numel read from now on
+        self._sketcher = LoGRASketcher(policy, self.config)
         bound = guard.max_update_ratio if guard.enabled else None
         self.optimizer = LoGRAOptimizer(self._sketcher, max_relative_update=bound)
         return self.optimizer

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any
 
+import torch
 from pebble import ProcessPool
 
 from logra_pl.rewards.base import Verifier, read_counter
@@ -293,6 +294,13 @@ class BoundedVerifier:
             results = self._score_in_pool(responses, items)
         self.last_components = _mean_components([parts for _, parts in results])
         return [reward for reward, _ in results]
+
+    def score_rollout(self, tokenizer: Any, rollout: Any, items: Sequence[Mapping[str, Any]]) -> Any:
+        """Rewards ``(N,)`` float64 of a rollout's responses (decoded with ``tokenizer``), each against the item of its
+        prompt. (torch is imported here, not at the top: the scoring workers import this module and need no torch.)"""
+
+        texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        return torch.tensor(self.score(texts, [items[i] for i in rollout.prompt_index]), dtype=torch.float64)
 
     def _score_in_pool(
         self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]
