@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from helpers.optim import StepThrough
 
 from logra_pl.engine_link import EngineLink
 from logra_pl.errors import StaleEngineError
@@ -21,19 +22,6 @@ def _lm_backward(policy: torch.nn.Module, seed: int) -> None:
     policy(input_ids=ids, labels=ids).loss.backward()
 
 
-class _Opt:
-    """What a method's ``step`` needs from Lightning's optimizer wrapper: ``step``, ``zero_grad``, ``optimizer``."""
-
-    def __init__(self, inner):
-        self.optimizer = inner
-
-    def step(self):
-        return self.optimizer.step()
-
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-
 def test_logra_payload_and_dense_tensors_keep_a_real_engine_equal(tiny_model_dir) -> None:
     for method in (LoGRAMethod(LoGRAConfig(rank=16, update_ratio=1e-2)), DenseAdamW()):
         policy, tok = load_policy(str(tiny_model_dir))
@@ -44,7 +32,7 @@ def test_logra_payload_and_dense_tensors_keep_a_real_engine_equal(tiny_model_dir
         sched = built["lr_scheduler"]["scheduler"] if isinstance(built, dict) else None
         for update in range(2):
             _lm_backward(policy, update)
-            result = method.step(_Opt(opt), sched, lambda t: t)
+            result = method.step(StepThrough(opt), sched, lambda t: t)
             assert result.rejected is None and result.update_norm > 0
             assert (result.payload is not None) == method.ships_factors
             link.sync(CPU, payload=result.payload)

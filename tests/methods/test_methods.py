@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.optim import StepThrough
 
 from logra_pl.errors import ConfigError, PolicyDivergedError
 from logra_pl.guard import DivergenceGuard, RejectionCount
@@ -17,17 +18,6 @@ from logra_pl.sketch import LoGRAConfig
 TARGETS = ["q_proj", "down_proj"]
 
 
-class _Opt:
-    def __init__(self, inner):
-        self.optimizer = inner
-
-    def step(self):
-        return self.optimizer.step()
-
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-
 def _backward(policy, seed=0):
     ids = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(seed))
     policy(input_ids=ids, labels=ids).loss.backward()
@@ -36,8 +26,8 @@ def _backward(policy, seed=0):
 def _build(method, policy, guard=None):
     built = method.configure_optimizers(policy, TARGETS, guard or DivergenceGuard())
     if isinstance(built, dict):
-        return _Opt(built["optimizer"]), built["lr_scheduler"]["scheduler"]
-    return _Opt(built), None
+        return StepThrough(built["optimizer"]), built["lr_scheduler"]["scheduler"]
+    return StepThrough(built), None
 
 
 def test_dense_adamw_first_step_is_lr_times_sign_of_the_gradient(tiny_model_dir) -> None:
