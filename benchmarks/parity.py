@@ -561,10 +561,11 @@ def execute(runs: Sequence[RunSpec], out: Path, jobs: int, val0: Mapping[str, fl
         result = {"key": spec.key, "cell": spec.cell, "seed": spec.seed, "args": spec.args}
         result.update(summarize(ablate.read_scalars(folder / "tb"), val0, wall))
         (folder / "result.json").write_text(json.dumps(result))
+        final = math.nan if result["report_final"] is None else result["report_final"]
         print(
             f"  {spec.cell} seed {spec.seed}: {result['updates']} updates in {wall:.0f} s, reward gain "
             f"{result['reward_gain']:+.3f}, tuning score {result['tune_score']:.3f}, report pass@1 "
-            f"{val0.get('report', float('nan')):.3f} -> {result['report_final'] or float('nan'):.3f}",
+            f"{val0.get('report', math.nan):.3f} -> {final:.3f}",
             flush=True,
         )
 
@@ -893,6 +894,9 @@ def plots(report: dict, out: Path) -> list[Path]:
         if not drawn:
             plt.close(fig)
             continue
+        absent = [e["label"] for e in methods.values() if _series(e["runs"], tag) is None]
+        if absent:  # say which methods logged nothing, rather than leave them silently out
+            ax.text(0.01, 0.01, f"not logged: {', '.join(absent)}", transform=ax.transAxes, fontsize=6, va="bottom")
         if log:
             ax.set_yscale("log")
         ax.set_xlabel("update")
