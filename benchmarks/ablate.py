@@ -2,6 +2,8 @@
 
     python benchmarks/ablate.py [--grid default|quick|demo] [--seeds 0 1 2] [--budget-minutes 75 | --updates N]
         [--jobs 2] [--out runs/ablate/<grid>] [--cells NAME ...] [--figures DIR] [--dry-run]
+    python benchmarks/ablate.py --grid parity [--model tiny|tiny:small] [--stage tune|report|all|levers]
+        [--updates N] [--values K] [--methods NAME ...] [--jobs 2] [--out runs/ablate/parity/<model>] [--dry-run]
 
 Each cell of a grid is ``configs/tiny_cpu.yaml`` plus YAML overlays (``configs/ablations/``, ``configs/overlays/``),
 run for every seed as ``logra-pl fit`` in its own process (``--jobs`` at a time, each with ``cpu_count / jobs``
@@ -21,6 +23,16 @@ Grids (``default`` reproduces the paper's ablations; a cell shared by several co
 
 ``quick`` is a 2-cell, 2-seed smoke version for the test suite; ``demo`` is the README's demo (LoGRA vs dense AdamW
 at the configs' own length) over seeds 0-4.
+
+``parity`` (``benchmarks/parity.py``, whose docstring has the whole protocol) is the fair comparison the optimizer
+cells above are not: the paper's LoGRA, LoGRA with the levers of ``configs/overlays/logra_levers.yaml``, dense
+AdamW and LoRA r = 64, each tuned by its step knob (the KL budget's scale, or lr) over 4 log-spaced values on seeds
+0-1 by the pass@1 of a tuning half of the held-out problems, then run at the chosen value on seeds 2-6 and scored
+on the other half (reward gain, report-split pass@1, realized KL per update, training state, wall time, ratios to
+tuned AdamW and the goal line). ``--stage tune|report|all`` (all: both, the report once the tuning is complete),
+``--stage levers`` (``--grid levers``: each lever alone on the paper's LoGRA). About 1.7 hours on ``tiny``
+(``--dry-run`` prints the estimate and every command); ``--budget-minutes``, ``--seeds`` and ``--cells`` do not
+apply to it (``--updates``, ``--values``, ``--tune-seeds``, ``--report-seeds``, ``--methods`` do).
 
 Resumable: a run that finished has ``result.json`` in ``<out>/<cell>/seed<S>/`` (with the settings it ran with) and
 is not rerun when the settings are the same; an unfinished run starts over. With ``--budget-minutes`` the number of

@@ -967,69 +967,53 @@ def write_report(report: dict, out: Path, figures: Path | None, plan: Plan) -> N
 
 
 # ------------------------------------------------------------------------------------------------ main
-def _print_commands(runs: Sequence[RunSpec], out: Path) -> None:
-    for spec in runs:
-        print(f"[{spec.stage}] {spec.cell} seed {spec.seed}: logra-pl " + " ".join(spec.args))
-
-
-def main(args: argparse.Namespace) -> None:
-    """``ablate.py --grid parity|levers``: plan, print the estimate, run the stages, write the report."""
-    model = args.model
-    defaults = MODEL_DEFAULTS.get(model, MODEL_DEFAULTS["tiny:small"])
+def make_plan(args: argparse.Namespace) -> tuple[Plan, str, tuple[str, ...]]:
+    """The plan, the stage and the levers of an ``ablate.py --grid parity|levers`` command line."""
+    defaults = MODEL_DEFAULTS.get(args.model, MODEL_DEFAULTS["tiny:small"])
     stage = "levers" if args.grid == "levers" else args.stage
     methods = tuple(args.methods or METHODS)
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        raise SystemExit(f"unknown methods {unknown}: choose from {list(METHODS)}")
     levers = tuple(args.levers or LEVERS)
-    unknown = sorted(set(levers) - set(LEVERS))
-    if unknown:
-        raise SystemExit(f"unknown levers {unknown}: choose from {list(LEVERS)}")
+    for what, names, known in (("methods", methods, METHODS), ("levers", levers, LEVERS)):
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise SystemExit(f"unknown {what} {unknown}: choose from {list(known)}")
     if stage == "levers":  # the levers need paper_logra's tuned budget (its tuning runs first, or is reused)
         methods = ("paper_logra",)
-    out = (args.out or ROOT / "runs" / "ablate" / "parity" / _slug(model)).resolve()
     plan = Plan(
-        model=model,
+        model=args.model,
         updates=args.updates or defaults["updates"],
         values=args.values if args.values is not None else defaults["values"],
         methods=methods,
-        out=out,
+        out=(args.out or ROOT / "runs" / "ablate" / "parity" / _slug(args.model)).resolve(),
         tune_seeds=tuple(args.tune_seeds or TUNE_SEEDS),
         report_seeds=tuple(args.report_seeds or REPORT_SEEDS),
         extra=tuple(args.extra),
     )
     if plan.updates < 2 * VALIDATIONS:
         raise SystemExit(f"--updates {plan.updates}: at least {2 * VALIDATIONS} (two per validation)")
-    # Methods (and levers) this checkout cannot run: refused before anything starts, named.
-    involved = methods if stage != "levers" else ("paper_logra",)
-    problems = [p for name in involved if (p := preflight(METHODS[name]))]
-    if stage == "levers":
-        problems += [p for name in levers if (p := preflight(METHODS["paper_logra"], (name, LEVERS[name])))]
-    found = choices(plan, out)
-    tune = plan.tune_runs() if stage in ("tune", "all") else []
-    tune_only = [s for s in plan.tune_runs() if s.method == "paper_logra"] if stage == "levers" else []
-    pending = [n for n in methods if found[n].value is None]
-    report_known = plan.report_runs(found) if stage in ("report", "all") else []
-    lever_runs = plan.lever_runs(found.get("paper_logra"), levers) if stage == "levers" else []
-    n_report = len(methods) * len(plan.report_seeds) if stage in ("report", "all") else 0
+    return plan, stage, levers
+
+
+def describe(plan: Plan, stage: str, levers: Sequence[str], tune: Sequence[RunSpec], jobs: int) -> str:
+    """The plan as printed before anything runs: runs per stage and their estimated wall time."""
+    n_report = len(plan.methods) * len(plan.report_seeds) if stage in ("report", "all") else 0
     n_levers = len(levers) * len(plan.tune_seeds) if stage == "levers" else 0
 
     def one_run(name: str) -> float:
-        return estimate_s([plan.spec("tune", name, METHODS[name].knob.default, 0)], model, plan.updates, 1)
+        return estimate_s([plan.spec("tune", name, METHODS[name].knob.default, 0)], plan.model, plan.updates, 1)
 
-    est_tune = estimate_s(tune or tune_only, model, plan.updates, args.jobs)
-    est_report = sum(one_run(n) for n in methods) * len(plan.report_seeds) / args.jobs if n_report else 0.0
-    est_levers = n_levers * one_run("paper_logra") / args.jobs
-    values = ", ".join(f"{n}: {len(plan.values_of(n))} values" for n in (methods if tune else ("paper_logra",)))
+    est_tune = estimate_s(tune, plan.model, plan.updates, jobs)
+    est_report = sum(one_run(n) for n in plan.methods) * len(plan.report_seeds) / jobs if n_report else 0.0
+    est_levers = n_levers * one_run("paper_logra") / jobs
+    values = ", ".join(f"{n}: {len(plan.values_of(n))} values" for n in plan.methods)
     lines = [
-        f"grid parity, model {model}, stage {stage}: methods {list(methods)}, {plan.updates} updates per run, "
-        f"{VALIDATIONS} validations, {args.jobs} at a time -> {out}",
-        f"  tune: {len(tune or tune_only)} runs ({values} x seeds {list(plan.tune_seeds)}), estimated "
-        f"{est_tune / 60:.0f} min",
+        f"grid parity, model {plan.model}, stage {stage}: methods {list(plan.methods)}, {plan.updates} updates per "
+        f"run, {VALIDATIONS} validations, {jobs} at a time -> {plan.out}",
+        f"  tune: {len(tune)} runs ({values} x seeds {list(plan.tune_seeds)}), estimated {est_tune / 60:.0f} min",
     ]
     if n_report:
         lines.append(
-            f"  report: {n_report} runs ({len(methods)} methods x seeds {list(plan.report_seeds)} at the tuned "
+            f"  report: {n_report} runs ({len(plan.methods)} methods x seeds {list(plan.report_seeds)} at the tuned "
             f"value), estimated {est_report / 60:.0f} min"
         )
     if n_levers:
@@ -1037,50 +1021,73 @@ def main(args: argparse.Namespace) -> None:
             f"  levers: {n_levers} runs ({len(levers)} levers x seeds {list(plan.tune_seeds)} at paper_logra's tuned "
             f"budget), estimated {est_levers / 60:.0f} min"
         )
-    scale = MODEL_COST.get(model, max(MODEL_COST.values()))
+    scale = MODEL_COST.get(plan.model, max(MODEL_COST.values()))
     lines.append(
         f"  total estimated {(est_tune + est_report + est_levers) / 60:.0f} min, finished runs included (ablate.COSTS,"
-        f" measured on tiny; x{scale} per update for {model}; the KL measurement of AdamW/LoRA runs estimated)"
+        f" measured on tiny; x{scale} per update for {plan.model}; the KL measurement of AdamW/LoRA runs estimated)"
     )
     cut = cuts(dataclasses.replace(plan, methods=tuple(METHODS)))  # a stage's own subset of methods is no cut
     if cut:
         lines.append(f"  cut from the full protocol: {'; '.join(cut)}")
-    print("\n".join(lines), flush=True)
+    return "\n".join(lines)
+
+
+def dry_run(
+    plan: Plan, stage: str, levers: Sequence[str], tune: Sequence[RunSpec], found: Mapping[str, Choice]
+) -> None:
+    """Every command the stage would run; a stage waiting for a tuning shows its command with the knob open."""
+    runs = [*tune]
+    if stage in ("report", "all"):
+        runs += plan.report_runs(found)
+    if stage == "levers":
+        runs += plan.lever_runs(found.get("paper_logra"), levers)
+    for spec in runs:
+        print(f"[{spec.stage}] {spec.cell} seed {spec.seed}: logra-pl " + " ".join(spec.args))
+    for name in [n for n in plan.methods if found[n].value is None]:
+        m = METHODS[name]
+        if stage in ("report", "all"):
+            example = plan.spec("report", name, m.knob.default, plan.report_seeds[0])
+        elif stage == "levers":
+            lever = next(iter(levers))
+            example = plan.spec("levers", name, m.knob.default, plan.tune_seeds[0], (lever, LEVERS[lever]))
+        else:
+            continue
+        text = " ".join(example.args).replace(
+            " ".join(m.knob.args(m.knob.default, m.overlays)), f"<tuned {m.knob.name}>"
+        )
+        text = text.replace(f"/{m.knob.name}={fmt(m.knob.default)}/", f"/{m.knob.name}=<tuned>/")
+        where = example.cell.split("/")[0]
+        print(f"[{example.stage}] {where}: waits for {name}'s tuning ({found[name].reason}); e.g. logra-pl {text}")
+
+
+def main(args: argparse.Namespace) -> None:
+    """``ablate.py --grid parity|levers``: plan, print the estimate, run the stages, write the report."""
+    plan, stage, levers = make_plan(args)
+    out = plan.out
+    # Methods (and levers) this checkout cannot run: refused before anything starts, named.
+    problems = [p for name in plan.methods if (p := preflight(METHODS[name]))]
+    if stage == "levers":
+        problems += [p for name in levers if (p := preflight(METHODS["paper_logra"], (name, LEVERS[name])))]
+    tune = plan.tune_runs() if stage in ("tune", "all", "levers") else []
+    found = choices(plan, out)
+    print(describe(plan, stage, levers, tune, args.jobs), flush=True)
     for p in problems:
         print(f"  CANNOT RUN: {p}", flush=True)
     if args.dry_run:
-        _print_commands(tune or tune_only, out)
-        _print_commands(report_known, out)
-        _print_commands(lever_runs, out)
-        for name in pending:
-            m = METHODS[name]
-            if stage in ("report", "all"):
-                example = plan.spec("report", name, m.knob.default, plan.report_seeds[0])
-            elif stage == "levers" and name == "paper_logra":
-                lever = next(iter(levers))
-                example = plan.spec("levers", name, m.knob.default, plan.tune_seeds[0], (lever, LEVERS[lever]))
-            else:
-                continue
-            text = " ".join(example.args).replace(
-                " ".join(m.knob.args(m.knob.default, m.overlays)), f"<tuned {m.knob.name}>"
-            )
-            text = text.replace(f"/{m.knob.name}={fmt(m.knob.default)}/", f"/{m.knob.name}=<tuned>/")
-            print(f"[{example.stage}] {example.cell.split('/')[0]}: waits for {name}'s tuning ({found[name].reason}); "
-                  f"e.g. logra-pl {text}")  # fmt: skip
+        dry_run(plan, stage, levers, tune, found)
         return
     if problems:
         hint = "(the other methods run with --methods, e.g. --methods paper_logra adamw lora)"
         raise SystemExit("\n".join(problems) + "\n" + hint)
     start = time.perf_counter()
-    threads = max(1, (os.cpu_count() or 2) // args.jobs)
-    val0 = parity_baseline(plan, out, threads)
-    if tune or tune_only:
-        execute(tune or tune_only, out, args.jobs, val0, args.retry_failed)
+    val0 = parity_baseline(plan, out, max(1, (os.cpu_count() or 2) // args.jobs))
+    if tune:
+        execute(tune, out, args.jobs, val0, args.retry_failed)
         found = choices(plan, out)
     if stage in ("report", "all"):
-        waiting = {n: c.reason for n, c in found.items() if c.value is None}
-        for name, reason in waiting.items():
-            print(f"  report stage of {name} waits: {reason} (run --stage tune first)", flush=True)
+        for name, choice in found.items():
+            if choice.value is None:
+                print(f"  report stage of {name} waits: {choice.reason} (run --stage tune first)", flush=True)
         execute(plan.report_runs(found), out, args.jobs, val0, args.retry_failed)
     if stage == "levers":
         if found["paper_logra"].value is None:
