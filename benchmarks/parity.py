@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -267,10 +268,26 @@ class RunSpec:
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.key = ablate._settings_key(self.args)
+        self.key = settings_key(self.args)
 
     def folder(self, out: Path) -> Path:
         return out / self.cell / f"seed{self.seed}"
+
+
+def settings_key(args: Sequence[str]) -> str:
+    """What a finished run is matched on: its arguments (``ablate._settings_key``) and the parsed content of every
+    YAML file they name, so that editing an overlay (logra_levers.yaml, once the levers are chosen) reruns the runs
+    it changes, while a comment edit does not."""
+    files = sorted(
+        {a.split("=", 1)[-1] for a in args if a.endswith(".yaml")}
+        | {b for a, b in itertools.pairwise(args) if a == "--config"}
+    )
+    content = [
+        f"{f}:{json.dumps(yaml.safe_load((ROOT / f).read_text()), sort_keys=True)}"
+        for f in files
+        if (ROOT / f).is_file()
+    ]
+    return ablate._settings_key([*args, *content])
 
 
 def _slug(model: str) -> str:
@@ -519,7 +536,7 @@ def parity_baseline(plan: Plan, out: Path, threads: int) -> dict[str, float]:
     args += [f"--trainer.logger.init_args.save_dir={out / 'baseline'}", "--trainer.logger.init_args.name=tb"]
     args += ["--trainer.logger.init_args.version=0", "--trainer.enable_progress_bar=false"]
     args += [a for a in plan.extra if a.startswith(ablate.BASELINE_EXTRA)]
-    key = ablate._settings_key(args)
+    key = settings_key(args)
     cached = out / "baseline.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
         return json.loads(cached.read_text())["val"]

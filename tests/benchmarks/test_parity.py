@@ -221,3 +221,18 @@ def test_report_ratios_goal_line_and_missing_kl(tmp_path: Path) -> None:
     assert (tmp_path / "parity_reward_curves.png").stat().st_size > 1000
     assert (tmp_path / "parity_kl_realized.png").stat().st_size > 1000
     assert json.loads((tmp_path / "results.json").read_text())["methods"]["adamw"]["choice"] == 3e-4
+
+
+def test_settings_key_follows_the_overlays_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Editing an overlay's values (logra_levers.yaml once the levers are chosen) makes its runs new settings; a
+    comment edit does not; the folder a run writes to is not part of the key."""
+    monkeypatch.setattr(parity, "ROOT", tmp_path)
+    overlay = tmp_path / "levers.yaml"
+    overlay.write_text("model:\n  logra:\n    beta1: 0.9  # first guess\n")
+    args = ["fit", "--config", "levers.yaml", "--trainer.logger.init_args.save_dir=/a"]
+    key = parity.settings_key(args)
+    assert parity.settings_key([*args[:-1], "--trainer.logger.init_args.save_dir=/b"]) == key
+    overlay.write_text("model:\n  logra:\n    beta1: 0.9  # the winner\n")
+    assert parity.settings_key(args) == key
+    overlay.write_text("model:\n  logra:\n    beta1: 0.8\n")
+    assert parity.settings_key(args) != key
