@@ -36,7 +36,8 @@ on, and is reported on fresh seeds. The protocol, on ``configs/tiny_cpu.yaml``:
 
 Every method anneals over the run: the KL budget's horizon and AdamW/LoRA's lr decay are set to the run's length
 (600 updates: the configs' own values). Runs are one ``logra-pl fit`` process each, ``--jobs`` at a time, and
-resumable as in ``ablate.py`` (``result.json`` and the settings key); the choice is recomputed from finished runs
+resumable as in ``ablate.py`` (``result.json`` and the settings key: the arguments and the parsed content of the
+YAML files they name, so an edited overlay reruns what it changes); the choice is recomputed from finished runs
 every time, so the report stage starts once the tuning stage is complete, in the same command (``--stage all``).
 An overlay whose ``model.logra`` keys or values LoGRAConfig does not know (the levers' until their branch is
 merged) stops the harness before any run, naming them (``--methods`` runs the others meanwhile).
@@ -555,13 +556,29 @@ def parity_baseline(plan: Plan, out: Path, threads: int) -> dict[str, float]:
     return val
 
 
-def execute(runs: Sequence[RunSpec], out: Path, jobs: int, val0: Mapping[str, float], retry_failed: bool) -> None:
-    """Run every spec that has no matching finished result (failed ones too with ``retry_failed``)."""
+def needs_rerun(spec: RunSpec, done: dict, retry_failed: bool = False, rerun_without_kl: bool = False) -> bool:
+    """Whether a finished run is run again: a failed one with ``retry_failed``; with ``rerun_without_kl``, one of a
+    method with measure-only KL that logged no ``kl/realized`` (finished before PredictedKLControl measured dense
+    and LoRA steps: the settings key cannot tell code versions apart)."""
+    if done.get("failed"):
+        return retry_failed
+    return rerun_without_kl and METHODS[spec.method].measure_kl and not done.get("kl_updates")
+
+
+def execute(
+    runs: Sequence[RunSpec],
+    out: Path,
+    jobs: int,
+    val0: Mapping[str, float],
+    retry_failed: bool = False,
+    rerun_without_kl: bool = False,
+) -> None:
+    """Run every spec that has no matching finished result (or whose result :func:`needs_rerun`)."""
     threads = max(1, (os.cpu_count() or 2) // jobs)
     todo = []
     for spec in runs:
         done = load_result(spec, out)
-        if done is not None and not (retry_failed and done.get("failed")):
+        if done is not None and not needs_rerun(spec, done, retry_failed, rerun_without_kl):
             print(f"  {spec.cell} seed {spec.seed}: finished earlier, reused", flush=True)
             continue
         todo.append(spec)
@@ -1099,17 +1116,24 @@ def main(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     val0 = parity_baseline(plan, out, max(1, (os.cpu_count() or 2) // args.jobs))
     if tune:
-        execute(tune, out, args.jobs, val0, args.retry_failed)
+        execute(tune, out, args.jobs, val0, args.retry_failed, args.rerun_without_kl)
         found = choices(plan, out)
     if stage in ("report", "all"):
         for name, choice in found.items():
             if choice.value is None:
                 print(f"  report stage of {name} waits: {choice.reason} (run --stage tune first)", flush=True)
-        execute(plan.report_runs(found), out, args.jobs, val0, args.retry_failed)
+        execute(plan.report_runs(found), out, args.jobs, val0, args.retry_failed, args.rerun_without_kl)
     if stage == "levers":
         if found["paper_logra"].value is None:
             raise SystemExit(f"the levers need paper_logra's tuned budget: {found['paper_logra'].reason}")
-        execute(plan.lever_runs(found["paper_logra"], levers), out, args.jobs, val0, args.retry_failed)
+        execute(
+            plan.lever_runs(found["paper_logra"], levers),
+            out,
+            args.jobs,
+            val0,
+            args.retry_failed,
+            args.rerun_without_kl,
+        )
     # The report holds every method's finished runs, whichever this invocation ran (results.md is one file).
     everything = dataclasses.replace(plan, methods=tuple(METHODS))
     shown = levers if stage == "levers" else tuple(n for n in LEVERS if (out / "levers" / n).exists())
@@ -1130,6 +1154,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tune-seeds", type=int, nargs="+", default=None, help="default: 0 1")
     group.add_argument("--report-seeds", type=int, nargs="+", default=None, help="default: 2 3 4 5 6")
     group.add_argument("--retry-failed", action="store_true", help="rerun runs that failed (kept as failed)")
+    group.add_argument(
+        "--rerun-without-kl",
+        action="store_true",
+        help="rerun AdamW/LoRA runs that logged no kl/realized (finished before dense KL measurement existed)",
+    )
 
 
 if __name__ == "__main__":  # the entry point is ablate.py; this keeps `python benchmarks/parity.py` working too

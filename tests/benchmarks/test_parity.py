@@ -236,3 +236,13 @@ def test_settings_key_follows_the_overlays_content(tmp_path: Path, monkeypatch: 
     assert parity.settings_key(args) == key
     overlay.write_text("model:\n  logra:\n    beta1: 0.8\n")
     assert parity.settings_key(args) != key
+
+
+def test_reuse_rules_for_failed_runs_and_runs_without_kl(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    adamw, paper = plan.spec("tune", "adamw", 3e-4, 0), plan.spec("tune", "paper_logra", 1.0, 0)
+    assert not parity.needs_rerun(adamw, {"failed": True}) and parity.needs_rerun(adamw, {"failed": True}, True)
+    no_kl = {"failed": False, "kl_updates": 0}
+    assert not parity.needs_rerun(adamw, no_kl) and parity.needs_rerun(adamw, no_kl, rerun_without_kl=True)
+    assert not parity.needs_rerun(adamw, {"failed": False, "kl_updates": 40}, rerun_without_kl=True)
+    assert not parity.needs_rerun(paper, no_kl, rerun_without_kl=True)  # LoGRA's KL comes from its controller
