@@ -98,7 +98,10 @@ def test_reference_run_reproduces(name: str, tmp_path: Path) -> None:
     found: dict[str, list[object]] = {}
     mine["checkpoint"] = _without_additions(mine["checkpoint"], found)
     for key, values in found.items():
-        assert all(v in (ADDED_KEYS[key], str(ADDED_KEYS[key])) for v in values), (key, values)  # the new options at their defaults
+        assert all(v in (ADDED_KEYS[key], str(ADDED_KEYS[key])) for v in values), (
+            key,
+            values,
+        )  # the new options at their defaults
     assert sorted(mine["scalars"]) == sorted(ref["scalars"]), "logged scalar tags changed"
     assert sorted(mine["weights"]) == sorted(ref["weights"]), "the policy's tensors changed"
     assert _diff(_structure(ref["checkpoint"]), _structure(mine["checkpoint"])) == []
