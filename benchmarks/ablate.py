@@ -2,6 +2,8 @@
 
     python benchmarks/ablate.py [--grid default|quick|demo] [--seeds 0 1 2] [--budget-minutes 75 | --updates N]
         [--jobs 2] [--out runs/ablate/<grid>] [--cells NAME ...] [--figures DIR] [--dry-run]
+    python benchmarks/ablate.py --grid parity [--model tiny|tiny:small] [--stage tune|report|all|levers]
+        [--updates N] [--values K] [--methods NAME ...] [--jobs 2] [--out runs/ablate/parity/<model>] [--dry-run]
 
 Each cell of a grid is ``configs/tiny_cpu.yaml`` plus YAML overlays (``configs/ablations/``, ``configs/overlays/``),
 run for every seed as ``logra-pl fit`` in its own process (``--jobs`` at a time, each with ``cpu_count / jobs``
@@ -21,6 +23,16 @@ Grids (``default`` reproduces the paper's ablations; a cell shared by several co
 
 ``quick`` is a 2-cell, 2-seed smoke version for the test suite; ``demo`` is the README's demo (LoGRA vs dense AdamW
 at the configs' own length) over seeds 0-4.
+
+``parity`` (``benchmarks/parity.py``, whose docstring has the whole protocol) is the fair comparison the optimizer
+cells above are not: the paper's LoGRA, LoGRA with the levers of ``configs/overlays/logra_levers.yaml``, dense
+AdamW and LoRA r = 64, each tuned by its step knob (the KL budget's scale, or lr) over 4 log-spaced values on seeds
+0-1 by the pass@1 of a tuning half of the held-out problems, then run at the chosen value on seeds 2-6 and scored
+on the other half (reward gain, report-split pass@1, realized KL per update, training state, wall time, ratios to
+tuned AdamW and the goal line). ``--stage tune|report|all`` (all: both, the report once the tuning is complete),
+``--stage levers`` (``--grid levers``: each lever alone on the paper's LoGRA). About 1.7 hours on ``tiny``
+(``--dry-run`` prints the estimate and every command); ``--budget-minutes``, ``--seeds`` and ``--cells`` do not
+apply to it (``--updates``, ``--values``, ``--tune-seeds``, ``--report-seeds``, ``--methods`` do).
 
 Resumable: a run that finished has ``result.json`` in ``<out>/<cell>/seed<S>/`` (with the settings it ran with) and
 is not rerun when the settings are the same; an unfinished run starts over. With ``--budget-minutes`` the number of
@@ -58,6 +70,8 @@ ABL = "configs/ablations"
 SCALARS = (
     "train/reward_mean",
     "val/pass@1",
+    "val/tune/pass@1",
+    "val/report/pass@1",
     "kl/realized",
     "kl/predicted_scaled",
     "kl/effective_budget",
@@ -132,6 +146,8 @@ QUICK_ARGS = (
     "--data.eval_batch_size=32",
     "--model.microbatch_size=16",
 )
+# Grids of benchmarks/parity.py (the fair LoGRA vs tuned AdamW protocol; `levers` = `parity --stage levers`).
+PARITY_GRIDS = ("parity", "levers")
 DEFAULT_SEEDS = {"default": [0, 1, 2], "quick": [0, 1], "demo": [0, 1, 2, 3, 4]}
 VALIDATIONS = 4  # validations per run (the last one at the final update)
 # Seconds on this project's 2-core CPU with one thread per run and two runs at a time (measured with this harness):
@@ -359,23 +375,26 @@ def run_grid(
     return report
 
 
-def aggregate(runs: Sequence[dict]) -> dict:
-    """Mean and sample std over seeds of each number (None where a run has none)."""
+AGGREGATED = (
+    "updates",
+    "wall_s",
+    "reward_first",
+    "reward_last",
+    "reward_gain",
+    "val_start",
+    "val_final",
+    "val_gain",
+    "recon_cosine",
+    "captured_energy",
+    "kl_realized",
+    "kl_realized_over_budget",
+)
+
+
+def aggregate(runs: Sequence[dict], keys: Sequence[str] = AGGREGATED) -> dict:
+    """Mean and sample std over seeds of each number of ``keys`` (None where no run has a finite one)."""
     out = {}
-    for key in (
-        "updates",
-        "wall_s",
-        "reward_first",
-        "reward_last",
-        "reward_gain",
-        "val_start",
-        "val_final",
-        "val_gain",
-        "recon_cosine",
-        "captured_energy",
-        "kl_realized",
-        "kl_realized_over_budget",
-    ):
+    for key in keys:
         values = [r[key] for r in runs if r.get(key) is not None and math.isfinite(r[key])]
         if not values:
             out[key] = None
@@ -656,7 +675,7 @@ def write_report(report: dict, out: Path, figures: Path | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--grid", choices=sorted(GRIDS), default="default")
+    parser.add_argument("--grid", choices=sorted([*GRIDS, *PARITY_GRIDS]), default="default")
     parser.add_argument("--quick", action="store_true", help="shorthand for --grid quick (the test suite's run)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (quick: 0 1; demo: 0-4)")
     parser.add_argument("--budget-minutes", type=float, default=75.0, help="wall-time budget of the whole grid")
@@ -674,7 +693,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--model.logra.update_ratio=0.01; --model.logra.* ones reach LoGRA runs only",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
+    sys.modules.setdefault("ablate", sys.modules[__name__])  # parity imports this module by name (also as __main__)
+    import parity
+
+    parity.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.grid in PARITY_GRIDS:
+        parity.main(args)
+        return
     grid = "quick" if args.quick else args.grid
     cells = GRIDS[grid]
     if args.cells:

@@ -46,6 +46,7 @@ class EngineLink:
         self.policy = policy
         self.trainer = trainer
         self.resyncs = 0  # full resyncs of engines found stale (lost update, restart)
+        self.logged_resyncs = 0  # the count the loggers last received
         self.last_payload: Payload | None = None  # what the last update merged (factor methods)
 
     @property

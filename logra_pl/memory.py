@@ -106,6 +106,7 @@ def plan(
     weight_dtype: str = "float32",
     targets: Sequence[str] = DEFAULT_TARGETS,
     train_all: bool = False,
+    logra_moments: bool = False,
 ) -> dict[str, PlanRow]:
     """Predict per-rank training-state bytes for each optimizer.
 
@@ -118,6 +119,7 @@ def plan(
         weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
         targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
         train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
+        logra_moments: LoGRA keeps a sketch-space first moment (``logra.beta1 > 0``): ``d_out × r`` fp32 per matrix.
     """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -156,6 +158,7 @@ def plan(
             report.sketches += linear.out_features * rank_r * 4
             report.projections += rank_r * linear.in_features * 4
             report.row_statistics += linear.out_features * 4
+            report.sketch_moments += linear.out_features * rank_r * 4 if logra_moments else 0
             report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
         out["logra"] = PlanRow("logra", ranks, report)
     return out
@@ -172,6 +175,7 @@ def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
         "sketches",
         "projections",
         "row_statistics",
+        "sketch_moments",
     ]
     names = list(rows)
     lines = [title] if title else []
@@ -193,9 +197,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank r; default 64")
     parser.add_argument("--weight-dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
     parser.add_argument("--train-all", action="store_true", help="dense baseline trains every parameter")
+    parser.add_argument("--logra-moments", action="store_true", help="LoGRA keeps a first moment (logra.beta1 > 0)")
     parser.add_argument("--json", help="write the plan here too")
     args = parser.parse_args(argv)
-    rows = plan(args.model, args.ranks, args.rank, weight_dtype=args.weight_dtype, train_all=args.train_all)
+    rows = plan(
+        args.model,
+        args.ranks,
+        args.rank,
+        weight_dtype=args.weight_dtype,
+        train_all=args.train_all,
+        logra_moments=args.logra_moments,
+    )
     title = f"{args.model}: {args.ranks} rank(s), r={args.rank}, {args.weight_dtype} weights"
     print(format_plan(rows, title))
     if args.json:

@@ -266,8 +266,6 @@ class LoGRAPolicyModule(pl.LightningModule):
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
-        if self.link.can_go_stale:
-            metrics["sync/engine_resyncs"] = float(self.link.resyncs)
         metrics["guard/rejected_updates"] = float(self.rejections.total)
         metrics |= self.method.metrics()
         metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
@@ -278,6 +276,21 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=bs)
         self.log("reward", metrics["train/reward_mean"], prog_bar=True, logger=False, batch_size=bs)
         self.log("step_s", step_s, prog_bar=True, logger=False, batch_size=bs)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """``sync/engine_resyncs`` after the step's callbacks: a repair made by ``PolicySync``'s probe in this step
+        (an engine restarted during the last update) counts at this step, not one step late."""
+        if self.link.can_go_stale:
+            self.link.logged_resyncs = self.link.resyncs
+            bs = len(self.step_context.rollout) if self.step_context is not None else 1
+            self.log("sync/engine_resyncs", float(self.link.resyncs), on_step=True, on_epoch=False, batch_size=bs)
+
+    def on_train_end(self) -> None:
+        """A repair after the last logged step (the final verification's probe) still reaches the loggers."""
+        if self.link.can_go_stale and self.link.resyncs != self.link.logged_resyncs and self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics({"sync/engine_resyncs": float(self.link.resyncs)}, step=self.global_step)
+                logger.save()
 
     def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
         """Microbatched loss/backward over ``rows``, then one update through the method and the engine sync."""

@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.sketch import LoGRASketcher, Payload, Proposal
+from logra_pl.sketch.update import lr_factor
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
@@ -119,10 +120,7 @@ class AdamWConfig:
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` after ``step`` completed updates (``LambdaLR`` semantics)."""
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        progress = min((step - self.warmup_steps) / max(self.decay_steps, 1), 1.0)
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return lr_factor(step, self.warmup_steps, self.decay_steps, self.min_lr_ratio)
 
     def build(self, params: list[torch.nn.Parameter]) -> tuple[torch.optim.AdamW, LambdaLR]:
         """The optimizer and its per-update schedule."""

@@ -1,5 +1,7 @@
 """``ValidationMetrics``: what one validation pass accumulates — mean reward, unbiased pass@j, per-task pass@1 and
-reward with their macro means (the RG-Hard score), and a few samples for a TensorBoard text panel.
+reward with their macro means (the RG-Hard score), pass@1 per evaluation subset (``val/tune/pass@1``,
+``val/report/pass@1`` when the data module splits its problems: ``eval_tune_fraction``), and a few samples for a
+TensorBoard text panel.
 
 An ``nn.Module`` of torchmetrics (synced over ranks), so Lightning reduces and resets them like any logged metric.
 """
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from logra_pl.data.loaders import EVAL_SUBSET_KEY
 from logra_pl.data.schema import item_task, prompt_key
 from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
 
@@ -32,14 +35,22 @@ class ValidationMetrics(nn.Module):
         self.passes = PassAtK(ks=list(ks), samples=samples)
         self.tasks: MacroPassAt1 | None = None  # built at validation start when the eval set mixes tasks
         self.task_rewards: MacroMean | None = None  # per-task mean reward and its macro mean (RG-Hard score)
+        # pass@1 per evaluation subset (tune / report), built at validation start when the items are tagged
+        self.subsets: MacroPassAt1 | None = None
         self.shown: list[tuple[str, str, float]] = []
 
     def start(self, items: Sequence[dict[str, Any]], device: torch.device) -> None:
-        """Per-task metrics when the evaluation problems mix tasks; a fresh sample panel."""
+        """Per-task metrics when the evaluation problems mix tasks, per-subset pass@1 when they are tagged with an
+        ``eval_subset`` (the same per-name counting as per task: :class:`MacroPassAt1`); a fresh sample panel."""
         tasks = sorted({item_task(it) for it in items})
         if len(tasks) > 1 and (self.tasks is None or self.tasks.tasks != tuple(tasks)):
             self.tasks = MacroPassAt1(tasks).to(device)
             self.task_rewards = MacroMean(tasks, "reward").to(device)
+        subsets = sorted({str(it[EVAL_SUBSET_KEY]) for it in items if it.get(EVAL_SUBSET_KEY)})
+        if subsets and (self.subsets is None or self.subsets.tasks != tuple(subsets)):
+            self.subsets = MacroPassAt1(subsets).to(device)
+        elif not subsets:
+            self.subsets = None
         self.shown = []
 
     def update(
@@ -54,12 +65,20 @@ class ValidationMetrics(nn.Module):
             tasks = [item_task(it) for it in batch]
             self.tasks.update(correct.to(device), tasks)
             self.task_rewards.update(rewards.reshape(len(batch), n), tasks)
+        if self.subsets is not None:
+            rows = [i for i, it in enumerate(batch) if it.get(EVAL_SUBSET_KEY)]
+            if rows:
+                names = [str(batch[i][EVAL_SUBSET_KEY]) for i in rows]
+                self.subsets.update(correct[rows].to(device), names)
         self.reward.update(rewards.float())
         for k, text in enumerate(texts[::n][:4]):
             self.shown.append((prompt_key(batch[k]), text, float(rewards[k * n])))
 
     def compute(self) -> dict[str, Any] | None:
-        """``val/pass@j`` (and per-task values) of the pass, then reset; None when nothing was validated."""
+        """``val/pass@j`` (and per-task, per-subset values) of the pass, then reset; None when nothing was validated.
+
+        ``val/pass@1`` is always the mean over every problem; a subset's is ``val/<subset>/pass@1`` (no macro mean
+        over subsets: it would mean nothing)."""
         if self.passes.update_count == 0:
             return None
         out = {f"val/{name}": value for name, value in self.passes.compute().items()}
@@ -67,6 +86,10 @@ class ValidationMetrics(nn.Module):
             if metric is not None and metric.update_count:
                 out |= {f"val/{name}": value for name, value in metric.compute().items()}
                 metric.reset()
+        if self.subsets is not None and self.subsets.update_count:
+            values = self.subsets.compute()
+            out |= {f"val/{name}": value for name, value in values.items() if not name.startswith("macro_")}
+            self.subsets.reset()
         self.passes.reset()
         return out
 

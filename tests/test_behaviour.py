@@ -4,7 +4,8 @@ The records were written by ``python -m tests.behaviour.record`` on the code bef
 loss seams were refactored (issue 22): LoGRA, dense AdamW and LoRA on the demo config with the HF engine, LoGRA
 with an in-process vLLM engine, and LoGRA against a served ``logra-pl serve`` engine — 6 updates each, validation and
 checkpoints every 3. Each run here is a fresh ``logra-pl fit`` process; every logged scalar (wall-clock and process
-memory aside), every weight's digest and the checkpoint's computed contents must be equal.
+memory aside), every weight's digest and the checkpoint's computed contents must be equal. What was added since
+(a new option's setting or state, a new scalar) is listed below with the value it must take in these runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,36 @@ import pytest
 from tests.behaviour.scenarios import SCENARIOS, capture, comparable, fingerprint, load_golden, run
 
 pytestmark = pytest.mark.slow
+
+# What the code logs or saves beyond the records, added since they were written, with the value it must have in these
+# runs (they use none of the new options) and why it exists. Everything else must be as recorded.
+ADDED_SCALARS = {
+    "memory/state/sketch_moments": "issue 23: bytes of LoGRA's sketch-space first moment (logra.beta1 > 0)",
+}
+ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
+    "beta1": 0.0,
+    "momentum_transfer": "project",
+    "lr_warmup_steps": 0,
+    "lr_decay_steps": 0,
+    "lr_min_ratio": 1.0,
+    "moments": {},
+    "moment_age": 0,
+}
+
+
+def _without_additions(image: object, found: dict[str, list[object]]) -> object:
+    """``image`` without the keys of :data:`ADDED_KEYS` (their values collected in ``found``)."""
+    if isinstance(image, dict):
+        out = {}
+        for k, v in image.items():
+            if k in ADDED_KEYS:
+                found.setdefault(k, []).append(v)
+            else:
+                out[k] = _without_additions(v, found)
+        return out
+    if isinstance(image, list):
+        return [_without_additions(v, found) for v in image]
+    return image
 
 
 def _diff(ref: object, mine: object, path: str = "") -> list[str]:
@@ -61,6 +92,13 @@ def test_reference_run_reproduces(name: str, tmp_path: Path) -> None:
             server.kill()
     else:
         mine = capture(run(scenario, tmp_path / "run"))
+    for tag in ADDED_SCALARS:
+        values = mine["scalars"].pop(tag, None)
+        assert tag in ref["scalars"] or values is None or set(values.values()) <= {0.0}, (tag, values)
+    found: dict[str, list[object]] = {}
+    mine["checkpoint"] = _without_additions(mine["checkpoint"], found)
+    for key, values in found.items():
+        assert all(v in (ADDED_KEYS[key], str(ADDED_KEYS[key])) for v in values), (key, values)  # the new options at their defaults
     assert sorted(mine["scalars"]) == sorted(ref["scalars"]), "logged scalar tags changed"
     assert sorted(mine["weights"]) == sorted(ref["weights"]), "the policy's tensors changed"
     assert _diff(_structure(ref["checkpoint"]), _structure(mine["checkpoint"])) == []

@@ -34,7 +34,13 @@ import pyarrow.parquet as pq
 from reasoning_gym.utils import SYSTEM_PROMPTS
 from torch.utils.data import DataLoader
 
-from logra_pl.data.loaders import eval_loader, prompt_loader, trainer_positions  # prompt_loader: re-exported
+from logra_pl.data.loaders import (  # prompt_loader: re-exported
+    check_tune_fraction,
+    eval_loader,
+    prompt_loader,
+    tag_eval_subsets,
+    trainer_positions,
+)
 from logra_pl.data.schema import make_item, prompt_key
 from logra_pl.errors import ConfigError, check_int
 
@@ -418,6 +424,9 @@ class HFPromptDataModule(pl.LightningDataModule):
         seed: seed of the held-out draw and of the training shuffle.
         num_workers: DataLoader workers (0: in the main process).
         cache_dir: datasets' cache folder (default: ``HF_DATASETS_CACHE``).
+        eval_tune_fraction: split the evaluation items into a tuning and a report subset (this share in the tuning
+            one, spread evenly: :func:`~logra_pl.data.loaders.tag_eval_subsets`); validation then also logs
+            ``val/tune/pass@1`` and ``val/report/pass@1``. 0 (default): no split.
     """
 
     def __init__(
@@ -445,6 +454,7 @@ class HFPromptDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         cache_dir: str | None = None,
+        eval_tune_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         # Recorded in checkpoints (a resumed run is checked against them), not sent to the logger: the CLI saves the
@@ -464,6 +474,7 @@ class HFPromptDataModule(pl.LightningDataModule):
         check_int("data.eval_batch_size", eval_batch_size, 1)
         check_int("data.seed", seed, 0)
         check_int("data.num_workers", num_workers, 0)
+        check_tune_fraction("data.eval_tune_fraction", eval_tune_fraction)
         self.path, self.split, self.name = path, split, name
         self.prompt_column, self.answer_column, self.id_column = prompt_column, answer_column, id_column
         self.task = task or default_task(path)
@@ -480,6 +491,7 @@ class HFPromptDataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.cache_dir = cache_dir
+        self.eval_tune_fraction = eval_tune_fraction
         self.train_items: list[dict[str, Any]] = []
         self.eval_items: list[dict[str, Any]] = []
         self.removed_for_eval = 0  # training prompts dropped because an eval_path prompt has the same key
@@ -558,6 +570,7 @@ class HFPromptDataModule(pl.LightningDataModule):
             drawn = set(random.Random(self.seed).sample(range(len(pool)), self.eval_size))
             self.eval_items = [it for i, it in enumerate(pool) if i in drawn]
             train = [it for i, it in enumerate(pool) if i not in drawn]
+        tag_eval_subsets(self.eval_items, self.eval_tune_fraction)
         if len(train) < self.prompts_per_step:
             raise ConfigError(
                 f"only {len(train)} training prompts remain from {self.train_source} (after dedup, "

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
 from logra_pl.data.schema import prompt_key
-from logra_pl.errors import ConfigError, ResumeMismatchError
+from logra_pl.errors import ConfigError, ResumeMismatchError, check_range
+
+# The item key that tags an evaluation problem with its subset, and the subsets' names (``val/<subset>/pass@1``).
+EVAL_SUBSET_KEY = "eval_subset"
+EVAL_SUBSETS = ("tune", "report")
 
 
 def listify(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -145,3 +150,32 @@ def eval_loader(items: list[dict[str, Any]], batch_size: int, num_workers: int =
     if not items:
         raise ConfigError("eval_size is 0: there is nothing to validate on; set eval_size or limit_val_batches=0")
     return DataLoader(items, batch_size=batch_size, shuffle=False, collate_fn=listify, num_workers=num_workers)
+
+
+def check_tune_fraction(name: str, value: Any) -> None:
+    """``value`` is a valid ``eval_tune_fraction``: a number in ``[0, 1)`` (0: no tuning/report split)."""
+    check_range(name, value, 0.0, 1.0, high_open=True, hint="the share of evaluation problems in the tuning subset")
+
+
+def tag_eval_subsets(items: list[dict[str, Any]], tune_fraction: float) -> None:
+    """Tag every evaluation item with the subset it belongs to, ``"tune"`` or ``"report"`` (``item["eval_subset"]``).
+
+    Why: a protocol that tunes each method's step size on the evaluation problems must report on other problems,
+    or the chosen setting's score is biased upwards. The split is fixed (the same problems in every run, whatever
+    the seed or the method) and spread evenly through the evaluation order, so a mixture's tasks are shared about
+    equally: item ``i`` (0-based, in evaluation order) is a tuning problem exactly when
+    ``floor((i + 1)·f) > floor(i·f)``, computed in exact fractions. ``f = 0.5`` makes every second problem (the
+    2nd, 4th, ...) a tuning problem; ``floor(n·f)`` of ``n`` items are. ``f = 0`` tags nothing (no split; items are
+    left as they are), so validation logs what it always did.
+
+    Arguments:
+        items: the evaluation items, in evaluation order (tagged in place).
+        tune_fraction: the share of tuning problems, in ``[0, 1)``.
+    """
+    check_tune_fraction("eval_tune_fraction", tune_fraction)
+    if not tune_fraction:
+        return
+    f = Fraction(str(tune_fraction))
+    for i, item in enumerate(items):
+        tune = int((i + 1) * f) > int(i * f)  # int() floors a non-negative Fraction
+        item[EVAL_SUBSET_KEY] = EVAL_SUBSETS[0] if tune else EVAL_SUBSETS[1]

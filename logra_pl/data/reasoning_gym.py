@@ -16,7 +16,13 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from torch.utils.data import DataLoader
 
-from logra_pl.data.loaders import eval_loader, prompt_loader, trainer_positions
+from logra_pl.data.loaders import (
+    check_tune_fraction,
+    eval_loader,
+    prompt_loader,
+    tag_eval_subsets,
+    trainer_positions,
+)
 from logra_pl.data.schema import validate_item
 from logra_pl.errors import ConfigError, check_int
 
@@ -47,6 +53,10 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         per_task_eval: this many evaluation problems from each task; ``None``: ``eval_size`` split by weight.
         eval_default_difficulty: draw evaluation problems with each task's default reasoning-gym config (ignoring
             its ``config`` overrides, which still shape training), as the Reasoning-Gym Hard protocol evaluates.
+        eval_tune_fraction: split the evaluation problems into a tuning and a report subset (this share in the
+            tuning one, spread evenly: :func:`~logra_pl.data.loaders.tag_eval_subsets`), so that validation also
+            logs ``val/tune/pass@1`` and ``val/report/pass@1``; ``val/pass@1`` stays the mean over all of them.
+            0 (default): no split.
     """
 
     def __init__(
@@ -62,6 +72,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         per_task_train: int | None = None,
         per_task_eval: int | None = None,
         eval_default_difficulty: bool = False,
+        eval_tune_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         # Recorded in checkpoints (a resumed run is checked against them), not sent to the logger: the CLI saves the
@@ -92,6 +103,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
             check_int("data.per_task_eval", per_task_eval, 0)
         if not isinstance(eval_default_difficulty, bool):
             raise ConfigError(f"data.eval_default_difficulty must be true or false, got {eval_default_difficulty!r}")
+        check_tune_fraction("data.eval_tune_fraction", eval_tune_fraction)
         self.tasks = spec
         self.train_size = train_size
         self.eval_size = eval_size
@@ -103,6 +115,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         self.per_task_train = per_task_train
         self.per_task_eval = per_task_eval
         self.eval_default_difficulty = eval_default_difficulty
+        self.eval_tune_fraction = eval_tune_fraction
         self.train_items: list[dict[str, Any]] = []
         self.eval_items: list[dict[str, Any]] = []
 
@@ -176,6 +189,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
             self.eval_items += self._draw(
                 task, eval_quota[task], "eval", set(), default_config=self.eval_default_difficulty
             )
+        tag_eval_subsets(self.eval_items, self.eval_tune_fraction)
         eval_questions = {it["question"] for it in self.eval_items}
         for task in self.tasks:
             self.train_items += self._draw(task, train_quota[task], "train", eval_questions)

@@ -36,6 +36,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from logra_pl.data.hf import HFPromptDataModule
+from logra_pl.data.loaders import tag_eval_subsets
 from logra_pl.errors import ConfigError
 
 DAPO_MATH_17K = "BytedTsinghua-SIA/DAPO-Math-17k"
@@ -120,6 +121,7 @@ class Math500DataModule(HFPromptDataModule):
         """Load every problem as an evaluation item (once)."""
         if not self.eval_items:
             self.eval_items = self.load_train_pool()
+            tag_eval_subsets(self.eval_items, self.eval_tune_fraction)
 
     def train_dataloader(self) -> DataLoader:
         """MATH-500 is an evaluation set: training on it is refused."""

@@ -76,6 +76,8 @@ class RGHardDataModule(ReasoningGymDataModule):
         num_workers: DataLoader workers (0: in the main process).
         train_size: total training problems split by weight; only used when ``per_task_train`` is ``None``.
         eval_size: total evaluation problems split by weight; only used when ``per_task_eval`` is ``None``.
+        eval_tune_fraction: share of the evaluation problems in the tuning subset (``val/tune/pass@1``; the rest:
+            ``val/report/pass@1``); 0 (default): no split.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class RGHardDataModule(ReasoningGymDataModule):
         num_workers: int = 0,
         train_size: int = 5000,
         eval_size: int = 128,
+        eval_tune_fraction: float = 0.0,
     ) -> None:
         super().__init__(
             tasks=list(RG_HARD_TASKS) if tasks is None else tasks,
@@ -104,4 +107,5 @@ class RGHardDataModule(ReasoningGymDataModule):
             per_task_train=per_task_train,
             per_task_eval=per_task_eval,
             eval_default_difficulty=eval_default_difficulty,
+            eval_tune_fraction=eval_tune_fraction,
         )

@@ -56,7 +56,7 @@ class LoGRAMethod(UpdateMethod):
     @property
     @override
     def step_knob(self) -> str:
-        return "lr" if self.config.step_mode == "lr" else "update_ratio"
+        return "lr" if self.config.step_mode in ("lr", "adam") else "update_ratio"
 
     @property
     @override

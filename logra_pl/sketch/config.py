@@ -8,14 +8,15 @@ from typing import Any, Literal
 
 import torch
 
-from logra_pl.errors import ConfigError, check_range
+from logra_pl.errors import ConfigError, check_int, check_range
 
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 Distribution = Literal["rademacher", "gaussian", "hadamard"]
 DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "hadamard")  # every value of Distribution, in order
 UpdateRule = Literal["rowadam", "sgd"]
-StepMode = Literal["ratio", "lr"]
+StepMode = Literal["ratio", "lr", "adam"]
+MomentTransfer = Literal["project", "reset"]
 RatioScope = Literal["global", "matrix"]
 
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -30,8 +31,11 @@ STRUCTURAL_KEYS: tuple[str, ...] = (
     "base_seed",
     "update_rule",
     "beta2",
+    "beta1",
     "dense_params",
 )
+# What a checkpoint written before a structural key existed meant by it.
+_STRUCTURAL_DEFAULTS: dict[str, Any] = {"dense_params": [], "beta1": 0.0}
 
 
 class LoGRAConfigError(ConfigError):
@@ -90,13 +94,23 @@ class LoGRAConfig:
         base_seed: mixed with the update index and the module name into each projection's seed.
         update_rule: ``"rowadam"`` (per-row second moment, algorithm.md §4) or ``"sgd"`` (``D = S``).
         beta2: RowAdam's EMA factor for the row statistic.
+        beta1: EMA factor of a first moment in sketch space (``d_out × r`` fp32 per matrix), carried across
+            projection changes; ``0`` (default, the paper's rule): no first moment, ``D`` is formed from ``S``.
+        momentum_transfer: what the first moment does when a matrix's projection changes: ``"project"`` carries it
+            to the new basis (``m ← m (P_old P_oldᵀ)⁻¹ P_old P_newᵀ``), ``"reset"`` zeroes it (and its bias
+            correction restarts).
         eps: RowAdam's denominator floor, relative to the mean row root.
-        step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``.
+        step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``;
+            ``"adam"`` uses ``U = lr·N/den``: row-wise Adam in sketch space (no norm restore), steps of dense Adam's
+            size for the same ``lr``.
         update_ratio: relative nominal step size ``‖ΔW‖/‖W‖`` (ratio mode).
         ratio_scope: ``"global"`` (algorithm.md §4: one scale over all selected matrices together) or ``"matrix"`` (each
             matrix gets ``‖ΔW_i‖ = update_ratio·‖W_i‖``, a layer-wise trust ratio; it learns markedly faster on
             the tiny CPU models, where a global scale starves the layers with small gradients).
-        lr: learning rate (lr mode only).
+        lr: learning rate (``lr`` and ``adam`` modes).
+        lr_warmup_steps: updates of linear warmup of ``lr`` (``lr``/``adam`` modes; counted in merged updates).
+        lr_decay_steps: updates (after warmup) of its cosine decay to ``lr_min_ratio·lr``.
+        lr_min_ratio: final ``lr`` as a fraction of ``lr``; ``1`` (default) with no warmup: a constant ``lr``.
         factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
         merge_chunk_rows: rows merged per chunk, bounding the temporary float64 ``rows × d_in`` delta. ``None``
             (default): as many rows as fit 64 MiB on a GPU, 32 MiB on a CPU
@@ -118,11 +132,16 @@ class LoGRAConfig:
     base_seed: int = 0
     update_rule: UpdateRule = "rowadam"
     beta2: float = 0.95
+    beta1: float = 0.0
+    momentum_transfer: MomentTransfer = "project"
     eps: float = 1e-8
     step_mode: StepMode = "ratio"
     update_ratio: float = 6e-5
     ratio_scope: RatioScope = "global"
     lr: float = 1e-4
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_min_ratio: float = 1.0
     factor_dtype: str = "bfloat16"
     merge_chunk_rows: int | None = None
     dense_params: tuple[str, ...] = ()
@@ -141,12 +160,22 @@ class LoGRAConfig:
         self.refresh = self.refresh_every != 0
         if self.update_rule not in ("rowadam", "sgd"):
             raise LoGRAConfigError(f"unknown update_rule {self.update_rule!r}: use 'rowadam' or 'sgd'")
-        if self.step_mode not in ("ratio", "lr"):
-            raise LoGRAConfigError(f"unknown step_mode {self.step_mode!r}: use 'ratio' or 'lr'")
+        if self.step_mode not in ("ratio", "lr", "adam"):
+            raise LoGRAConfigError(f"unknown step_mode {self.step_mode!r}: use 'ratio', 'lr' or 'adam'")
+        if self.step_mode == "adam" and self.update_rule != "rowadam":
+            raise LoGRAConfigError(
+                "step_mode 'adam' divides by RowAdam's row statistic: use update_rule 'rowadam' (or step_mode 'lr')"
+            )
+        if self.momentum_transfer not in ("project", "reset"):
+            raise LoGRAConfigError(f"unknown momentum_transfer {self.momentum_transfer!r}: use 'project' or 'reset'")
         if self.ratio_scope not in ("global", "matrix"):
             raise LoGRAConfigError(f"unknown ratio_scope {self.ratio_scope!r}: use 'global' or 'matrix'")
         try:  # finite numbers in range: NaN fails every comparison and would otherwise slip through
             check_range("logra.beta2", self.beta2, 0.0, 1.0, high_open=True)
+            check_range("logra.beta1", self.beta1, 0.0, 1.0, high_open=True, hint="0 = no first moment")
+            check_range("logra.lr_min_ratio", self.lr_min_ratio, 0.0, 1.0)
+            check_int("logra.lr_warmup_steps", self.lr_warmup_steps, 0)
+            check_int("logra.lr_decay_steps", self.lr_decay_steps, 0)
             check_range("logra.eps", self.eps, 0.0)
             check_range("logra.update_ratio", self.update_ratio, 0.0, low_open=True, hint="‖ΔW‖/‖W‖ per update")
             check_range("logra.lr", self.lr, 0.0, low_open=True)
@@ -201,7 +230,7 @@ class LoGRAConfig:
         mine = {**self.to_dict(), "refresh_every": self.refresh_every}
         diff: dict[str, tuple[Any, Any]] = {}
         for key in STRUCTURAL_KEYS:
-            theirs = other.get(key, [] if key == "dense_params" else None)  # older checkpoints: no dense params
+            theirs = other.get(key, _STRUCTURAL_DEFAULTS.get(key))  # older checkpoints: what they meant
             if key == "refresh_every":  # a dict at N = 0 or 1 (and every older one) says it with `refresh` only
                 try:
                     theirs = resolve_refresh_every(other.get("refresh"), other.get("refresh_every"))

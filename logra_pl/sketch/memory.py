@@ -1,8 +1,9 @@
 """Memory accounting: bytes of training state by kind, for a module, its optimizer and its LoGRA sketcher.
 
 Counts each storage once (tied weights, views), by what it is for: ``weights``, ``gradients``,
-``optimizer_state``, ``sketches``, ``projections``, ``row_statistics``. ``dense_gradient_equivalent`` is what
-fp32 dense gradients of the sketched weights would have cost — the memory LoGRA does not spend.
+``optimizer_state``, ``sketches``, ``projections``, ``row_statistics``, ``sketch_moments`` (LoGRA's first
+moment). ``dense_gradient_equivalent`` is what fp32 dense gradients of the sketched weights would have cost — the
+memory LoGRA does not spend.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class MemoryReport:
     sketches: int = 0
     projections: int = 0
     row_statistics: int = 0
+    sketch_moments: int = 0
     dense_gradient_equivalent: int = 0
 
     @property
@@ -40,11 +42,12 @@ class MemoryReport:
 
     @property
     def persistent(self) -> int:
-        """Bytes that live across updates: weights, gradients, optimizer state (adapters and theirs), row statistics.
+        """Bytes that live across updates: weights, gradients, optimizer state (adapters and theirs), row statistics
+        and sketch-space first moments.
 
         Sketches and projections are per-update working buffers (reset every update), so they are not counted.
         """
-        held = self.weights + self.gradients + self.optimizer_state + self.row_statistics
+        held = self.weights + self.gradients + self.optimizer_state + self.row_statistics + self.sketch_moments
         return held + self.adapters + self.adapter_optimizer_state
 
     def as_mib(self) -> dict[str, float]:
@@ -110,5 +113,6 @@ def memory_report(
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
         report.projections = _storage_bytes((m.projection for m in sketcher.matrices.values()), seen)
         report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)
+        report.sketch_moments = _storage_bytes(getattr(sketcher, "moments", {}).values(), seen)
         report.dense_gradient_equivalent = sum(m.d_out * m.d_in * 4 for m in sketcher.matrices.values())
     return report

@@ -29,7 +29,18 @@ from logra_pl.sketch.merge import full_tensor, local_tensor
 from logra_pl.sketch.payload import DenseProposal, MatrixProposal, Payload, Proposal, apply_payload, named_tensors
 from logra_pl.sketch.projection import make_projection, projection_index, projection_seed
 from logra_pl.sketch.targets import select_targets
-from logra_pl.sketch.update import lifted_sq_norm, projection_gram, ratio_scale, rowadam_direction, sgd_direction
+from logra_pl.sketch.update import (
+    adam_direction,
+    bias_corrected,
+    first_moment,
+    lifted_sq_norm,
+    lr_factor,
+    projection_gram,
+    ratio_scale,
+    rowadam_direction,
+    sgd_direction,
+    transfer_moment,
+)
 
 STATE_FORMAT = "logra-pl/sketcher/v1"
 
@@ -75,6 +86,13 @@ class LoGRASketcher:
             for name, m in self.matrices.items()
         }
         self._pending_row_stats: dict[str, torch.Tensor] | None = None
+        # The sketch-space first moment (``logra.beta1 > 0``): d_out × r fp32 per matrix, in the basis of the current
+        # projection; ``moment_age`` counts the merged updates it has averaged since it started (bias correction).
+        self.moments: dict[str, torch.Tensor] = (
+            {name: torch.zeros_like(m.sketch) for name, m in self.matrices.items()} if self.config.beta1 > 0 else {}
+        )
+        self.moment_age = 0
+        self._pending_moments: dict[str, torch.Tensor] | None = None
         # ``{name: (P, P Pᵀ)}`` for the current update: propose and the guard in apply both measure ``‖· P‖``.
         self._grams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dense = select_dense(model, self.config.dense_params, set(self.matrices))
@@ -103,12 +121,23 @@ class LoGRASketcher:
         index = projection_index(self.update_index, self.config.refresh_every)
         return projection_seed(self.config.base_seed, index, name)
 
-    def _install_projections(self) -> None:
+    def _install_projections(self, carry: bool = True) -> None:
+        """Draw the projections of the current update where their seed changed; with ``carry``, the first moment
+        follows each change (``momentum_transfer``: carried into the new basis, or reset)."""
+        changed = False
         for name, m in self.matrices.items():
             seed = self.seed_for(name)
             if seed != m.seed:
                 proj = make_projection(seed, self.config.rank, m.d_in, self.config.distribution, device=m.sketch.device)
+                if carry and self.moments and m.seed != -1:
+                    if self.config.momentum_transfer == "project":
+                        self.moments[name] = transfer_moment(self.moments[name], m.projection, proj)
+                    else:
+                        self.moments[name].zero_()
+                    changed = True
                 m.set_projection(proj, seed)
+        if changed and self.config.momentum_transfer == "reset":
+            self.moment_age = 0
 
     def sketches(self) -> dict[str, torch.Tensor]:
         """``{name: S}`` — the buffers a data-parallel strategy all-reduces before :meth:`propose`."""
@@ -152,7 +181,7 @@ class LoGRASketcher:
         """
         cfg = self.config
         step = self.num_applied + 1
-        directions, pending = self._directions(step, grad_scale)
+        directions, pending, moments = self._directions(step, grad_scale)
         grads = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
         # Everything Python decides on below, read from the device in one transfer (see logra_pl.sketch.host).
         finite, lifted_values, norms = host_values(
@@ -170,8 +199,9 @@ class LoGRASketcher:
             w_sq = {name: norm**2 for name, norm in zip(self.matrices, norms, strict=True)}
         else:
             w_sq = dict(weight_sq_norms)
-        if cfg.step_mode == "lr":
-            scales = dict.fromkeys(directions, cfg.lr)
+        if cfg.step_mode in ("lr", "adam"):
+            lr = cfg.lr * lr_factor(self.num_applied, cfg.lr_warmup_steps, cfg.lr_decay_steps, cfg.lr_min_ratio)
+            scales = dict.fromkeys(directions, lr)
         elif cfg.ratio_scope == "global":
             scales = dict.fromkeys(directions, ratio_scale(sum(w_sq.values()), sum(lifted.values()), cfg.update_ratio))
         else:
@@ -186,6 +216,7 @@ class LoGRASketcher:
             for name, d in directions.items()
         }
         self._pending_row_stats = pending
+        self._pending_moments = moments
         scale = next(iter(scales.values())) if len(set(scales.values())) == 1 else float("nan")
         return Proposal(
             matrices=matrices,
@@ -202,21 +233,35 @@ class LoGRASketcher:
             dense=self._dense_proposals(step, grad_scale),
         )
 
-    def _directions(self, step: int, grad_scale: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``({name: D}, {name: v_new})``: the RowAdam (or SGD) direction of every ``grad_scale · S``, on the device.
+    def _directions(
+        self, step: int, grad_scale: float
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``({name: D}, {name: v_new}, {name: m_new})``: the direction of every ``grad_scale · S``, on the device.
 
-        Nothing is committed: the new row statistics wait in ``v_new`` until the update is merged.
+        RowAdam, Adam-style (``step_mode: adam``) or SGD, from ``S`` or, with ``beta1 > 0``, from the bias-corrected
+        first moment. Nothing is committed: the new row statistics and moments wait until the update is merged.
         """
         cfg = self.config
         directions: dict[str, torch.Tensor] = {}
         pending: dict[str, torch.Tensor] = {}
+        moments: dict[str, torch.Tensor] = {}
         for name, m in self.matrices.items():
             s = m.sketch * grad_scale if grad_scale != 1.0 else m.sketch
-            if cfg.update_rule == "rowadam":
-                directions[name], pending[name] = rowadam_direction(s, self.row_stats[name], step, cfg.beta2, cfg.eps)
+            numerator = None
+            if self.moments:
+                moments[name] = first_moment(s, self.moments[name], cfg.beta1)
+                numerator = bias_corrected(moments[name], cfg.beta1, self.moment_age + 1)
+            if cfg.step_mode == "adam":
+                directions[name], pending[name] = adam_direction(
+                    s, self.row_stats[name], step, cfg.beta2, cfg.eps, numerator
+                )
+            elif cfg.update_rule == "rowadam":
+                directions[name], pending[name] = rowadam_direction(
+                    s, self.row_stats[name], step, cfg.beta2, cfg.eps, numerator
+                )
             else:
-                directions[name] = sgd_direction(s)
-        return directions, pending
+                directions[name] = sgd_direction(s) if numerator is None else numerator
+        return directions, pending, moments
 
     def _dense_proposals(self, step: int, grad_scale: float) -> dict[str, DenseProposal]:
         """Adam steps of the dense parameters at α = 1 (torch's AdamW without weight decay, step ``step``)."""
@@ -306,6 +351,10 @@ class LoGRASketcher:
         if self._pending_row_stats:
             for name, v in self._pending_row_stats.items():
                 self.row_stats[name].copy_(v)
+        if self._pending_moments:
+            for name, moment in self._pending_moments.items():
+                self.moments[name].copy_(moment)
+            self.moment_age += 1
         self.num_applied += 1
         self._advance()
         return payload
@@ -329,6 +378,7 @@ class LoGRASketcher:
 
     def _advance(self) -> None:
         self._pending_row_stats = None
+        self._pending_moments = None
         self._grams.clear()
         self.update_index += 1
         self.zero_sketches()
@@ -348,6 +398,8 @@ class LoGRASketcher:
             "dense_state": {
                 n: {k: v.detach().cpu().clone() for k, v in st.items()} for n, st in self.dense_state.items()
             },
+            "moments": {name: m.detach().cpu().clone() for name, m in self.moments.items()},
+            "moment_age": self.moment_age,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -390,9 +442,19 @@ class LoGRASketcher:
         self.num_skipped = int(state["num_skipped"])
         self.num_rejected = int(state.get("num_rejected", 0))
         self._pending_row_stats = None
+        self._pending_moments = None
         self._grams.clear()
         self.zero_sketches()
-        self._install_projections()
+        self._install_projections(carry=False)  # the saved moments are already in this update's basis
+        moments = state.get("moments", {})
+        if set(moments) != set(self.moments):
+            raise LoGRAConfigError(
+                f"LoGRA checkpoint holds first moments for {len(moments)} matrices, this run needs "
+                f"{len(self.moments)} (logra.beta1 = {self.config.beta1}): resume with the checkpoint's logra.beta1"
+            )
+        for name, moment in moments.items():
+            self.moments[name].copy_(moment)
+        self.moment_age = int(state.get("moment_age", 0))
 
 
 def select_dense(model: nn.Module, patterns: tuple[str, ...], targets: set[str]) -> dict[str, nn.Parameter]:

@@ -1,18 +1,32 @@
-"""Forming the update from the sketches (algorithm.md §4): RowAdam or SGD directions, then one global scale.
+"""Forming the update from the sketches (algorithm.md §4): RowAdam or SGD directions, then the step's scale.
 
 Each function is one formula of the spec, on plain tensors: ``S`` is a (d_out × r) sketch, ``v`` the
-(d_out × 1) RowAdam row statistic, ``P`` the (r × d_in) projection.
+(d_out × 1) RowAdam row statistic, ``m`` the (d_out × r) sketch-space first moment, ``P`` the (r × d_in)
+projection.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 TINY = torch.finfo(torch.float32).tiny
 
 
+def row_denominator(row_stat: torch.Tensor, step: int, beta2: float, eps: float) -> torch.Tensor:
+    """``den = sqrt(v / (1 − β2^t)) + max(ε·mean(root), tiny)``: RowAdam's per-row denominator (d_out × 1)."""
+    root = torch.sqrt(row_stat / (1.0 - beta2**step))
+    return root + torch.clamp(eps * root.mean(), min=TINY)
+
+
 def rowadam_direction(
-    sketch: torch.Tensor, row_stat: torch.Tensor, step: int, beta2: float = 0.95, eps: float = 1e-8
+    sketch: torch.Tensor,
+    row_stat: torch.Tensor,
+    step: int,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    numerator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One RowAdam step on one matrix; returns ``(D, v_new)`` and leaves the inputs untouched.
 
@@ -22,18 +36,21 @@ def rowadam_direction(
         root = sqrt(v / (1 − β2^t))
         den  = root + max(ε·mean(root), tiny)
         s    = min(den) / den ;  s ← s / sqrt(mean(s²))
-        D    = s ⊙ S ;  D ← D · ‖S‖_F / ‖D‖_F
+        D    = s ⊙ N ;  D ← D · ‖N‖_F / ‖D‖_F
 
-    ``t`` (``step``) counts row-statistic updates from 1. A zero sketch gives ``D = 0``.
+    ``N`` (``numerator``) is ``S`` itself (the paper's rule, no first moment) or the bias-corrected first moment
+    ``m̂`` (:func:`first_moment`); ``v`` always comes from ``S``. ``t`` (``step``) counts row-statistic updates from
+    1. A zero ``N`` gives ``D = 0``.
     """
     if step < 1:
         raise ValueError(f"RowAdam step count starts at 1, got {step}")
     s32 = sketch.to(torch.float32)
     v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=1, keepdim=True)
-    root = torch.sqrt(v_new / (1.0 - beta2**step))
-    den = root + torch.clamp(eps * root.mean(), min=TINY)
+    den = row_denominator(v_new, step, beta2, eps)
     scale = den.min() / den
     scale = scale / torch.sqrt(scale.square().mean())
+    if numerator is not None:
+        s32 = numerator.to(torch.float32)
     direction = scale * s32
     d_norm = torch.linalg.vector_norm(direction)
     s_norm = torch.linalg.vector_norm(s32)
@@ -42,9 +59,71 @@ def rowadam_direction(
     return direction * restore, v_new
 
 
+def adam_direction(
+    sketch: torch.Tensor,
+    row_stat: torch.Tensor,
+    step: int,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    numerator: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise Adam in sketch space (``step_mode: adam``); returns ``(D, v_new)``::
+
+        v ← β2·v + (1−β2)·mean_j(S_ij²) ;  D = N / den     (den: :func:`row_denominator`)
+
+    with ``N = S`` or ``m̂``. Unlike :func:`rowadam_direction` the norm is not restored: ``D``'s rows have the size
+    Adam's steps have (about 1 per entry), so ``U = lr·D`` moves ``W`` by about ``lr`` per entry as a dense Adam
+    step of the same ``lr`` does (``‖ΔW_i‖ ≈ lr·sqrt(d_in)`` with ``E[PᵀP] = I``).
+    """
+    if step < 1:
+        raise ValueError(f"Adam step count starts at 1, got {step}")
+    s32 = sketch.to(torch.float32)
+    v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=1, keepdim=True)
+    num = s32 if numerator is None else numerator.to(torch.float32)
+    return num / row_denominator(v_new, step, beta2, eps), v_new
+
+
 def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
     """SGD mode: ``D = S``."""
     return sketch.to(torch.float32).clone()
+
+
+def first_moment(sketch: torch.Tensor, moment: torch.Tensor, beta1: float) -> torch.Tensor:
+    """``m ← β1·m + (1−β1)·S`` (fp32), the sketch-space first moment; returns the new ``m``, inputs untouched."""
+    return beta1 * moment + (1.0 - beta1) * sketch.to(torch.float32)
+
+
+def bias_corrected(moment: torch.Tensor, beta1: float, age: int) -> torch.Tensor:
+    """``m̂ = m / (1 − β1^a)``, ``a`` the moment's updates since it started (from 1)."""
+    if age < 1:
+        raise ValueError(f"first-moment age starts at 1, got {age}")
+    return moment / (1.0 - beta1**age)
+
+
+def transfer_moment(moment: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Carry a first moment from projection ``old`` to ``new``: ``m ← m · (P_old P_oldᵀ)⁻¹ · P_old · P_newᵀ``.
+
+    ``m`` is a sketch ``M P_oldᵀ`` of a dense moment ``M``; ``m (P_old P_oldᵀ)⁻¹ P_old`` is the least-norm ``M̂``
+    with that sketch (``M`` restricted to the row space of ``P_old``), and ``M̂ P_newᵀ`` its sketch in the new
+    basis. The transfer to the same basis is the identity; with orthonormal rows (``P Pᵀ = I``, e.g. a square
+    orthogonal ``P``) it is ``m · P_old · P_newᵀ``. Computed in float64, returned in ``m``'s dtype.
+    """
+    p_old, p_new = old.to(torch.float64), new.to(torch.float64)
+    carry = torch.linalg.solve(p_old @ p_old.T, p_old @ p_new.T)  # (r × r): (P_old P_oldᵀ)⁻¹ P_old P_newᵀ
+    return (moment.to(torch.float64) @ carry).to(moment.dtype)
+
+
+def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:
+    """Multiplier of ``lr`` after ``step`` completed updates: linear warmup, then cosine decay to ``min_ratio``.
+
+    Update ``k`` (from 0) uses ``(k+1)/(warmup+1)`` during the warmup, then
+    ``min + (1 − min)·½(1 + cos(π·min((k − warmup)/decay, 1)))`` — dense AdamW's schedule (algorithm.md §10).
+    ``warmup_steps = 0`` and ``min_ratio = 1`` give a constant 1.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    progress = min((step - warmup_steps) / max(decay_steps, 1), 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def projection_gram(projection: torch.Tensor) -> torch.Tensor:

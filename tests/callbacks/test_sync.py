@@ -105,6 +105,77 @@ def test_missing_vllm_names_the_extra(monkeypatch) -> None:
         VLLMEngine("unused", 0)
 
 
+class _Restartable:
+    """The module's HF engine as a served one behaves after a restart: stale until the next full load."""
+
+    def __init__(self, engine) -> None:
+        self.inner, self.never_synced, self.current = engine, False, True
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def check_current(self) -> bool:
+        return self.current
+
+    def stale_engines(self) -> list[str]:
+        return [] if self.current else ["http://restarted"]
+
+    def load_weights(self, tensors):
+        self.current = True
+        return self.inner.load_weights(tensors)
+
+
+class _RestartAt(pl.Callback):
+    """Puts the restartable engine in the module's link; marks it stale after update ``step``, before PolicySync."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.link.engine = _Restartable(pl_module.engine)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            pl_module.link.engine.current = False
+
+
+@pytest.mark.parametrize("verify_every", [1, 2])
+def test_a_repair_in_the_last_steps_probe_is_logged_at_that_step(tmp_path, verify_every: int) -> None:
+    """The engine goes stale during the last update: PolicySync's probe (in the step's callbacks, or at train end
+    when that update was not verified there) repairs it, and the loggers' last ``sync/engine_resyncs`` says 1."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = LoGRAPolicyModule(
+        policy="tiny", logra=LoGRAConfig(rank=16, update_ratio=1e-2), rollout=RolloutSettings(max_new_tokens=4)
+    )
+    sync = PolicySync(verify_every=verify_every, tolerance=1e-5, probe_lengths=[20], probe_new_tokens=2)
+    data = ReasoningGymDataModule(
+        {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
+    )
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=[_RestartAt(3), sync],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data)
+    assert module.link.resyncs == 1 and module.link.engine.current
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        logged = [r for r in csv.DictReader(f) if r["sync/engine_resyncs"]]
+    rows = [(int(r["step"]), float(r["sync/engine_resyncs"])) for r in logged]
+    assert rows[-1] == (2 if verify_every == 1 else 3, 1.0)  # CSV steps count from 0 in on_step logging
+    assert [v for _, v in rows[:-1]] == [0.0] * (len(rows) - 1)
+
+
 def test_hadamard_refreshed_every_3_updates_keeps_engine_equal(tmp_path) -> None:
     """Hadamard projections with a new basis every 3 updates: the HF engine, fed factors only, equals the trainer
     bit for bit after every update, on a policy whose MLP width 384 = 128·3 is not a power of two."""

@@ -99,3 +99,25 @@ def test_module_and_data_seeds_may_differ_with_a_logger(tmp_path) -> None:
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 1
     assert module.hparams["seed"] == 1 and data.hparams["seed"] == 0
+
+
+def test_eval_tune_fraction_tags_a_fixed_even_split() -> None:
+    """``eval_tune_fraction=0.5``: every second eval problem is a tuning one, the same problems in every build; 0
+    (the default) tags nothing and leaves the problems themselves unchanged."""
+    from logra_pl.data.loaders import tag_eval_subsets
+    from logra_pl.errors import ConfigError
+
+    kwargs = {"train_size": 50, "eval_size": 10, "prompts_per_step": 8, "seed": 1}
+    split = ReasoningGymDataModule(["chain_sum"], eval_tune_fraction=0.5, **kwargs)
+    plain = ReasoningGymDataModule(["chain_sum"], **kwargs)
+    split.setup()
+    plain.setup()
+    assert [it["eval_subset"] for it in split.eval_items] == ["report", "tune"] * 5
+    assert all("eval_subset" not in it for it in plain.eval_items)
+    assert [it["question"] for it in split.eval_items] == [it["question"] for it in plain.eval_items]
+    assert [it["question"] for it in split.train_items] == [it["question"] for it in plain.train_items]
+    items = [{"id": str(i)} for i in range(10)]
+    tag_eval_subsets(items, 0.3)  # floor(10 * 0.3) = 3 tuning items, spread through the order
+    assert [i for i, it in enumerate(items) if it["eval_subset"] == "tune"] == [3, 6, 9]
+    with pytest.raises(ConfigError, match="eval_tune_fraction"):
+        ReasoningGymDataModule(["chain_sum"], eval_tune_fraction=1.0, **kwargs)

@@ -1,0 +1,1165 @@
+"""The parity protocol of ``benchmarks/ablate.py --grid parity``: LoGRA against a tuned dense AdamW, fairly.
+
+    python benchmarks/ablate.py --grid parity [--model tiny|tiny:small] [--stage tune|report|all|levers]
+        [--updates N] [--values K] [--methods NAME ...] [--jobs 2] [--out DIR] [--figures DIR] [--dry-run]
+
+Why: a comparison of update rules is only as fair as the tuning of each. Every method gets the same budget of
+tuning (its one step knob over log-spaced values, on the same seeds), is chosen on problems it is then not scored
+on, and is reported on fresh seeds. The protocol, on ``configs/tiny_cpu.yaml``:
+
+1. **Evaluation split.** The 256 held-out problems are split by ``--data.eval_tune_fraction=0.5``: every second
+   problem (2nd, 4th, ...) is a *tuning* problem, the others *report* problems (fixed, the same in every run:
+   :func:`logra_pl.data.loaders.tag_eval_subsets`). Validation logs ``val/tune/pass@1`` and ``val/report/pass@1``
+   beside ``val/pass@1`` (all 256), 4 times per run (the last at the final update).
+2. **Methods and knobs** (:data:`METHODS`): ``paper_logra`` (``configs/overlays/paper_logra.yaml``: the paper's
+   LoGRA) and ``logra_best`` (plus ``configs/overlays/logra_levers.yaml``: the chosen levers), both tuned by the
+   KL budget's scale (δmax and δmin times one factor: with the controller active the budget, not update_ratio,
+   sizes the step); ``adamw`` (``configs/overlays/adamw.yaml``) and ``lora`` r = 64 (``configs/ablations/lora.yaml``),
+   tuned by lr. Each knob has 4 log-spaced values (:data:`METHODS`), run on seeds 0-1. The chosen value is the
+   argmax over values of the tuning-split pass@1, each run's score being the **mean of its last two validations**
+   (less evaluation noise than the final one alone, still the end of training), averaged over the seeds. Ties
+   (equal to 1e-9) go to the higher mean reward gain, then to the smaller knob value (the more conservative
+   step); a value with a failed run (e.g. the divergence guard stopped it) is never chosen.
+3. **Report.** The chosen value runs on 5 fresh seeds (2-6); the table gives mean ± std over them of the reward
+   gain (``ablate.summarize_run``: the last 10% of updates' mean train reward minus the first 10%'s), the final
+   report-split pass@1, the realized KL per update (the mean of ``kl/realized`` over updates), the training state
+   (bytes held for training besides the weights, counted by MemoryMonitor before each optimizer step: gradients,
+   optimizer moments, adapters and theirs, sketches, projections, row statistics; the peak over updates) and the
+   wall time per run, with the ratios to tuned AdamW and the goal line (MET/MISSED, with the numbers).
+4. **KL for every method.** LoGRA runs carry their KL controller with ``calibrate: true``; AdamW and LoRA runs get
+   :class:`~logra_pl.callbacks.PredictedKLControl` in measure-only mode (``callbacks/kl_control.yaml`` with
+   ``schedule.kind=none``, ``calibrate=true``: no control, α = 1). Until PredictedKLControl measures dense and LoRA
+   steps, those runs log no ``kl/realized``: the report shows "—" and says so.
+5. **Levers** (``--stage levers``, or ``--grid levers``): each lever of :data:`LEVERS` alone on top of
+   ``paper_logra`` at its tuned budget, seeds 0-1, scored like the tuning stage against paper_logra's own tuning
+   runs at that budget (same seeds); the winners go into ``configs/overlays/logra_levers.yaml`` by hand.
+
+Every method anneals over the run: the KL budget's horizon and AdamW/LoRA's lr decay are set to the run's length
+(600 updates: the configs' own values). Runs are one ``logra-pl fit`` process each, ``--jobs`` at a time, and
+resumable as in ``ablate.py`` (``result.json`` and the settings key: the arguments and the parsed content of the
+YAML files they name, so an edited overlay reruns what it changes); the choice is recomputed from finished runs
+every time, so the report stage starts once the tuning stage is complete, in the same command (``--stage all``).
+An overlay whose ``model.logra`` keys or values LoGRAConfig does not know (the levers' until their branch is
+merged) stops the harness before any run, naming them (``--methods`` runs the others meanwhile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+import typing
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ablate
+import yaml
+from ablate import BASE, COSTS, ROOT, VALIDATIONS
+
+PAPER_OVERLAY = "configs/overlays/paper_logra.yaml"
+LEVERS_OVERLAY = "configs/overlays/logra_levers.yaml"
+TUNE_FRACTION = 0.5  # every second evaluation problem is a tuning problem
+TUNE_SEEDS = (0, 1)
+REPORT_SEEDS = (2, 3, 4, 5, 6)
+# The full protocol per model: updates per run and knob values per method (what results.md compares a run with).
+PROTOCOL = {"updates": 600, "values": 4}
+MODEL_DEFAULTS = {"tiny": {"updates": 600, "values": 4}, "tiny:small": {"updates": 300, "values": 3}}
+# Seconds per update of the measure-only KL probe on AdamW/LoRA runs (one forward-mode pass and one forward on 2
+# responses). An estimate, not a measurement: LoGRA's COSTS entry already includes its probe.
+KL_MEASURE_COST = 0.06
+# Per-update (and per-validation) cost relative to `tiny`, whose COSTS the harness measured. tiny:small: 4.5x, the
+# measured ratio of a bare forward+backward and of an 8-token generation of 64 prompts (4.7x, 4.4x; one thread,
+# 0.59M vs 4.2M parameters), not of whole harness runs: its first runs' wall times tell.
+MODEL_COST = {"tiny": 1.0, "tiny:small": 4.5}
+STARTUP_COST = {"tiny": 1.0, "tiny:small": 1.5}
+# PredictedKLControl in measure-only mode, appended to the runs of methods without KL control.
+MEASURE_KL = (
+    "--trainer.callbacks+=callbacks/kl_control.yaml",
+    "--trainer.callbacks.init_args.schedule.kind=none",
+    "--trainer.callbacks.init_args.calibrate=true",
+)
+GOAL = {"gain": 1.0, "state": 0.35}
+GOAL_TEXT = (
+    "tuned LoGRA's reward gain ≥ 100% of tuned AdamW's, report-split pass@1 within one seed std, at ≤ 0.35× "
+    "AdamW's training state"
+)
+
+
+# ------------------------------------------------------------------------------------------------ methods
+@dataclass(frozen=True)
+class Knob:
+    """The one setting a method is tuned by.
+
+    Arguments:
+        name: ``kl_scale`` (δmax and δmin of the method's PredictedKLControl times the value) or ``lr``
+            (``model.adamw.lr``, AdamW's and LoRA's).
+        values: the log-spaced grid, ascending.
+        default: the configs' own value (``--values K`` keeps the K values nearest to it).
+    """
+
+    name: str
+    values: tuple[float, ...]
+    default: float
+
+    def args(self, value: float, overlays: Sequence[str]) -> list[str]:
+        """The ``logra-pl`` overrides that set the knob to ``value``."""
+        if self.name == "lr":
+            return [f"--model.adamw.lr={fmt(value)}"]
+        low, high = kl_budget(tuple(overlays))
+        return [
+            f"--trainer.callbacks.init_args.schedule.delta_max={fmt(high * value)}",
+            f"--trainer.callbacks.init_args.schedule.delta_min={fmt(low * value)}",
+        ]
+
+    def keep(self, count: int | None) -> tuple[float, ...]:
+        """The ``count`` values nearest to the default (log distance; ties: the smaller), ascending; all for None."""
+        if count is None or count >= len(self.values):
+            return self.values
+        if count < 1:
+            raise SystemExit(f"--values must be at least 1, got {count}")
+        near = sorted(self.values, key=lambda v: (abs(math.log(v / self.default)), v))
+        return tuple(sorted(near[:count]))
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the protocol.
+
+    Arguments:
+        name: folder and table name.
+        label: how tables and plots name it.
+        overlays: YAML files applied after ``configs/tiny_cpu.yaml``, in order.
+        optimizer: ``logra`` | ``adamw`` | ``lora`` (per-update cost; LoGRA runs get a projection seed).
+        knob: what it is tuned by.
+        measure_kl: append PredictedKLControl in measure-only mode (methods without KL control).
+    """
+
+    name: str
+    label: str
+    overlays: tuple[str, ...]
+    optimizer: str
+    knob: Knob
+    measure_kl: bool = False
+
+
+# The grids: factor-2 steps of the KL budget around paper_logra.yaml's own (δmax 1e-2 → δmin 1e-3); half-decade
+# steps of lr around the configs' (AdamW 3e-4, LoRA 1e-3).
+KL_KNOB = Knob("kl_scale", (0.5, 1.0, 2.0, 4.0), 1.0)
+ADAMW_KNOB = Knob("lr", (1e-4, 3e-4, 1e-3, 3e-3), 3e-4)
+LORA_KNOB = Knob("lr", (3e-4, 1e-3, 3e-3, 1e-2), 1e-3)
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("paper_logra", "LoGRA, paper (r = 64)", (PAPER_OVERLAY,), "logra", KL_KNOB),
+        Method("logra_best", "LoGRA, best levers (r = 64)", (PAPER_OVERLAY, LEVERS_OVERLAY), "logra", KL_KNOB),
+        Method("adamw", "dense AdamW", ("configs/overlays/adamw.yaml",), "adamw", ADAMW_KNOB, measure_kl=True),
+        Method("lora", "LoRA (r = 64)", ("configs/ablations/lora.yaml",), "lora", LORA_KNOB, measure_kl=True),
+    )
+}
+LOGRA_METHODS = ("paper_logra", "logra_best")
+# Each lever alone on top of paper_logra (model.logra keys; the lever branch's names). A first moment needs a basis
+# policy to be judged, so its remedies (slower refresh, orthogonal rows) are cells of their own.
+LEVERS: dict[str, dict[str, Any]] = {
+    "scope_matrix": {"ratio_scope": "matrix"},
+    "hadamard": {"distribution": "hadamard"},
+    "beta1_project": {"beta1": 0.9, "momentum_transfer": "project"},
+    "beta1_reset": {"beta1": 0.9, "momentum_transfer": "reset"},
+    "beta1_refresh10": {"beta1": 0.9, "momentum_transfer": "project", "refresh_every": 10},
+    "beta1_hadamard": {"beta1": 0.9, "momentum_transfer": "project", "distribution": "hadamard"},
+    "step_adam": {"step_mode": "adam", "lr": 1e-3, "lr_warmup_steps": 9, "lr_min_ratio": 0.1},
+}
+
+
+def fmt(value: Any) -> str:
+    """A CLI / folder spelling of a value: compact floats (``0.0003``, ``4``), ``true``/``false``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+@functools.cache
+def _yaml(path: str) -> dict:
+    return yaml.safe_load((ROOT / path).read_text()) or {}
+
+
+@functools.cache
+def kl_budget(overlays: tuple[str, ...]) -> tuple[float, float]:
+    """(δmin, δmax) of the PredictedKLControl in the last of base + ``overlays`` that lists one."""
+    found = None
+    for path in (BASE, *overlays):
+        for cb in (_yaml(path).get("trainer") or {}).get("callbacks") or []:
+            if str(cb.get("class_path", "")).endswith("PredictedKLControl"):
+                schedule = (cb.get("init_args") or {}).get("schedule") or {}
+                found = (float(schedule["delta_min"]), float(schedule["delta_max"]))
+    if found is None:
+        raise SystemExit(f"no PredictedKLControl schedule in {BASE} + {list(overlays)}: the kl_scale knob needs one")
+    return found
+
+
+def merged_logra(method: Method, lever: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``model.logra`` of base + the method's overlays (mappings merge key by key, ``null`` drops) + ``lever``."""
+    out: dict[str, Any] = {}
+    for path in (BASE, *method.overlays):
+        model = _yaml(path).get("model") or {}
+        if "logra" in model:
+            out = {} if model["logra"] is None else {**out, **model["logra"]}
+    return {**out, **(lever or {})}
+
+
+def logra_problems(settings: Mapping[str, Any]) -> list[str]:
+    """What LoGRAConfig on this checkout refuses in ``settings``: unknown keys, values outside a Literal, then
+    (when both are fine) its own validation. Empty when the settings can run."""
+    from logra_pl.sketch import LoGRAConfig
+
+    hints = typing.get_type_hints(LoGRAConfig)
+    names = {f.name for f in dataclasses.fields(LoGRAConfig)}
+    problems = [f"unknown key {key!r}" for key in settings if key not in names]
+    for key, value in settings.items():
+        choices = typing.get_args(hints.get(key)) if typing.get_origin(hints.get(key)) is typing.Literal else ()
+        if choices and value not in choices:
+            problems.append(f"{key}={value!r} is not one of {list(choices)}")
+    if not problems:
+        try:
+            LoGRAConfig(**dict(settings))
+        except Exception as err:  # any refusal is reported, with its message
+            problems.append(str(err))
+    return problems
+
+
+def preflight(method: Method, lever: tuple[str, Mapping[str, Any]] | None = None) -> str | None:
+    """None when ``method`` (with ``lever``) can run on this checkout, else the reason, naming the keys."""
+    if method.optimizer != "logra":
+        return None
+    problems = logra_problems(merged_logra(method, lever[1] if lever else None))
+    if not problems:
+        return None
+    what = f"lever {lever[0]!r}" if lever else f"method {method.name!r} ({', '.join(method.overlays)})"
+    return (
+        f"{what} cannot run on this checkout: model.logra {'; '.join(problems)} (LoGRAConfig does not have the "
+        "update-rule levers yet: merge their branch, or edit configs/overlays/logra_levers.yaml / LEVERS)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ planning
+@dataclass
+class RunSpec:
+    """One planned ``logra-pl fit`` run."""
+
+    stage: str  # tune | report | levers
+    method: str
+    cell: str  # folder under <out>: <method>/<knob>=<value> or levers/<lever>
+    seed: int
+    value: float | None
+    args: list[str]
+    optimizer: str
+    lever: str | None = None
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = settings_key(self.args)
+
+    def folder(self, out: Path) -> Path:
+        return out / self.cell / f"seed{self.seed}"
+
+
+def settings_key(args: Sequence[str]) -> str:
+    """What a finished run is matched on: its arguments (``ablate._settings_key``) and the parsed content of every
+    YAML file they name, so that editing an overlay (logra_levers.yaml, once the levers are chosen) reruns the runs
+    it changes, while a comment edit does not."""
+    files = sorted(
+        {a.split("=", 1)[-1] for a in args if a.endswith(".yaml")}
+        | {b for a, b in itertools.pairwise(args) if a == "--config"}
+    )
+    content = [
+        f"{f}:{json.dumps(yaml.safe_load((ROOT / f).read_text()), sort_keys=True)}"
+        for f in files
+        if (ROOT / f).is_file()
+    ]
+    return ablate._settings_key([*args, *content])
+
+
+def _slug(model: str) -> str:
+    return model.replace(":", "_").replace("/", "_")
+
+
+def run_args(
+    method: Method,
+    value: float,
+    seed: int,
+    updates: int,
+    folder: Path,
+    model: str,
+    lever: Mapping[str, Any] | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The ``logra-pl fit`` arguments of one parity run (after the program name); ``extra`` goes last.
+
+    The order matters: ``--trainer.callbacks.init_args.*`` reaches the list's last callback, which is LoGRA's
+    PredictedKLControl (paper_logra.yaml puts it last) until the measure-only one is appended for AdamW/LoRA.
+    """
+    args = ["fit"] + [a for c in (BASE, *method.overlays) for a in ("--config", c)]
+    args += [f"--seed_everything={seed}", f"--model.seed={seed}"]
+    if method.optimizer == "logra":
+        args.append(f"--model.logra.base_seed={seed}")
+    args += [f"--trainer.max_steps={updates}", f"--trainer.val_check_interval={max(1, updates // VALIDATIONS)}"]
+    args += [
+        f"--trainer.logger.init_args.save_dir={folder}",
+        "--trainer.logger.init_args.name=tb",
+        "--trainer.logger.init_args.version=0",
+        "--trainer.enable_progress_bar=false",
+        "--checkpoint.every_n_updates=0",
+        "--checkpoint.save_last=false",
+        "--checkpoint.at_end=false",
+        f"--model.policy={model}",
+        f"--data.eval_tune_fraction={fmt(TUNE_FRACTION)}",
+    ]
+    if method.optimizer == "logra":  # the anneal spans the run (600 updates: the configs' own horizon)
+        args.append(f"--trainer.callbacks.init_args.schedule.horizon={updates}")
+        args += [f"--model.logra.{k}={fmt(v)}" for k, v in (lever or {}).items()]
+        if merged_logra(method, lever).get("step_mode") == "adam":
+            args.append(f"--model.logra.lr_decay_steps={updates}")
+    else:
+        args.append(f"--model.adamw.decay_steps={updates}")
+    args += method.knob.args(value, method.overlays)
+    if method.measure_kl:
+        args += MEASURE_KL
+    return args + [a for a in extra if method.optimizer == "logra" or not a.startswith("--model.logra.")]
+
+
+@dataclass
+class Plan:
+    """What one invocation runs: the settings shared by every run, and how each run's arguments are made."""
+
+    model: str
+    updates: int
+    values: int | None
+    methods: tuple[str, ...]
+    out: Path
+    tune_seeds: tuple[int, ...] = TUNE_SEEDS
+    report_seeds: tuple[int, ...] = REPORT_SEEDS
+    extra: tuple[str, ...] = ()
+
+    def values_of(self, method: str) -> tuple[float, ...]:
+        return METHODS[method].knob.keep(self.values)
+
+    def spec(
+        self, stage: str, method: str, value: float, seed: int, lever: tuple[str, dict[str, Any]] | None = None
+    ) -> RunSpec:
+        m = METHODS[method]
+        cell = f"levers/{lever[0]}" if lever else f"{method}/{m.knob.name}={fmt(value)}"
+        folder = self.out / cell / f"seed{seed}"
+        args = run_args(m, value, seed, self.updates, folder, self.model, lever[1] if lever else None, self.extra)
+        return RunSpec(stage, method, cell, seed, value, args, m.optimizer, lever[0] if lever else None)
+
+    def tune_runs(self) -> list[RunSpec]:
+        return [
+            self.spec("tune", name, value, seed)
+            for name in self.methods
+            for value in self.values_of(name)
+            for seed in self.tune_seeds
+        ]
+
+    def report_runs(self, choices: Mapping[str, Choice]) -> list[RunSpec]:
+        return [
+            self.spec("report", name, choices[name].value, seed)
+            for name in self.methods
+            if choices.get(name) is not None and choices[name].value is not None
+            for seed in self.report_seeds
+        ]
+
+    def lever_runs(self, paper: Choice | None, levers: Sequence[str]) -> list[RunSpec]:
+        if paper is None or paper.value is None:
+            return []
+        return [
+            self.spec("levers", "paper_logra", paper.value, seed, (name, LEVERS[name]))
+            for name in levers
+            for seed in self.tune_seeds
+        ]
+
+
+# ------------------------------------------------------------------------------------------------ results
+def load_result(spec: RunSpec, out: Path) -> dict | None:
+    """The finished run's ``result.json`` when its settings key matches ``spec``'s, else None."""
+    done = spec.folder(out) / "result.json"
+    if not done.exists():
+        return None
+    result = json.loads(done.read_text())
+    return result if result.get("key") == spec.key else None
+
+
+def tune_score(scalars: Mapping[str, list[tuple[int, float]]]) -> float:
+    """A run's tuning score: the mean of its last two validations' tuning-split pass@1 (the one when only one)."""
+    points = [v for _, v in scalars.get("val/tune/pass@1", [])]
+    return statistics.fmean(points[-2:]) if points else float("nan")
+
+
+def _last(scalars: Mapping[str, list[tuple[int, float]]], tag: str) -> float | None:
+    points = scalars.get(tag, [])
+    return points[-1][1] if points else None
+
+
+def training_state_bytes(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
+    """Peak over updates of the bytes held for training besides the weights (MemoryMonitor's state by kind, counted
+    before each optimizer step: AdamW's gradients and LoGRA's filled sketches both exist then)."""
+    total = dict(scalars.get("memory/state_bytes", []))
+    weights = dict(scalars.get("memory/state/weights", []))
+    held = [total[s] - weights[s] for s in total if s in weights]
+    return max(held) if held else None
+
+
+def summarize(scalars: dict[str, list[tuple[int, float]]], val0: Mapping[str, float], wall_s: float) -> dict:
+    """One parity run's numbers: ``ablate.summarize_run``'s, the per-split pass@1, the tuning score, the state."""
+    out = ablate.summarize_run(scalars, val0.get("all", float("nan")), wall_s)
+    out.update(
+        tune_score=tune_score(scalars),
+        tune_final=_last(scalars, "val/tune/pass@1"),
+        report_final=_last(scalars, "val/report/pass@1"),
+        report_start=val0.get("report"),
+        training_state_bytes=training_state_bytes(scalars),
+        persistent_state_bytes=_last(scalars, "memory/persistent_state_bytes"),
+        kl_realized=out["kl_realized"] if scalars.get("kl/realized") else None,
+        kl_updates=len(scalars.get("kl/realized", [])),
+        failed=False,
+    )
+    return out
+
+
+def failed_result(spec: RunSpec, error: str, wall_s: float) -> dict:
+    """What a failed run leaves: counted as finished (so a diverging setting is not retried every session), never
+    chosen, shown as failed; ``--retry-failed`` runs it again."""
+    nan = float("nan")
+    return {
+        "key": spec.key,
+        "cell": spec.cell,
+        "seed": spec.seed,
+        "args": spec.args,
+        "failed": True,
+        "error": error[-2000:],
+        "wall_s": wall_s,
+        "tune_score": nan,
+        "reward_gain": nan,
+        "updates": 0,
+        "curves": {},
+    }
+
+
+@dataclass
+class Choice:
+    """A method's tuned knob value (None when it cannot be chosen yet), with why."""
+
+    method: str
+    value: float | None
+    scores: dict[float, dict[str, float]]  # value -> {"tune_score", "reward_gain", "failed", "n"}
+    missing: int = 0  # tuning runs not finished
+    reason: str = ""
+
+    @property
+    def at_edge(self) -> bool:
+        """The chosen value is the smallest or largest tried: the grid may not hold the optimum."""
+        return self.value is not None and len(self.scores) > 1 and self.value in (min(self.scores), max(self.scores))
+
+
+def _finite(x: float | None) -> float:
+    return x if x is not None and math.isfinite(x) else -math.inf
+
+
+def choose(method: str, results: Mapping[float, Sequence[dict | None]]) -> Choice:
+    """The tuning stage's choice for ``method`` from its tuning runs (``value -> one result per tuning seed, None
+    where unfinished``): the argmax of the seeds' mean tuning score; ties (1e-9) go to the higher mean reward gain,
+    then the smaller value; a value with a failed run is never chosen. None until every run has finished."""
+    scores: dict[float, dict[str, float]] = {}
+    missing = 0
+    for value, runs in results.items():
+        done = [r for r in runs if r is not None]
+        missing += len(runs) - len(done)
+        failed = sum(bool(r.get("failed")) for r in done)
+        ok = [r for r in done if not r.get("failed")]
+        scores[value] = {
+            "tune_score": statistics.fmean(r["tune_score"] for r in ok) if ok else float("nan"),
+            "reward_gain": statistics.fmean(r["reward_gain"] for r in ok) if ok else float("nan"),
+            "failed": float(failed),
+            "n": float(len(done)),
+        }
+    if missing:
+        return Choice(method, None, scores, missing, f"{missing} tuning run(s) not finished")
+    eligible = [v for v, s in scores.items() if not s["failed"] and math.isfinite(s["tune_score"])]
+    if not eligible:
+        return Choice(method, None, scores, 0, "every tuning value failed or logged no val/tune/pass@1")
+
+    def rank(v: float) -> tuple[float, float, float]:
+        s = scores[v]
+        return (round(s["tune_score"], 9), round(_finite(s["reward_gain"]), 9), -v)
+
+    return Choice(method, max(eligible, key=rank), scores)
+
+
+def choices(plan: Plan, out: Path, methods: Sequence[str] | None = None) -> dict[str, Choice]:
+    """Every method's choice, recomputed from the finished tuning runs under ``out``."""
+    found: dict[str, Choice] = {}
+    for name in methods or plan.methods:
+        results = {
+            value: [load_result(plan.spec("tune", name, value, seed), out) for seed in plan.tune_seeds]
+            for value in plan.values_of(name)
+        }
+        found[name] = choose(name, results)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ running
+def estimate_s(runs: Sequence[RunSpec], model: str, updates: int, jobs: int) -> float:
+    """Estimated wall seconds of ``runs``, ``jobs`` at a time (``ablate.COSTS``, scaled for the model)."""
+    scale = MODEL_COST.get(model, max(MODEL_COST.values()))
+    total = 0.0
+    for spec in runs:
+        per_update = COSTS[spec.optimizer] + (KL_MEASURE_COST if METHODS[spec.method].measure_kl else 0.0)
+        total += COSTS["startup"] * STARTUP_COST.get(model, 1.5) + VALIDATIONS * COSTS["validation"] * scale
+        total += updates * per_update * scale
+    return total / max(1, jobs)
+
+
+def parity_baseline(plan: Plan, out: Path, threads: int) -> dict[str, float]:
+    """Greedy pass@1 of the warm-started policy before any update, on all / tuning / report problems, once per
+    model; cached in ``<out>/baseline.json``. Also fills the warm-start cache before runs start in parallel."""
+    args = ["validate", "--config", BASE, f"--model.policy={plan.model}", f"--data.eval_tune_fraction={TUNE_FRACTION}"]
+    args += [f"--trainer.logger.init_args.save_dir={out / 'baseline'}", "--trainer.logger.init_args.name=tb"]
+    args += ["--trainer.logger.init_args.version=0", "--trainer.enable_progress_bar=false"]
+    args += [a for a in plan.extra if a.startswith(ablate.BASELINE_EXTRA)]
+    key = settings_key(args)
+    cached = out / "baseline.json"
+    if cached.exists() and json.loads(cached.read_text()).get("key") == key:
+        return json.loads(cached.read_text())["val"]
+    shutil.rmtree(out / "baseline", ignore_errors=True)
+    ablate._run_one([*ablate._logra_pl(), *args], out / "baseline", threads)
+    scalars = ablate.read_scalars(out / "baseline")
+    val = {
+        name: points[-1][1]
+        for name, tag in (("all", "val/pass@1"), ("tune", "val/tune/pass@1"), ("report", "val/report/pass@1"))
+        if (points := scalars.get(tag))
+    }
+    if "report" not in val:
+        raise RuntimeError(f"the baseline validation in {out / 'baseline'} logged no val/report/pass@1")
+    out.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps({"key": key, "val": val}))
+    return val
+
+
+def needs_rerun(spec: RunSpec, done: dict, retry_failed: bool = False, rerun_without_kl: bool = False) -> bool:
+    """Whether a finished run is run again: a failed one with ``retry_failed``; with ``rerun_without_kl``, one of a
+    method with measure-only KL that logged no ``kl/realized`` (finished before PredictedKLControl measured dense
+    and LoRA steps: the settings key cannot tell code versions apart)."""
+    if done.get("failed"):
+        return retry_failed
+    return rerun_without_kl and METHODS[spec.method].measure_kl and not done.get("kl_updates")
+
+
+def execute(
+    runs: Sequence[RunSpec],
+    out: Path,
+    jobs: int,
+    val0: Mapping[str, float],
+    retry_failed: bool = False,
+    rerun_without_kl: bool = False,
+) -> None:
+    """Run every spec that has no matching finished result (or whose result :func:`needs_rerun`)."""
+    threads = max(1, (os.cpu_count() or 2) // jobs)
+    todo = []
+    for spec in runs:
+        done = load_result(spec, out)
+        if done is not None and not needs_rerun(spec, done, retry_failed, rerun_without_kl):
+            print(f"  {spec.cell} seed {spec.seed}: finished earlier, reused", flush=True)
+            continue
+        todo.append(spec)
+
+    def work(spec: RunSpec) -> None:
+        folder = spec.folder(out)
+        shutil.rmtree(folder, ignore_errors=True)  # an unfinished run starts over
+        start = time.perf_counter()
+        try:
+            wall = ablate._run_one([*ablate._logra_pl(), *spec.args], folder, threads)
+        except RuntimeError as err:
+            (folder / "result.json").write_text(json.dumps(failed_result(spec, str(err), time.perf_counter() - start)))
+            print(f"  {spec.cell} seed {spec.seed}: FAILED (kept as failed; --retry-failed reruns it)\n{err}")
+            return
+        result = {"key": spec.key, "cell": spec.cell, "seed": spec.seed, "args": spec.args}
+        result.update(summarize(ablate.read_scalars(folder / "tb"), val0, wall))
+        (folder / "result.json").write_text(json.dumps(result))
+        final = math.nan if result["report_final"] is None else result["report_final"]
+        print(
+            f"  {spec.cell} seed {spec.seed}: {result['updates']} updates in {wall:.0f} s, reward gain "
+            f"{result['reward_gain']:+.3f}, tuning score {result['tune_score']:.3f}, report pass@1 "
+            f"{val0.get('report', math.nan):.3f} -> {final:.3f}",
+            flush=True,
+        )
+
+    print(f"{len(todo)} runs to do, {len(runs) - len(todo)} reused; {jobs} at a time, {threads} thread(s) each")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(work, todo))
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+SUMMARY_KEYS = (
+    "reward_gain",
+    "report_final",
+    "tune_final",
+    "val_final",
+    "kl_realized",
+    "training_state_bytes",
+    "wall_s",
+    "updates",
+)
+
+
+def collect(plan: Plan, out: Path, found: Mapping[str, Choice], levers: Sequence[str]) -> dict:
+    """Everything finished so far, as results.json holds it: tuning scores, choices, report runs and summaries,
+    lever runs."""
+    report: dict[str, Any] = {"grid": "parity", "model": plan.model, "updates": plan.updates, "methods": {}}
+    report.update(tune_seeds=list(plan.tune_seeds), report_seeds=list(plan.report_seeds), levers={})
+    for name in plan.methods:
+        method, choice = METHODS[name], found.get(name)
+        entry: dict[str, Any] = {
+            "label": method.label,
+            "overlays": list(method.overlays),
+            "knob": method.knob.name,
+            "values": list(plan.values_of(name)),
+            "tuning": {fmt(v): s for v, s in (choice.scores.items() if choice else [])},
+            "choice": None if choice is None else choice.value,
+            "choice_reason": "" if choice is None else choice.reason,
+            "choice_at_edge": bool(choice and choice.at_edge),
+            "runs": {},
+            "summary": None,
+        }
+        if choice is not None and choice.value is not None:
+            runs = [load_result(plan.spec("report", name, choice.value, s), out) for s in plan.report_seeds]
+            done = [r for r in runs if r is not None]
+            entry["runs"] = {str(r["seed"]): r for r in done}
+            entry["missing"] = len(runs) - len(done)
+            ok = [r for r in done if not r.get("failed")]
+            entry["failed"] = len(done) - len(ok)
+            if ok and len(done) == len(runs):
+                entry["summary"] = ablate.aggregate(ok, SUMMARY_KEYS)
+        report["methods"][name] = entry
+    paper = found.get("paper_logra")
+    for spec in plan.lever_runs(paper, levers):
+        result = load_result(spec, out)
+        lever = report["levers"].setdefault(spec.lever, {"settings": LEVERS[spec.lever], "runs": {}})
+        if result is not None:
+            lever["runs"][str(spec.seed)] = result
+    for lever in report["levers"].values():
+        ok = [r for r in lever["runs"].values() if not r.get("failed")]
+        complete = len(lever["runs"]) == len(plan.tune_seeds) and len(ok) == len(plan.tune_seeds)
+        lever["summary"] = ablate.aggregate(ok, (*SUMMARY_KEYS, "tune_score")) if complete else None
+        lever["failed"] = len(lever["runs"]) - len(ok)
+    return report
+
+
+def _stat(entry: Mapping[str, Any] | None, key: str) -> dict | None:
+    summary = (entry or {}).get("summary") or {}
+    return summary.get(key)
+
+
+def _mean_of(entry: Mapping[str, Any] | None, key: str) -> float | None:
+    stat = _stat(entry, key)
+    return None if stat is None else stat["mean"]
+
+
+def _bytes(stat: dict | None) -> str:
+    if stat is None:
+        return "—"
+    return f"{stat['mean'] / 2**20:.2f} ± {stat['std'] / 2**20:.2f} MiB"
+
+
+def _pm(stat: dict | None, digits: int = 3, signed: bool = False, sci: bool = False) -> str:
+    if stat is None:
+        return "—"
+    if sci:
+        return f"{stat['mean']:.2e} ± {stat['std']:.1e}"
+    return ablate._pm(stat, digits, signed)
+
+
+def report_table(report: dict) -> str:
+    """The README-ready table: per method at its chosen setting, mean ± std over the report seeds."""
+    methods = report["methods"]
+    adamw = methods.get("adamw")
+    g_a, s_a = _mean_of(adamw, "reward_gain"), _mean_of(adamw, "training_state_bytes")
+    start = report.get("val_start", {}).get("report")
+    start_text = f" (start {start:.3f})" if start is not None else ""
+    lines = [
+        f"| method | tuned knob | reward gain | gain vs AdamW | report-split pass@1{start_text} | realized KL per "
+        "update | training state | state vs AdamW | wall s per run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for entry in methods.values():
+        chosen = "—" if entry["choice"] is None else f"{entry['knob']} = {fmt(entry['choice'])}"
+        if entry["summary"] is None:
+            why = entry["choice_reason"] or (
+                f"{entry.get('missing', 0)} report run(s) not finished" if entry.get("missing") else ""
+            )
+            if entry.get("failed"):
+                why = f"{entry['failed']} report run(s) failed"
+            lines.append(f"| {entry['label']} | {chosen} | not measured: {why or 'no runs'} |  |  |  |  |  |  |")
+            continue
+        g, s = _mean_of(entry, "reward_gain"), _mean_of(entry, "training_state_bytes")
+        gain_ratio = f"{g / g_a:.0%}" if g is not None and g_a else "—"
+        state_ratio = f"{s / s_a:.2f}×" if s is not None and s_a else "—"
+        lines.append(
+            f"| {entry['label']} | {chosen} | {_pm(_stat(entry, 'reward_gain'), signed=True)} | {gain_ratio} | "
+            f"{_pm(_stat(entry, 'report_final'))} | {_pm(_stat(entry, 'kl_realized'), sci=True)} | "
+            f"{_bytes(_stat(entry, 'training_state_bytes'))} | {state_ratio} | {_pm(_stat(entry, 'wall_s'), 0)} |"
+        )
+    seeds = ", ".join(map(str, report["report_seeds"]))
+    lines += [
+        "",
+        f"mean ± std over the report seeds ({seeds}) at each method's tuned setting, {report['updates']} updates per "
+        "run; reward gain: mean train reward of the last 10% of updates minus the first 10%; report-split pass@1: "
+        "greedy, final validation, on the problems tuning never saw; realized KL: mean of kl/realized over "
+        "updates; training state: bytes held for training besides the weights (peak over updates).",
+    ]
+    return "\n".join(lines)
+
+
+def tuning_table(report: dict) -> str:
+    """Every knob value's tuning-split score (mean over the tuning seeds), the chosen one marked ★."""
+    seeds = ", ".join(map(str, report["tune_seeds"]))
+    lines = [
+        f"| method | knob | tuning-split pass@1 (mean of the last two validations, seeds {seeds}) · reward gain |",
+        "| --- | --- | --- |",
+    ]
+    for entry in report["methods"].values():
+        cells = []
+        for value in entry["values"]:
+            s = entry["tuning"].get(fmt(value))
+            mark = " ★" if entry["choice"] is not None and fmt(entry["choice"]) == fmt(value) else ""
+            if s is None or s["n"] < len(report["tune_seeds"]):
+                done = 0 if s is None else int(s["n"])
+                cells.append(f"{fmt(value)}: ({done}/{len(report['tune_seeds'])} runs)")
+            elif s["failed"]:
+                cells.append(f"{fmt(value)}: failed ({int(s['failed'])} run(s))")
+            else:
+                cells.append(f"{fmt(value)}: {s['tune_score']:.3f} · {s['reward_gain']:+.3f}{mark}")
+        lines.append(f"| {entry['label']} | {entry['knob']} | {'; '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def levers_table(report: dict) -> str | None:
+    """Each lever alone on paper_logra at its tuned budget, against paper_logra's tuning runs there."""
+    if not report["levers"]:
+        return None
+    paper = report["methods"].get("paper_logra") or {}
+    ref = paper.get("tuning", {}).get(fmt(paper.get("choice"))) if paper.get("choice") is not None else None
+    lines = [
+        f"Reference: paper_logra at kl_scale = {fmt(paper.get('choice'))}, seeds "
+        f"{', '.join(map(str, report['tune_seeds']))}: tuning score {ref['tune_score']:.3f}, reward gain "
+        f"{ref['reward_gain']:+.3f}."
+        if ref
+        else "Reference: paper_logra's tuning is not complete.",
+        "",
+        "| lever | model.logra | tuning score | Δ vs paper | reward gain | Δ vs paper | realized KL | training state |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, lever in report["levers"].items():
+        settings = ", ".join(f"{k}: {fmt(v)}" for k, v in lever["settings"].items())
+        s = lever["summary"]
+        if s is None:
+            state = f"{lever['failed']} run(s) failed" if lever["failed"] else f"{len(lever['runs'])} run(s) finished"
+            lines.append(f"| `{name}` | {settings} | not measured: {state} |  |  |  |  |  |")
+            continue
+        d_t = f"{s['tune_score']['mean'] - ref['tune_score']:+.3f}" if ref else "—"
+        d_g = f"{s['reward_gain']['mean'] - ref['reward_gain']:+.3f}" if ref else "—"
+        lines.append(
+            f"| `{name}` | {settings} | {_pm(s['tune_score'])} | {d_t} | {_pm(s['reward_gain'], signed=True)} | "
+            f"{d_g} | {_pm(s.get('kl_realized'), sci=True)} | {_bytes(s.get('training_state_bytes'))} |"
+        )
+    return "\n".join(lines)
+
+
+def goal_lines(report: dict) -> list[str]:
+    """The goal, MET or MISSED with the numbers, for each LoGRA method against tuned AdamW."""
+    methods = report["methods"]
+    adamw = methods.get("adamw")
+    out = []
+    for name in LOGRA_METHODS:
+        entry = methods.get(name)
+        if entry is None:
+            continue
+        needed = {"reward_gain", "report_final", "training_state_bytes"}
+        if adamw is None or entry["summary"] is None or adamw["summary"] is None:
+            missing = [n for n, e in ((name, entry), ("adamw", adamw)) if e is None or e["summary"] is None]
+            out.append(f"Goal ({GOAL_TEXT}) for {name}: NOT MEASURED yet (no report summary for {', '.join(missing)}).")
+            continue
+        if any(_stat(e, k) is None for e in (entry, adamw) for k in needed):
+            out.append(f"Goal for {name}: NOT MEASURED (a run logged no {sorted(needed)}).")
+            continue
+        g, g_a = _mean_of(entry, "reward_gain"), _mean_of(adamw, "reward_gain")
+        p, p_a, sd = _mean_of(entry, "report_final"), _mean_of(adamw, "report_final"), _stat(adamw, "report_final")
+        s, s_a = _mean_of(entry, "training_state_bytes"), _mean_of(adamw, "training_state_bytes")
+        gain_ok = g_a > 0 and g / g_a >= GOAL["gain"]
+        pass_ok = p >= p_a - sd["std"]
+        state_ok = s / s_a <= GOAL["state"]
+        verdict = "MET" if gain_ok and pass_ok and state_ok else "MISSED"
+        out.append(
+            f"Goal ({GOAL_TEXT}) for {name}: **{verdict}** — reward gain {g:+.3f} vs AdamW's {g_a:+.3f} "
+            f"({g / g_a if g_a else float('nan'):.0%}, {'≥' if gain_ok else '<'} 100%); report-split pass@1 {p:.3f} "
+            f"vs {p_a:.3f} ± {sd['std']:.3f} ({p - p_a:+.3f}: {'within' if pass_ok else 'below'} one AdamW seed "
+            f"std); training state {s / 2**20:.2f} vs {s_a / 2**20:.2f} MiB ({s / s_a:.2f}×, "
+            f"{'≤' if state_ok else '>'} 0.35×)."
+        )
+    return out
+
+
+def cuts(plan: Plan) -> list[str]:
+    """How this invocation departs from the full protocol (updates, values, seeds), for results.md."""
+    out = []
+    if plan.updates != PROTOCOL["updates"]:
+        out.append(f"{plan.updates} updates per run (full protocol: {PROTOCOL['updates']})")
+    for name in plan.methods:
+        kept, full = plan.values_of(name), METHODS[name].knob.values
+        if kept != full:
+            out.append(f"{name}: {len(kept)} knob values {list(map(fmt, kept))} of {list(map(fmt, full))}")
+    if plan.tune_seeds != TUNE_SEEDS:
+        out.append(f"tuning seeds {list(plan.tune_seeds)} (full: {list(TUNE_SEEDS)})")
+    if plan.report_seeds != REPORT_SEEDS:
+        out.append(f"report seeds {list(plan.report_seeds)} (full: {list(REPORT_SEEDS)})")
+    missing = sorted(set(METHODS) - set(plan.methods))
+    if missing:
+        out.append(f"methods left out: {missing}")
+    return out
+
+
+def findings(report: dict) -> list[str]:
+    """What the numbers say beyond the goal line: edge choices, failures, the missing KL measurements."""
+    out = goal_lines(report)
+    no_kl = [
+        name
+        for name, entry in report["methods"].items()
+        if entry["summary"] is not None and entry["summary"].get("kl_realized") is None
+    ]
+    if no_kl:
+        out.append(
+            f"Realized KL per update: — for {', '.join(no_kl)}: their runs logged no kl/realized (PredictedKLControl "
+            "measures only LoGRA proposals on this checkout; the measure-only callback is in their commands and "
+            "fills the column once it measures dense and LoRA steps)."
+        )
+    for name, entry in report["methods"].items():
+        if entry["choice_at_edge"]:
+            out.append(
+                f"{name}: the chosen {entry['knob']} = {fmt(entry['choice'])} is at the edge of its grid "
+                f"{list(map(fmt, entry['values']))}: the optimum may lie outside it (extend METHODS' grid and rerun; "
+                "finished runs are reused)."
+            )
+        failed = [v for v, s in entry["tuning"].items() if s["failed"]]
+        if failed:
+            out.append(f"{name}: tuning runs failed at {entry['knob']} = {', '.join(failed)} (never chosen).")
+    paper = report["methods"].get("paper_logra") or {}
+    ref = paper.get("tuning", {}).get(fmt(paper["choice"])) if paper.get("choice") is not None else None
+    better = [
+        name
+        for name, lever in report["levers"].items()
+        if lever["summary"] is not None
+        and ref is not None
+        and lever["summary"]["tune_score"]["mean"] > ref["tune_score"]
+        and lever["summary"]["reward_gain"]["mean"] > ref["reward_gain"]
+    ]
+    if report["levers"]:
+        out.append(
+            "Levers that raise both the tuning score and the reward gain over paper_logra (candidates for "
+            f"configs/overlays/logra_levers.yaml): {', '.join(better) if better else 'none yet'}."
+        )
+    return out
+
+
+def _series(runs: Mapping[str, dict], tag: str) -> tuple[list[int], list[float], list[float]] | None:
+    series = [r["curves"].get(tag, []) for r in runs.values() if not r.get("failed")]
+    series = [s for s in series if s]
+    if not series:
+        return None
+    length = min(len(s) for s in series)
+    smooth = [ablate._rolling([v for _, v in s[:length]], max(1, length // 25)) for s in series]
+    steps = [st for st, _ in series[0][:length]]
+    mean = [statistics.fmean(col) for col in zip(*smooth, strict=True)]
+    std = [statistics.pstdev(col) for col in zip(*smooth, strict=True)]
+    return steps, mean, std
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    """reward vs update and realized KL per update (report seeds, seed bands), tuning score vs knob value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        written.append(out / name)
+
+    methods = {n: e for n, e in report["methods"].items() if e["runs"]}
+    n_seeds = len(report["report_seeds"])
+    for tag, name, ylabel, log in (
+        ("train/reward_mean", "parity_reward_curves.png", "train reward (rolling mean)", False),
+        ("kl/realized", "parity_kl_realized.png", "realized KL per update (rolling mean)", True),
+    ):
+        drawn = False
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        for entry in methods.values():
+            found = _series(entry["runs"], tag)
+            if found is None:
+                continue
+            steps, mean, std = found
+            label = f"{entry['label']} ({entry['knob']} = {fmt(entry['choice'])})"
+            ax.plot(steps, mean, label=label)
+            lo = [max(a - b, 1e-12) if log else a - b for a, b in zip(mean, std, strict=True)]
+            ax.fill_between(steps, lo, [a + b for a, b in zip(mean, std, strict=True)], alpha=0.25)
+            drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        absent = [e["label"] for e in methods.values() if _series(e["runs"], tag) is None]
+        if absent:  # say which methods logged nothing, rather than leave them silently out
+            ax.text(0.01, 0.01, f"not logged: {', '.join(absent)}", transform=ax.transAxes, fontsize=6, va="bottom")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("update")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"tuned settings; band: ± std over {n_seeds} report seeds", fontsize=8)
+        ax.legend(fontsize=6)
+        save(fig, name)
+    knobs = sorted({e["knob"] for e in report["methods"].values() if e["tuning"]})
+    if knobs:
+        fig, axes = plt.subplots(1, len(knobs), figsize=(4.2 * len(knobs), 3.2), squeeze=False)
+        for ax, knob in zip(axes[0], knobs, strict=True):
+            for entry in report["methods"].values():
+                pts = [
+                    (float(v), s["tune_score"])
+                    for v, s in entry["tuning"].items()
+                    if entry["knob"] == knob and math.isfinite(s["tune_score"])
+                ]
+                if pts:
+                    pts.sort()
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=entry["label"])
+                    if entry["choice"] is not None:
+                        chosen = entry["tuning"][fmt(entry["choice"])]["tune_score"]
+                        ax.scatter([entry["choice"]], [chosen], marker="*", s=120, color="black", zorder=3)
+            ax.set_xscale("log")
+            ax.set_xlabel(knob)
+            ax.set_ylabel("tuning-split pass@1")
+            ax.legend(fontsize=6)
+        save(fig, "parity_tuning.png")
+    return written
+
+
+def write_report(report: dict, out: Path, figures: Path | None, plan: Plan) -> None:
+    """``results.json``, ``results.md`` and the plots under ``out``; the plots also to ``figures`` when given."""
+    out.mkdir(parents=True, exist_ok=True)
+    slim = json.loads(json.dumps(report))
+    (out / "results.json").write_text(json.dumps(slim, indent=1))
+    pngs = plots(report, out)
+    lines = [f"# Parity protocol on `{report['model']}` (`benchmarks/ablate.py --grid parity`)", ""]
+    lines += [
+        f"Each method tuned by its step knob on seeds {', '.join(map(str, report['tune_seeds']))} by the tuning-split "
+        "pass@1 (every second held-out problem; the mean of each run's last two validations), then run at the "
+        f"chosen value on seeds {', '.join(map(str, report['report_seeds']))} and scored on the report split "
+        f"(the other problems); {report['updates']} updates per run. Cut from the full protocol: "
+        + ("; ".join(cuts(plan)) or "nothing")
+        + ".",
+        "",
+        "## Report",
+        "",
+        report_table(report),
+        "",
+        "## Tuning",
+        "",
+        tuning_table(report),
+        "",
+    ]
+    levers = levers_table(report)
+    if levers:
+        lines += ["## Levers (each alone on paper_logra at its tuned budget)", "", levers, ""]
+    lines += ["## Findings", ""] + [f"- {f}" for f in findings(report)]
+    lines += ["", f"Wall time of this invocation: {report.get('wall_s', 0.0) / 60:.1f} min.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in pngs]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    if figures is not None:
+        figures.mkdir(parents=True, exist_ok=True)
+        for p in pngs:
+            shutil.copy(p, figures / f"{_slug(report['model'])}_{p.name}")
+
+
+# ------------------------------------------------------------------------------------------------ main
+def make_plan(args: argparse.Namespace) -> tuple[Plan, str, tuple[str, ...]]:
+    """The plan, the stage and the levers of an ``ablate.py --grid parity|levers`` command line."""
+    defaults = MODEL_DEFAULTS.get(args.model, MODEL_DEFAULTS["tiny:small"])
+    stage = "levers" if args.grid == "levers" else args.stage
+    methods = tuple(args.methods or METHODS)
+    levers = tuple(args.levers or LEVERS)
+    for what, names, known in (("methods", methods, METHODS), ("levers", levers, LEVERS)):
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise SystemExit(f"unknown {what} {unknown}: choose from {list(known)}")
+    if stage == "levers":  # the levers need paper_logra's tuned budget (its tuning runs first, or is reused)
+        methods = ("paper_logra",)
+    plan = Plan(
+        model=args.model,
+        updates=args.updates or defaults["updates"],
+        values=args.values if args.values is not None else defaults["values"],
+        methods=methods,
+        out=(args.out or ROOT / "runs" / "ablate" / "parity" / _slug(args.model)).resolve(),
+        tune_seeds=tuple(args.tune_seeds or TUNE_SEEDS),
+        report_seeds=tuple(args.report_seeds or REPORT_SEEDS),
+        extra=tuple(args.extra),
+    )
+    if plan.updates < 2 * VALIDATIONS:
+        raise SystemExit(f"--updates {plan.updates}: at least {2 * VALIDATIONS} (two per validation)")
+    return plan, stage, levers
+
+
+def describe(plan: Plan, stage: str, levers: Sequence[str], tune: Sequence[RunSpec], jobs: int) -> str:
+    """The plan as printed before anything runs: runs per stage and their estimated wall time."""
+    n_report = len(plan.methods) * len(plan.report_seeds) if stage in ("report", "all") else 0
+    n_levers = len(levers) * len(plan.tune_seeds) if stage == "levers" else 0
+
+    def one_run(name: str) -> float:
+        return estimate_s([plan.spec("tune", name, METHODS[name].knob.default, 0)], plan.model, plan.updates, 1)
+
+    est_tune = estimate_s(tune, plan.model, plan.updates, jobs)
+    est_report = sum(one_run(n) for n in plan.methods) * len(plan.report_seeds) / jobs if n_report else 0.0
+    est_levers = n_levers * one_run("paper_logra") / jobs
+    values = ", ".join(f"{n}: {len(plan.values_of(n))} values" for n in plan.methods)
+    lines = [
+        f"grid parity, model {plan.model}, stage {stage}: methods {list(plan.methods)}, {plan.updates} updates per "
+        f"run, {VALIDATIONS} validations, {jobs} at a time -> {plan.out}",
+        f"  tune: {len(tune)} runs ({values} x seeds {list(plan.tune_seeds)}), estimated {est_tune / 60:.0f} min",
+    ]
+    if n_report:
+        lines.append(
+            f"  report: {n_report} runs ({len(plan.methods)} methods x seeds {list(plan.report_seeds)} at the tuned "
+            f"value), estimated {est_report / 60:.0f} min"
+        )
+    if n_levers:
+        lines.append(
+            f"  levers: {n_levers} runs ({len(levers)} levers x seeds {list(plan.tune_seeds)} at paper_logra's tuned "
+            f"budget), estimated {est_levers / 60:.0f} min"
+        )
+    scale = MODEL_COST.get(plan.model, max(MODEL_COST.values()))
+    lines.append(
+        f"  total estimated {(est_tune + est_report + est_levers) / 60:.0f} min, finished runs included (ablate.COSTS,"
+        f" measured on tiny; x{scale} per update for {plan.model}; the KL measurement of AdamW/LoRA runs estimated)"
+    )
+    cut = cuts(dataclasses.replace(plan, methods=tuple(METHODS)))  # a stage's own subset of methods is no cut
+    if cut:
+        lines.append(f"  cut from the full protocol: {'; '.join(cut)}")
+    return "\n".join(lines)
+
+
+def dry_run(
+    plan: Plan, stage: str, levers: Sequence[str], tune: Sequence[RunSpec], found: Mapping[str, Choice]
+) -> None:
+    """Every command the stage would run; a stage waiting for a tuning shows its command with the knob open."""
+    runs = [*tune]
+    if stage in ("report", "all"):
+        runs += plan.report_runs(found)
+    if stage == "levers":
+        runs += plan.lever_runs(found.get("paper_logra"), levers)
+    for spec in runs:
+        print(f"[{spec.stage}] {spec.cell} seed {spec.seed}: logra-pl " + " ".join(spec.args))
+    for name in [n for n in plan.methods if found[n].value is None]:
+        m = METHODS[name]
+        if stage in ("report", "all"):
+            example = plan.spec("report", name, m.knob.default, plan.report_seeds[0])
+        elif stage == "levers":
+            lever = next(iter(levers))
+            example = plan.spec("levers", name, m.knob.default, plan.tune_seeds[0], (lever, LEVERS[lever]))
+        else:
+            continue
+        text = " ".join(example.args).replace(
+            " ".join(m.knob.args(m.knob.default, m.overlays)), f"<tuned {m.knob.name}>"
+        )
+        text = text.replace(f"/{m.knob.name}={fmt(m.knob.default)}/", f"/{m.knob.name}=<tuned>/")
+        where = example.cell.split("/")[0]
+        print(f"[{example.stage}] {where}: waits for {name}'s tuning ({found[name].reason}); e.g. logra-pl {text}")
+
+
+def main(args: argparse.Namespace) -> None:
+    """``ablate.py --grid parity|levers``: plan, print the estimate, run the stages, write the report."""
+    plan, stage, levers = make_plan(args)
+    out = plan.out
+    # Methods (and levers) this checkout cannot run: refused before anything starts, named.
+    problems = [p for name in plan.methods if (p := preflight(METHODS[name]))]
+    if stage == "levers":
+        problems += [p for name in levers if (p := preflight(METHODS["paper_logra"], (name, LEVERS[name])))]
+    tune = plan.tune_runs() if stage in ("tune", "all", "levers") else []
+    found = choices(plan, out)
+    print(describe(plan, stage, levers, tune, args.jobs), flush=True)
+    for p in problems:
+        print(f"  CANNOT RUN: {p}", flush=True)
+    if args.dry_run:
+        dry_run(plan, stage, levers, tune, found)
+        return
+    if problems:
+        hint = "(the other methods run with --methods, e.g. --methods paper_logra adamw lora)"
+        raise SystemExit("\n".join(problems) + "\n" + hint)
+    start = time.perf_counter()
+    val0 = parity_baseline(plan, out, max(1, (os.cpu_count() or 2) // args.jobs))
+    if tune:
+        execute(tune, out, args.jobs, val0, args.retry_failed, args.rerun_without_kl)
+        found = choices(plan, out)
+    if stage in ("report", "all"):
+        for name, choice in found.items():
+            if choice.value is None:
+                print(f"  report stage of {name} waits: {choice.reason} (run --stage tune first)", flush=True)
+        execute(plan.report_runs(found), out, args.jobs, val0, args.retry_failed, args.rerun_without_kl)
+    if stage == "levers":
+        if found["paper_logra"].value is None:
+            raise SystemExit(f"the levers need paper_logra's tuned budget: {found['paper_logra'].reason}")
+        execute(
+            plan.lever_runs(found["paper_logra"], levers),
+            out,
+            args.jobs,
+            val0,
+            args.retry_failed,
+            args.rerun_without_kl,
+        )
+    # The report holds every method's finished runs, whichever this invocation ran (results.md is one file).
+    everything = dataclasses.replace(plan, methods=tuple(METHODS))
+    shown = levers if stage == "levers" else tuple(n for n in LEVERS if (out / "levers" / n).exists())
+    report = collect(everything, out, choices(everything, out), shown)
+    report.update(val_start=val0, wall_s=time.perf_counter() - start, cuts=cuts(everything))
+    write_report(report, out, args.figures, everything)
+    print((out / "results.md").read_text())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The parity grid's own options (ablate.py's parser)."""
+    group = parser.add_argument_group("--grid parity / levers")
+    group.add_argument("--model", default="tiny", help="model.policy of every run: tiny (default) | tiny:small")
+    group.add_argument("--stage", choices=("tune", "report", "all", "levers"), default="all")
+    group.add_argument("--methods", nargs="+", default=None, help=f"only these of {list(METHODS)}")
+    group.add_argument("--levers", nargs="+", default=None, help=f"only these of {list(LEVERS)} (--stage levers)")
+    group.add_argument("--values", type=int, default=None, help="knob values per method (nearest the default)")
+    group.add_argument("--tune-seeds", type=int, nargs="+", default=None, help="default: 0 1")
+    group.add_argument("--report-seeds", type=int, nargs="+", default=None, help="default: 2 3 4 5 6")
+    group.add_argument("--retry-failed", action="store_true", help="rerun runs that failed (kept as failed)")
+    group.add_argument(
+        "--rerun-without-kl",
+        action="store_true",
+        help="rerun AdamW/LoRA runs that logged no kl/realized (finished before dense KL measurement existed)",
+    )
+
+
+if __name__ == "__main__":  # the entry point is ablate.py; this keeps `python benchmarks/parity.py` working too
+    sys.exit(ablate.main(["--grid", "parity", *sys.argv[1:]]))

@@ -1,0 +1,191 @@
+"""The sketch-space first moment, the Adam-style step and the lr schedule (algorithm.md §4), against references here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import logra_pl.sketch.sketcher as sketcher_module
+from logra_pl.memory import plan
+from logra_pl.optim import AdamWConfig
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher
+from logra_pl.sketch.config import LoGRAConfigError
+from logra_pl.sketch.memory import memory_report
+from logra_pl.sketch.update import lr_factor, transfer_moment
+
+D_OUT, D_IN = 6, 8
+
+
+class OneLayer(nn.Module):
+    """One sketched matrix, ``up_proj`` (D_OUT × D_IN), and nothing else."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up_proj = nn.Linear(D_IN, D_OUT, bias=False)
+
+
+def _orthogonal(seed: int, rank: int, d_in: int, distribution: str = "rademacher", device=None) -> torch.Tensor:
+    """A square orthogonal ``P`` (Q of a seeded Gaussian's QR), standing in for the sketcher's draw."""
+    assert rank == d_in
+    gen = torch.Generator().manual_seed(seed % 2**31)
+    q, _ = torch.linalg.qr(torch.randn(d_in, d_in, generator=gen, dtype=torch.float64))
+    return q.float()
+
+
+def test_transfer_matches_its_definition() -> None:
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(5, 4, generator=gen)
+    p_old, p_new = (torch.randn(4, 16, generator=gen) / 2 for _ in range(2))
+    mo, po, pn = m.double().numpy(), p_old.double().numpy(), p_new.double().numpy()
+    expected = mo @ np.linalg.inv(po @ po.T) @ po @ pn.T
+    np.testing.assert_allclose(transfer_moment(m, p_old, p_new).double().numpy(), expected, rtol=1e-5, atol=1e-6)
+    # To the same basis: the identity. With orthonormal rows: m · P_old · P_newᵀ.
+    torch.testing.assert_close(transfer_moment(m, p_old, p_old), m, rtol=1e-5, atol=1e-6)
+    q_old = torch.linalg.qr(p_old.double().T)[0].T.float()
+    q_new = torch.linalg.qr(p_new.double().T)[0].T.float()
+    torch.testing.assert_close(transfer_moment(m, q_old, q_new), m @ q_old @ q_new.T, rtol=1e-5, atol=1e-6)
+
+
+def _dense_reference(grads: list[torch.Tensor], w0: torch.Tensor, cfg: LoGRAConfig) -> list[torch.Tensor]:
+    """The same rule on the dense gradient, in float64: what a square orthogonal ``P`` must reproduce exactly."""
+    w, v, m = w0.double().clone(), torch.zeros(D_OUT, 1, dtype=torch.float64), torch.zeros_like(w0, dtype=torch.float64)
+    out = []
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        v = cfg.beta2 * v + (1 - cfg.beta2) * g.square().mean(dim=1, keepdim=True)  # = mean_j S_ij² (P orthogonal)
+        m = cfg.beta1 * m + (1 - cfg.beta1) * g
+        m_hat = m / (1 - cfg.beta1**t)
+        root = torch.sqrt(v / (1 - cfg.beta2**t))
+        den = root + max(cfg.eps * float(root.mean()), torch.finfo(torch.float32).tiny)
+        if cfg.step_mode == "adam":
+            step = cfg.lr * lr_factor(t - 1, cfg.lr_warmup_steps, cfg.lr_decay_steps, cfg.lr_min_ratio) * m_hat / den
+        else:
+            s = den.min() / den
+            s = s / torch.sqrt(s.square().mean())
+            d = s * m_hat
+            d = d * (m_hat.norm() / d.norm())
+            step = cfg.update_ratio * w.norm() / d.norm() * d
+        w = w - step
+        out.append(w.clone())
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"beta1": 0.9, "update_ratio": 1e-2},
+        {"beta1": 0.8, "step_mode": "adam", "lr": 1e-2, "lr_warmup_steps": 2, "lr_decay_steps": 3, "lr_min_ratio": 0.1},
+    ],
+    ids=["rowadam-ratio", "adam-lr-schedule"],
+)
+def test_square_orthogonal_projection_gives_the_dense_rule(monkeypatch, settings: dict) -> None:
+    """r = d_in and an orthogonal ``P`` refreshed every update: the sketch-space moment, carried across every change,
+    is the dense moment's sketch, so the merged weights follow the dense computation (momentum, RowAdam, step)."""
+    monkeypatch.setattr(sketcher_module, "make_projection", _orthogonal)
+    model = OneLayer()
+    # "gaussian": the merge multiplies by P as drawn (a Rademacher merge would take its signs).
+    cfg = LoGRAConfig(targets=("up_proj",), rank=D_IN, distribution="gaussian", factor_dtype="float32", **settings)
+    sketcher = LoGRASketcher(model, cfg)
+    w0 = model.up_proj.weight.detach().clone()
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(D_OUT, D_IN, generator=gen) * (1 + torch.arange(D_OUT).unsqueeze(1)) for _ in range(6)]
+    expected = _dense_reference(grads, w0, cfg)
+    seeds = set()
+    for g, ref in zip(grads, expected, strict=True):
+        matrix = sketcher.matrices["up_proj"]
+        seeds.add(matrix.seed)
+        matrix.sketch.copy_(g @ matrix.projection.T)  # S = G Pᵀ, what the backward hook accumulates
+        assert sketcher.step() is not None
+        torch.testing.assert_close(model.up_proj.weight.double(), ref, rtol=0, atol=1e-6)
+    assert len(seeds) == 6 and sketcher.moment_age == 6  # a new basis every update, the moment carried each time
+
+
+def _run(cfg: LoGRAConfig, updates: int, state: dict | None = None, seed: int = 5):
+    model = OneLayer()
+    sketcher = LoGRASketcher(model, cfg)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        sketcher.load_state_dict(state["sketcher"])
+    factors = []
+    for _ in range(updates):
+        gen = torch.Generator().manual_seed(100 * seed + sketcher.update_index)  # the sketch of update k: fixed
+        sketcher.matrices["up_proj"].sketch.copy_(torch.randn(D_OUT, D_IN, generator=gen)[:, : cfg.rank])
+        proposal = sketcher.propose()
+        factors.append(proposal.matrices["up_proj"].factor.clone())
+        sketcher.apply(proposal)
+    return model, sketcher, factors
+
+
+def test_reset_on_every_change_is_no_moment_at_all() -> None:
+    """``momentum_transfer: reset`` with a new basis every update: m̂ = S each time, the paper's rule exactly."""
+    base = {"targets": ("up_proj",), "rank": 4, "update_ratio": 1e-2}
+    _, plain, without = _run(LoGRAConfig(**base), 4)
+    _, reset, with_reset = _run(LoGRAConfig(beta1=0.9, momentum_transfer="reset", **base), 4)
+    for a, b in zip(without, with_reset, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)  # (0.1·S)/(1 − 0.9) = S up to rounding
+    assert reset.moment_age == 0 and plain.moments == {}
+    # A fixed basis keeps the moment: the steps differ from the second update on.
+    _, fixed, kept = _run(LoGRAConfig(beta1=0.9, refresh=False, **base), 4)
+    assert fixed.moment_age == 4 and not torch.allclose(kept[1], _run(LoGRAConfig(refresh=False, **base), 2)[2][1])
+
+
+def test_moment_resumes_bit_for_bit() -> None:
+    cfg = LoGRAConfig(targets=("up_proj",), rank=4, beta1=0.9, step_mode="adam", lr=1e-2, lr_warmup_steps=2)
+    straight, s_sketcher, _ = _run(cfg, 5)
+    first, f_sketcher, _ = _run(cfg, 2)
+    state = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "sketcher": f_sketcher.state_dict()}
+    resumed, r_sketcher, _ = _run(cfg, 3, state)
+    assert torch.equal(straight.up_proj.weight, resumed.up_proj.weight)
+    assert torch.equal(s_sketcher.moments["up_proj"], r_sketcher.moments["up_proj"])
+    assert r_sketcher.moment_age == s_sketcher.moment_age == 5
+    # A checkpoint without a moment does not resume under one (and an old one, without the key, means beta1 = 0).
+    saved = _run(LoGRAConfig(targets=("up_proj",), rank=4), 1)[1].state_dict()
+    with pytest.raises(LoGRAConfigError, match="beta1"):
+        LoGRASketcher(OneLayer(), cfg).load_state_dict(saved)
+    del saved["config"]["beta1"]
+    LoGRASketcher(OneLayer(), LoGRAConfig(targets=("up_proj",), rank=4)).load_state_dict(saved)
+
+
+def test_lr_schedule_of_the_adam_step() -> None:
+    cfg = LoGRAConfig(
+        targets=("up_proj",), rank=4, step_mode="adam", lr=0.1, lr_warmup_steps=2, lr_decay_steps=4, lr_min_ratio=0.2
+    )
+    sketcher = LoGRASketcher(OneLayer(), cfg)
+    scales = []
+    for k in range(8):
+        sketcher.matrices["up_proj"].sketch.fill_(1.0 + k)
+        proposal = sketcher.propose()
+        scales.append(proposal.scale)
+        sketcher.apply(proposal)
+    expected = [1 / 3, 2 / 3, 1.0] + [0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in (1, 2, 3, 4, 4)]
+    assert scales == pytest.approx([0.1 * e for e in expected], rel=1e-12)
+    assert [lr_factor(k, 9, 300, 0.1) for k in range(0, 400, 37)] == [
+        AdamWConfig().lr_factor(k) for k in range(0, 400, 37)
+    ]  # the dense baseline's schedule, the same function
+
+
+def test_bad_settings_name_the_fix() -> None:
+    with pytest.raises(LoGRAConfigError, match="update_rule 'rowadam'"):
+        LoGRAConfig(step_mode="adam", update_rule="sgd")
+    with pytest.raises(LoGRAConfigError, match="beta1"):
+        LoGRAConfig(beta1=1.0)
+    with pytest.raises(LoGRAConfigError, match="momentum_transfer"):
+        LoGRAConfig(momentum_transfer="flora")
+    with pytest.raises(LoGRAConfigError, match="lr_warmup_steps"):
+        LoGRAConfig(lr_warmup_steps=-1)
+
+
+def test_the_moment_is_counted_and_planned(qwen2_factory) -> None:
+    model = qwen2_factory(seed=1)
+    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, beta1=0.9))
+    report = memory_report(model, sketcher=sketcher)
+    assert report.sketch_moments == sum(m.d_out * 8 * 4 for m in sketcher.matrices.values()) == report.sketches
+    assert report.persistent == report.weights + report.row_statistics + report.sketch_moments
+    planned = plan(model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_moments=True)["logra"].report
+    assert planned.sketch_moments == report.sketch_moments
+    assert memory_report(model, sketcher=LoGRASketcher(qwen2_factory(seed=1), LoGRAConfig(rank=8))).sketch_moments == 0
