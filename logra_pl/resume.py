@@ -30,7 +30,8 @@ STRUCTURAL: tuple[str, ...] = (
     "model.logra.targets",
     "model.logra.rank",
     "model.logra.distribution",
-    "model.logra.refresh",
+    "model.logra.refresh",  # canonical() writes both from whichever spelling was given (old checkpoints: refresh)
+    "model.logra.refresh_every",
     "model.logra.base_seed",
     "model.logra.update_rule",
     "model.logra.beta2",
@@ -157,7 +158,27 @@ def canonical(settings: Mapping[str, Any]) -> dict[str, Any]:
         for key in ("loss", "baseline"):
             if key in model:  # None is the module's default (ReinforceTIS, RunningBaseline)
                 model[key] = plain(canonical_settings(model[key], key))
+        if isinstance(model.get("logra"), Mapping):
+            model["logra"] = canonical_refresh(model["logra"])
         out["model"] = model
+    return out
+
+
+def canonical_refresh(logra: Mapping[str, Any]) -> dict[str, Any]:
+    """LoGRA settings with ``refresh`` and ``refresh_every`` both written out, from whichever spelling set them.
+
+    A checkpoint from before ``refresh_every`` says ``refresh: true``; a run now may say ``refresh_every: 1``, or
+    neither (the default): all three mean a new projection every update and compare equal. Values that contradict
+    each other are left as they are (the run's own config refuses them).
+    """
+    from logra_pl.sketch.config import LoGRAConfigError, resolve_refresh_every
+
+    out = dict(logra)
+    try:
+        every = resolve_refresh_every(out.get("refresh"), out.get("refresh_every"))
+    except LoGRAConfigError:
+        return out
+    out["refresh"], out["refresh_every"] = every != 0, every
     return out
 
 

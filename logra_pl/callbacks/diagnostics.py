@@ -172,13 +172,15 @@ class SketchDiagnostics(pl.Callback):
     0``, or ``n == 1`` with ``at_first_update``, the callback computes — before the update merges, at the weights
     the update's sketches were accumulated at — the dense gradient ``G`` of every sketched matrix for the
     module's policy-gradient loss on the probe batch, and with the projection ``P`` of the same update (the
-    sketcher's seed for it: ``base_seed``, the update index or 0 without ``refresh``, rank, distribution):
+    sketcher's seed for it: ``base_seed``, the projection index ``(u // refresh_every)·refresh_every`` (0 for a
+    fixed basis), rank, distribution):
 
     - ``recon_cosine = cos(G, G Pᵀ P)``, the alignment of the sketch's (SGD) step direction with ``G``;
     - ``captured_energy = ‖G Q‖ / ‖G‖``, ``Q`` an orthonormal basis of ``P``'s rows: the fraction of ``G``'s norm in
       the sketch's subspace.
 
-    ``P`` has iid ``±1/sqrt(r)`` (or ``N(0, 1/r)``) entries, so ``E[PᵀP] = I`` but its rows are not orthonormal.
+    ``P`` has iid ``±1/sqrt(r)`` (or ``N(0, 1/r)``) entries, so ``E[PᵀP] = I`` but its rows are not orthonormal
+    (a Hadamard ``P`` has orthogonal rows, and then the two values coincide: :mod:`logra_pl.sketch.diagnostics`).
     For a random Gaussian ``G``, ``captured_energy ≈ sqrt(r/d_in)`` while ``recon_cosine ≈ sqrt(r/(d_in + r))``
     (``E‖gPᵀ‖² = ‖P‖² = d_in``, ``E‖gPᵀP‖² = ‖PPᵀ‖² ≈ d_in²/r + d_in`` per row ``g``); the two agree for
     ``r ≪ d_in``. Since ``P`` is drawn without looking at ``G`` (its row space is a uniformly random subspace), the

@@ -139,7 +139,10 @@ class LoGRAMethod(UpdateMethod):
         proj = sum(m.projection.numel() * m.projection.element_size() for m in mats)
         rows = sum(v.numel() * v.element_size() for v in sketcher.row_stats.values())
         dense = sum(m.module.weight.numel() * 4 for m in mats)
-        basis = "refreshed every update" if cfg.refresh else "fixed"
+        every = cfg.refresh_every
+        basis = (
+            "fixed" if every == 0 else "refreshed every update" if every == 1 else f"refreshed every {every} updates"
+        )
         return (
             f"LoGRA trains {count_text(self.trained_parameter_count(policy))} parameters in {len(sketcher.matrices)} "
             f"matrices ({', '.join(targets)}) through rank-{cfg.rank} sketches ({cfg.distribution} projections, "

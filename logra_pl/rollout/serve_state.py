@@ -209,13 +209,14 @@ class EngineState:
     # ------------------------------------------------------------------------------------------ weights
     def check_payload(self, data: bytes) -> Any:
         """Parse a payload and check it against the served model before any weight is touched."""
+        from logra_pl.sketch.config import DISTRIBUTIONS
         from logra_pl.sketch.payload import Payload
 
-        try:
+        try:  # refresh/refresh_every are checked here: a bad or contradictory pair is a ValueError
             payload = Payload.from_bytes(data)
         except (ValueError, TypeError) as err:
             raise RequestError(400, f"malformed payload: {err}") from err
-        if payload.distribution not in ("rademacher", "gaussian"):
+        if payload.distribution not in DISTRIBUTIONS:
             raise RequestError(400, f"malformed payload: unknown projection distribution {payload.distribution!r}")
         if not payload.factors:
             raise RequestError(400, "malformed payload: no factors")

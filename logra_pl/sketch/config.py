@@ -12,7 +12,8 @@ from logra_pl.errors import ConfigError, check_int, check_range
 
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-Distribution = Literal["rademacher", "gaussian"]
+Distribution = Literal["rademacher", "gaussian", "hadamard"]
+DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "hadamard")  # every value of Distribution, in order
 UpdateRule = Literal["rowadam", "sgd"]
 StepMode = Literal["ratio", "lr", "adam"]
 MomentTransfer = Literal["project", "reset"]
@@ -26,7 +27,7 @@ STRUCTURAL_KEYS: tuple[str, ...] = (
     "targets",
     "rank",
     "distribution",
-    "refresh",
+    "refresh_every",  # what `refresh` meant: an old config's `refresh` is read as its refresh_every (0 or 1)
     "base_seed",
     "update_rule",
     "beta2",
@@ -41,6 +42,40 @@ class LoGRAConfigError(ConfigError):
     """A LoGRA setting or input that cannot work; the message names the value and how to fix it."""
 
 
+def check_distribution(distribution: object) -> None:
+    """Refuse a projection distribution that is not one of :data:`DISTRIBUTIONS`, naming the ones there are."""
+    if distribution not in DISTRIBUTIONS:
+        names = ", ".join(repr(d) for d in DISTRIBUTIONS)
+        raise LoGRAConfigError(f"unknown projection distribution {distribution!r}: use one of {names}")
+
+
+def resolve_refresh_every(refresh: bool | None, refresh_every: int | None) -> int:
+    """The projection period ``N`` (algorithm.md §2) from its two spellings: ``refresh_every`` or the old ``refresh``.
+
+    ``refresh_every`` wins when given: ``N ≥ 1`` draws a new projection every ``N`` updates, ``0`` keeps one fixed
+    basis. ``refresh`` alone is the old flag: ``True`` means ``N = 1`` (the paper: a new ``P`` every update),
+    ``False`` means ``N = 0``. Neither given: ``N = 1``, today's default. Both given, they must agree on whether the
+    basis is refreshed at all: ``refresh: false`` with ``refresh_every ≥ 1``, or ``refresh: true`` with
+    ``refresh_every: 0``, is an error naming both (``refresh: true`` with any ``N ≥ 1`` is consistent: it says the
+    basis is refreshed, ``refresh_every`` says how often).
+    """
+    if refresh is not None and not isinstance(refresh, bool):
+        raise LoGRAConfigError(f"logra.refresh must be true or false, got {refresh!r}")
+    if refresh_every is None:
+        return 0 if refresh is False else 1
+    if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 0:
+        raise LoGRAConfigError(
+            f"logra.refresh_every must be a non-negative integer (N >= 1: a new projection every N updates; "
+            f"0: one fixed basis), got {refresh_every!r}"
+        )
+    if refresh is not None and refresh != (refresh_every != 0):
+        raise LoGRAConfigError(
+            f"logra.refresh={refresh} contradicts logra.refresh_every={refresh_every}: refresh is the old spelling "
+            "(false = refresh_every 0, true = refresh_every >= 1); drop refresh, or make the two agree"
+        )
+    return refresh_every
+
+
 @dataclass
 class LoGRAConfig:
     """Every knob of the LoGRA sketch core, with the defaults of algorithm.md §1-5.
@@ -48,8 +83,14 @@ class LoGRAConfig:
     Arguments:
         targets: last name parts of the ``nn.Linear`` modules whose weights are trained through sketches.
         rank: sketch rank ``r``; the sketch of a ``(d_out, d_in)`` weight is ``(d_out, r)``.
-        distribution: projection entries, ``"rademacher"`` (``±1/sqrt(r)``) or ``"gaussian"`` (``N(0, 1/r)``).
-        refresh: draw a new projection every update (``True``) or keep one fixed basis (``False``).
+        distribution: projection entries, ``"rademacher"`` (``±1/sqrt(r)``), ``"gaussian"`` (``N(0, 1/r)``) or
+            ``"hadamard"`` (``r`` random rows of a signed, permuted Hadamard matrix: orthogonal rows, entries ``0`` or
+            ``±sqrt(m/r)`` with ``m`` the odd part of ``d_in``; algorithm.md §2).
+        refresh: the older spelling of ``refresh_every``: ``True`` = a new projection every update, ``False`` = one
+            fixed basis. ``None`` (default): not given. After construction it holds ``refresh_every != 0``.
+        refresh_every: ``N``: a new projection every ``N`` updates (projection index ``(u // N)·N``); ``0``: one
+            fixed basis. ``None`` (default): from ``refresh``, else ``1`` (the paper's refresh at every update).
+            Both given, they must agree (:func:`resolve_refresh_every`).
         base_seed: mixed with the update index and the module name into each projection's seed.
         update_rule: ``"rowadam"`` (per-row second moment, algorithm.md §4) or ``"sgd"`` (``D = S``).
         beta2: RowAdam's EMA factor for the row statistic.
@@ -86,7 +127,8 @@ class LoGRAConfig:
     targets: tuple[str, ...] = DEFAULT_TARGETS
     rank: int = 64
     distribution: Distribution = "rademacher"
-    refresh: bool = True
+    refresh: bool | None = None
+    refresh_every: int | None = None
     base_seed: int = 0
     update_rule: UpdateRule = "rowadam"
     beta2: float = 0.95
@@ -113,10 +155,9 @@ class LoGRAConfig:
             raise LoGRAConfigError(f"targets must be a non-empty list of module name parts, got {self.targets!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise LoGRAConfigError(f"logra.rank must be a positive integer, got {self.rank!r}")
-        if self.distribution not in ("rademacher", "gaussian"):
-            raise LoGRAConfigError(
-                f"unknown projection distribution {self.distribution!r}: use 'rademacher' or 'gaussian'"
-            )
+        check_distribution(self.distribution)
+        self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
+        self.refresh = self.refresh_every != 0
         if self.update_rule not in ("rowadam", "sgd"):
             raise LoGRAConfigError(f"unknown update_rule {self.update_rule!r}: use 'rowadam' or 'sgd'")
         if self.step_mode not in ("ratio", "lr", "adam"):
@@ -162,8 +203,14 @@ class LoGRAConfig:
         return _FACTOR_DTYPES[self.factor_dtype]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-Python form (lists, not tuples) for checkpoints and payloads."""
+        """Plain-Python form (lists, not tuples) for checkpoints and payloads.
+
+        ``refresh_every`` is written only when ``refresh`` cannot say it (``N ≥ 2``): a config at ``N`` = 0 or 1
+        writes the same dict as before the setting existed, so its checkpoints are unchanged.
+        """
         out = dataclasses.asdict(self)
+        if self.refresh_every in (0, 1):
+            del out["refresh_every"]
         out["targets"] = list(self.targets)
         out["dense_params"] = list(self.dense_params)
         out["dense_betas"] = list(self.dense_betas)
@@ -180,10 +227,15 @@ class LoGRAConfig:
 
     def structural_mismatch(self, other: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """Keys of :data:`STRUCTURAL_KEYS` whose value differs between ``self`` and a saved config dict."""
-        mine = self.to_dict()
+        mine = {**self.to_dict(), "refresh_every": self.refresh_every}
         diff: dict[str, tuple[Any, Any]] = {}
         for key in STRUCTURAL_KEYS:
             theirs = other.get(key, _STRUCTURAL_DEFAULTS.get(key))  # older checkpoints: what they meant
+            if key == "refresh_every":  # a dict at N = 0 or 1 (and every older one) says it with `refresh` only
+                try:
+                    theirs = resolve_refresh_every(other.get("refresh"), other.get("refresh_every"))
+                except LoGRAConfigError:
+                    theirs = (other.get("refresh"), other.get("refresh_every"))
             if key in ("targets", "dense_params") and theirs is not None:
                 theirs = list(theirs)
             if theirs != mine[key]:

@@ -15,6 +15,12 @@ each row ``g``: ``E‖g Q‖² = r`` against ``E‖g‖² = d_in``, so ``capture
 ``P`` is drawn without looking at ``G`` and its row space is a uniformly random subspace (exactly for Gaussian
 ``P``, nearly for Rademacher), so the same expectations hold for any fixed ``G``; the gradient's structure changes
 only the spread around them (a rank-1 ``G`` varies about ten times more from draw to draw than an isotropic one).
+
+A Hadamard ``P`` (algorithm.md §2) has orthogonal rows of equal norm, ``P Pᵀ = (d_in/r)·I``: then
+``G Pᵀ P = (d_in/r)·G Q Qᵀ`` is a scaled orthogonal projection, and ``recon_cosine = captured_energy`` (to
+rounding), both ``≈ sqrt(r/d_in)`` since ``E‖G Q‖² = (r/d_in)·E‖G Pᵀ‖² = (r/d_in)·‖G‖²`` for any fixed ``G``. Its
+row space is a random subspace of a structured family (for ``d_in = 2^k·m`` with ``m > 1``, each row spans one of
+``m`` random ``2^k``-input blocks), so the spread around that value depends more on ``G``'s structure.
 """
 
 from __future__ import annotations

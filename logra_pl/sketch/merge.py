@@ -2,9 +2,9 @@
 
 Works on any row range of ``W``: a rank holding rows ``[o, o+n)`` of a dim-0 shard passes those rows and
 ``row_offset=o`` and gets exactly the rows a whole-matrix merge would produce. Exactness: the product
-``F P`` is formed in float64 from the low-precision factor, and Rademacher projections are applied as
-``±1`` signs times one scale, so every partial sum is exact and the result does not depend on how rows are
-chunked or sharded, nor on the BLAS kernel. ``W`` is rounded once, from float64 to its own dtype.
+``F P`` is formed in float64 from the low-precision factor, and Rademacher and Hadamard projections are applied
+as ``±1`` (and ``0``) entries times one scale, so every partial sum is exact and the result does not depend on
+how rows are chunked or sharded, nor on the BLAS kernel. ``W`` is rounded once, from float64 to its own dtype.
 
 Chunks are as large as a float64 budget allows (:func:`merge_chunk_rows`): on a GPU most matrices merge in one
 GEMM and the largest in a few, instead of dozens of small kernels, each with its launch cost on the host.
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from logra_pl.sketch.projection import make_projection, rademacher_scale
+from logra_pl.sketch.projection import make_projection, sign_scale
 
 # The float64 ``rows × d_in`` delta of one merge chunk stays within this many bytes. GPUs: large chunks, few
 # launches. CPUs: past ~32 MiB the delta falls out of cache and the merge slows down (measured, one thread).
@@ -44,7 +44,9 @@ def merge_operand(
 ) -> tuple[torch.Tensor, float]:
     """``(M, c)`` in float64 with ``P = c·M`` exactly as :func:`make_projection` draws it.
 
-    Rademacher: ``M`` holds ``±1`` and ``c = fp32(1/sqrt(r))`` (exact sums). Gaussian: ``M = P``, ``c = 1``.
+    Rademacher: ``M`` holds ``±1`` and ``c = fp32(1/sqrt(r))``. Hadamard: ``M`` holds ``0`` and ``±1`` and
+    ``c = fp32(sqrt(m/r))`` (``m`` the odd part of ``d_in``). Both: the sums ``F M`` are exact and ``c`` multiplies
+    once (:func:`~logra_pl.sketch.projection.sign_scale`). Gaussian: ``M = P``, ``c = 1``.
 
     Arguments:
         seed, rank, d_in, distribution: what :func:`make_projection` draws ``P`` from.
@@ -59,8 +61,9 @@ def merge_operand(
         raise ValueError(f"cached projection has shape {tuple(projection.shape)}, expected {(rank, d_in)}")
     else:
         proj = projection if device is None else projection.to(device)
-    if distribution == "rademacher":
-        return torch.sign(proj).to(torch.float64), rademacher_scale(rank)
+    scale = sign_scale(distribution, rank, d_in)
+    if scale is not None:  # every entry is 0 or ±c: sign() recovers M exactly
+        return torch.sign(proj).to(torch.float64), scale
     return proj.to(torch.float64), 1.0
 
 
@@ -69,8 +72,9 @@ def merge_chunk_rows(num_rows: int, d_in: int, device: torch.device | str = "cpu
 
     The budget is :data:`MERGE_BUFFER_BYTES_CPU` on a CPU, :data:`MERGE_BUFFER_BYTES` elsewhere; at least one row.
     It depends on the shape and the device type only, never on free memory, so processes merging the same rows on
-    the same kind of device chunk them alike. With Rademacher projections every sum is exact and chunking cannot
-    change a bit; with Gaussian ones only a BLAS that picks another summation order for another shape could.
+    the same kind of device chunk them alike. With Rademacher or Hadamard projections every sum is exact and
+    chunking cannot change a bit; with Gaussian ones only a BLAS that picks another summation order for another
+    shape could.
     """
     budget = MERGE_BUFFER_BYTES_CPU if torch.device(device).type == "cpu" else MERGE_BUFFER_BYTES
     return max(1, min(num_rows, budget // (8 * d_in)))
@@ -110,7 +114,8 @@ def merge_rows_(
         chunk_rows = merge_chunk_rows(n, operand.shape[1], weight_rows.device)
     operand = operand.to(weight_rows.device)
     if scale != 1.0 and math.frexp(scale)[0] == 0.5:
-        # A power-of-two scale (r = 4, 16, 64, 256...) commutes exactly with the exact sums: fold it into ±1.
+        # A power-of-two scale (Rademacher r = 4, 16, 64...; Hadamard m/r a power of 4) commutes exactly with the
+        # exact sums: fold it into the 0/±1 operand.
         operand, scale = operand * scale, 1.0
     with torch.no_grad():
         buffer = torch.empty(min(chunk_rows, n), operand.shape[1], dtype=torch.float64, device=weight_rows.device)

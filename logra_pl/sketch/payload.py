@@ -19,8 +19,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from logra_pl.sketch.config import resolve_refresh_every
 from logra_pl.sketch.merge import local_tensor, merge_operand, merge_rows_
-from logra_pl.sketch.projection import projection_seed
+from logra_pl.sketch.projection import projection_index, projection_seed
 from logra_pl.sketch.targets import canonical_name
 
 PAYLOAD_FORMAT = "logra-pl/payload/v1"
@@ -56,7 +57,8 @@ class Proposal:
     Arguments:
         matrices: ``{canonical module name: MatrixProposal}``.
         update_index: the update these projections belong to.
-        base_seed, rank, distribution, refresh: what a receiver needs to rebuild every ``P``.
+        base_seed, rank, distribution, refresh, refresh_every: what a receiver needs to rebuild every ``P``
+            (``refresh_every`` ``None``: from ``refresh``, as :class:`Payload` reads it).
         factor_dtype: dtype ``U·α`` is rounded to in the payload.
         alpha: step multiplier; 1 is the nominal step (algorithm.md §6 sets it from the predicted KL).
         scale: the global scale ``c`` already folded into each ``U`` (NaN when scales differ per matrix).
@@ -80,6 +82,7 @@ class Proposal:
     veto: str | None = None
     weight_sq_norms: dict[str, float] = field(default_factory=dict)
     dense: dict[str, DenseProposal] = field(default_factory=dict)
+    refresh_every: int | None = None
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
@@ -97,6 +100,7 @@ class Proposal:
             distribution=self.distribution,
             refresh=self.refresh,
             alpha=a,
+            refresh_every=self.refresh_every,
         )
 
 
@@ -104,8 +108,13 @@ class Proposal:
 class Payload:
     """What is merged and shipped for one update: bf16 ``U·α`` per matrix plus the seeds' ingredients.
 
-    A receiver rebuilds each ``P`` from ``(base_seed, update_index, name)`` and applies ``W ← W − F P``.
+    A receiver rebuilds each ``P`` from ``(base_seed, projection index, name)`` and applies ``W ← W − F P``; the
+    projection index is ``(update_index // N)·N`` with ``N = refresh_every`` (``0`` for a fixed basis).
     ``dense`` holds the new values of densely trained parameters (``logra.dense_params``), copied as they are.
+
+    ``refresh`` is the older spelling of ``refresh_every`` (:func:`~logra_pl.sketch.config.resolve_refresh_every`):
+    a payload written before ``refresh_every`` existed carries ``refresh`` only and means ``N = 1`` or ``0``. After
+    construction both are set and agree; a contradiction between them is a ``ValueError``.
     """
 
     factors: dict[str, torch.Tensor]
@@ -113,13 +122,18 @@ class Payload:
     base_seed: int
     rank: int
     distribution: str
-    refresh: bool
+    refresh: bool | None = None
     alpha: float = 1.0
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    refresh_every: int | None = None
+
+    def __post_init__(self) -> None:
+        self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
+        self.refresh = self.refresh_every != 0
 
     def seed(self, name: str) -> int:
-        """Seed of matrix ``name``'s projection (a fixed basis uses update index 0)."""
-        return projection_seed(self.base_seed, self.update_index if self.refresh else 0, name)
+        """Seed of matrix ``name``'s projection: that of update ``(update_index // N)·N`` (``0`` when ``N = 0``)."""
+        return projection_seed(self.base_seed, projection_index(self.update_index, self.refresh_every), name)
 
     @property
     def nbytes(self) -> int:
@@ -128,8 +142,13 @@ class Payload:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def header(self) -> dict[str, Any]:
-        """The scalar fields, as JSON-able metadata."""
-        return {
+        """The scalar fields, as JSON-able metadata.
+
+        ``refresh_every`` is written only when ``refresh`` cannot say it (``N ≥ 2``): at ``N`` = 0 or 1 the bytes
+        are those of a payload from before the setting, which every receiver reads alike. A receiver too old to
+        know ``refresh_every`` refuses a payload that has it, rather than rebuilding other projections.
+        """
+        header = {
             "format": PAYLOAD_FORMAT,
             "update_index": self.update_index,
             "base_seed": self.base_seed,
@@ -138,6 +157,9 @@ class Payload:
             "refresh": self.refresh,
             "alpha": self.alpha,
         }
+        if self.refresh_every not in (0, 1):
+            header["refresh_every"] = self.refresh_every
+        return header
 
     def to_bytes(self) -> bytes:
         """Serialise as safetensors (factors as tensors, scalars as JSON metadata)."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 
 import torch
 
-from logra_pl.sketch.config import LoGRAConfigError
+from logra_pl.sketch.config import LoGRAConfigError, check_distribution
 from logra_pl.sketch.targets import canonical_name
 
 _SEED_MOD = 2**62
@@ -26,6 +27,15 @@ def projection_seed(base_seed: int, update_index: int, name: str) -> int:
     every rank and the rollout engine agree on it.
     """
     return (base_seed * 1_000_003 + update_index * 7_919 + name_hash(name)) % _SEED_MOD
+
+
+def projection_index(update_index: int, refresh_every: int) -> int:
+    """The update index a projection is seeded with: ``(u // N)·N`` for ``N ≥ 1``, ``0`` for ``N = 0`` (fixed basis).
+
+    With ``N = 1`` (the default) it is ``u`` itself, a new ``P`` every update; with ``N = 10``, updates 0-9 share
+    the projection of update 0, 10-19 that of update 10, and so on.
+    """
+    return (update_index // refresh_every) * refresh_every if refresh_every else 0
 
 
 @functools.cache
@@ -65,6 +75,80 @@ def unpack_signs(words: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
     return entries[: rank * d_in].reshape(rank, d_in)
 
 
+def odd_factor(d_in: int) -> tuple[int, int]:
+    """``(k, m)`` with ``d_in = 2^k · m`` and ``m`` odd: the Hadamard block size ``2^k`` and the block count ``m``."""
+    if d_in <= 0:
+        raise LoGRAConfigError(f"projection input dimension must be positive, got {d_in}")
+    k = (d_in & -d_in).bit_length() - 1
+    return k, d_in >> k
+
+
+@functools.cache
+def hadamard_scale(rank: int, d_in: int) -> float:
+    """``c = fp32(sqrt(m / r))``, the magnitude of every non-zero Hadamard entry (``m`` the odd part of ``d_in``).
+
+    Each row of ``P`` has ``2^k`` entries ``±c``, so ``‖row‖² = 2^k·m/r = d_in/r`` (up to ``c``'s rounding) and
+    ``E[PᵀP] = I`` (algorithm.md §2). A Python float, exactly the fp32 value; cached per ``(rank, d_in)``.
+    """
+    _, m = odd_factor(d_in)
+    return float(torch.tensor(math.sqrt(m / rank), dtype=torch.float32))
+
+
+def hadamard_draws(seed: int, rank: int, d_in: int, pin_memory: bool = False) -> torch.Tensor:
+    """The randomness of a Hadamard ``P``, from a CPU generator seeded with ``seed``: one int64 vector.
+
+    In the order drawn: ``rank`` distinct rows of ``B = I_m ⊗ H`` (``randperm(d_in)[:rank]``), a column
+    permutation ``π`` of ``d_in`` (``randperm(d_in)``), and ``d_in`` sign bits (``randint(0, 2)``; 1 flips the
+    column's sign). Laid out ``[rows | π | signs]``, ``rank + 2·d_in`` integers: only these move to the device.
+    ``pin_memory`` puts them in page-locked memory, so that the copy to a GPU can be asynchronous.
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    rows = torch.randperm(d_in, generator=gen)[:rank]
+    perm = torch.randperm(d_in, generator=gen)
+    signs = torch.randint(0, 2, (d_in,), generator=gen, dtype=torch.int64)
+    out = torch.empty(rank + 2 * d_in, dtype=torch.int64, pin_memory=pin_memory)
+    return torch.cat([rows, perm, signs], out=out)
+
+
+def hadamard_entries(draws: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
+    """``P`` of shape ``(rank, d_in)`` from :func:`hadamard_draws`, on ``draws``' device, by integer ops only.
+
+    ``P[a, x] = c · B[row_a, π(x)] · d_x`` with ``B = I_m ⊗ H``, ``H[i, j] = (−1)^popcount(i & j)`` the
+    ``2^k × 2^k`` Sylvester Hadamard matrix and ``c`` :func:`hadamard_scale`. So ``B[p, q]`` is non-zero only when
+    ``p`` and ``q`` lie in the same ``2^k`` block (``p >> k == q >> k``), and its sign is the parity of the bits
+    the two in-block indices share, folded with shifts and xors. The result picks ``0``, ``+c`` or ``−c`` from a
+    3-entry fp32 table: no floating-point arithmetic touches the drawn integers, so ``P`` is bit-identical on
+    every device.
+    """
+    k, _ = odd_factor(d_in)
+    idx = draws.to(torch.int32)  # every value < d_in < 2³¹: half the bytes of int64 for the (r, d_in) temporaries
+    rows, cols, flips = idx[:rank].unsqueeze(1), idx[rank : rank + d_in].unsqueeze(0), idx[rank + d_in :]
+    mask = (1 << k) - 1
+    same_block = (rows >> k) == (cols >> k)
+    shared = (rows & mask) & (cols & mask)  # (r, d_in): bits of i & j, fewer than k of them
+    for j in reversed(range(max(k - 1, 0).bit_length())):  # xor-fold: bit 0 ends up the parity of k bits
+        shared = shared ^ (shared >> (1 << j))
+    negative = (shared & 1) ^ flips.unsqueeze(0)  # (−1)^popcount · d_x: 1 is a minus sign
+    index = same_block.to(torch.int32) * (1 + negative)  # 0 → 0, 1 → +c, 2 → −c
+    c = hadamard_scale(rank, d_in)
+    table = torch.tensor([0.0, c, -c], dtype=torch.float32, device=draws.device)
+    return table[index.long()]
+
+
+def sign_scale(distribution: str, rank: int, d_in: int) -> float | None:
+    """``c`` with ``P = c·M`` and ``M`` of entries in ``{0, ±1}``, for the distributions drawn that way; else None.
+
+    Rademacher: ``fp32(1/sqrt(r))`` (:func:`rademacher_scale`); Hadamard: ``fp32(sqrt(m/r))``
+    (:func:`hadamard_scale`); Gaussian: ``None``. The merge (§5) multiplies exact sums ``F M`` by ``c`` once.
+    """
+    if distribution == "rademacher":
+        return rademacher_scale(rank)
+    if distribution == "hadamard":
+        return hadamard_scale(rank, d_in)
+    return None
+
+
 def make_projection(
     seed: int, rank: int, d_in: int, distribution: str = "rademacher", device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -80,6 +164,10 @@ def make_projection(
       the stream, once per matrix per update.
     - Gaussian (entries ``N(0, 1/r)``): drawn in fp32 on the CPU (into pinned memory when ``device`` is CUDA,
       so the copy is asynchronous) and scaled there.
+    - Hadamard (``r`` distinct rows of ``I_m ⊗ H``, columns permuted and sign-flipped, times ``sqrt(m/r)``;
+      ``P Pᵀ = (d_in/r)·I``): the rows, permutation and signs are drawn as ``r + 2·d_in`` integers on the CPU
+      (:func:`hadamard_draws`, pinned for CUDA), moved, and expanded on ``device`` with integer ops
+      (:func:`hadamard_entries`).
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise LoGRAConfigError(f"projection rank must be a positive integer, got {rank!r}")
@@ -96,4 +184,8 @@ def make_projection(
         proj = torch.randn((rank, d_in), generator=gen, dtype=torch.float32, pin_memory=pinned)
         proj.mul_(1.0 / rank**0.5)
         return proj if device is None else proj.to(device, non_blocking=pinned)
-    raise LoGRAConfigError(f"unknown projection distribution {distribution!r}: use 'rademacher' or 'gaussian'")
+    if distribution == "hadamard":
+        draws = hadamard_draws(seed, rank, d_in, pin_memory=pinned)
+        return hadamard_entries(draws if device is None else draws.to(device, non_blocking=pinned), rank, d_in)
+    check_distribution(distribution)
+    raise AssertionError(f"distribution {distribution!r} is listed but has no construction")  # unreachable

@@ -27,7 +27,7 @@ from logra_pl.sketch.guard import rejection_reason, relative_update
 from logra_pl.sketch.host import host_values
 from logra_pl.sketch.merge import full_tensor, local_tensor
 from logra_pl.sketch.payload import DenseProposal, MatrixProposal, Payload, Proposal, apply_payload, named_tensors
-from logra_pl.sketch.projection import make_projection, projection_seed
+from logra_pl.sketch.projection import make_projection, projection_index, projection_seed
 from logra_pl.sketch.targets import select_targets
 from logra_pl.sketch.update import (
     adam_direction,
@@ -117,8 +117,9 @@ class LoGRASketcher:
                 m.handle = None
 
     def seed_for(self, name: str) -> int:
-        """Projection seed of matrix ``name`` at the current update (index 0 for a fixed basis)."""
-        return projection_seed(self.config.base_seed, self.update_index if self.config.refresh else 0, name)
+        """Projection seed of matrix ``name`` at the current update: that of ``(u // N)·N``, ``N = refresh_every``."""
+        index = projection_index(self.update_index, self.config.refresh_every)
+        return projection_seed(self.config.base_seed, index, name)
 
     def _install_projections(self, carry: bool = True) -> None:
         """Draw the projections of the current update where their seed changed; with ``carry``, the first moment
@@ -224,6 +225,7 @@ class LoGRASketcher:
             rank=cfg.rank,
             distribution=cfg.distribution,
             refresh=cfg.refresh,
+            refresh_every=cfg.refresh_every,
             factor_dtype=cfg.factor_torch_dtype,
             scale=scale,
             stats={"weight_sq_norm": sum(w_sq.values()), "direction_sq_norm": sum(lifted.values())},

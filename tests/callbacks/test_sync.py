@@ -174,3 +174,40 @@ def test_a_repair_in_the_last_steps_probe_is_logged_at_that_step(tmp_path, verif
     rows = [(int(r["step"]), float(r["sync/engine_resyncs"])) for r in logged]
     assert rows[-1] == (2 if verify_every == 1 else 3, 1.0)  # CSV steps count from 0 in on_step logging
     assert [v for _, v in rows[:-1]] == [0.0] * (len(rows) - 1)
+
+
+def test_hadamard_refreshed_every_3_updates_keeps_engine_equal(tmp_path) -> None:
+    """Hadamard projections with a new basis every 3 updates: the HF engine, fed factors only, equals the trainer
+    bit for bit after every update, on a policy whose MLP width 384 = 128·3 is not a power of two."""
+    from safetensors.torch import load_file
+
+    from logra_pl.models import TinyModelSpec, build_tiny_model
+    from logra_pl.sketch import projection_seed
+
+    folder = build_tiny_model(TinyModelSpec(intermediate_size=384))
+    cfg = LoGRAConfig(rank=16, update_ratio=1e-2, distribution="hadamard", refresh_every=3)
+    module = LoGRAPolicyModule(policy=str(folder), logra=cfg, rollout=RolloutSettings(max_new_tokens=4))
+    sync = PolicySync(mode="factors", verify_every=1, tolerance=1e-5, probe_lengths=[20], probe_new_tokens=3)
+    name = "model.layers.0.mlp.down_proj"
+    seen: list[tuple[int, int, int]] = []
+
+    class Equal(pl.Callback):
+        """After PolicySync: the engine holds the trainer's exact weights, and the payload's seeds follow N = 3."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            payload = pl_module.optimizers().optimizer.last_payload
+            seen.append((payload.update_index, payload.refresh_every, payload.seed(name)))
+            engine = pl_module.engine.model.state_dict()
+            for key, value in pl_module.policy.state_dict().items():
+                assert torch.equal(engine[key], value), (trainer.global_step, key)
+            key = f"{name}.weight"  # a copy of its own, merged from the payload: not the trainer's tensor
+            assert engine[key].data_ptr() != pl_module.policy.state_dict()[key].data_ptr()
+
+    metrics = Metrics()
+    _fit(module, sync, 5, tmp_path, [metrics, Equal()])
+    start = load_file(folder / "model.safetensors")[f"{name}.weight"]
+    assert not torch.equal(module.policy.state_dict()[f"{name}.weight"], start)
+    assert [s[:2] for s in seen] == [(u, 3) for u in range(5)]
+    assert [s[2] for s in seen] == [projection_seed(0, index, name) for index in (0, 0, 0, 3, 3)]
+    assert module.sketcher.matrices[name].d_in == 384
+    assert sync.full_resyncs == 0 and all(row["sync/max_logprob_diff"] <= 1e-5 for row in metrics.rows)

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 
 from logra_pl.errors import StaleEngineError
@@ -181,3 +182,28 @@ def test_remote_engine_speaks_the_same_models(served, monkeypatch: pytest.Monkey
         rollout = engine.generate([[1, 2]], SamplingConfig(n=2, max_new_tokens=2), prompt_seeds=[0])
         assert rollout.response_ids == [[7, 8], [7, 8]] and rollout.logprobs == [[-0.5, -0.25]] * 2
         assert rollout.finish_reasons == ["stop", "stop"] and engine.check_current()
+
+
+def test_payload_projection_fields_are_checked_before_any_worker_sees_them(served) -> None:
+    """A hadamard payload with refresh_every reaches the workers as sent; a bad distribution or period gets a 400."""
+    client, state = served
+    factor = torch.ones(D_OUT, 2, dtype=torch.bfloat16)  # D_IN = 6 = 2·3: a non-power-of-two Hadamard width
+    good = Payload({MATRIX: factor}, 4, 0, 2, "hadamard", refresh_every=3)
+    header = good.header()
+    bad_headers = {
+        "unknown projection distribution 'sparse'": {**header, "distribution": "sparse"},
+        "refresh_every must be a non-negative integer": {**header, "refresh_every": -1},
+        "contradicts": {**header, "refresh": False},
+    }
+    for message, bad in bad_headers.items():
+        data = st_save({MATRIX: factor}, metadata={"logra": json.dumps(bad)})
+        r = client.post("/v1/payload", content=data, headers=_headers(state.version, "r/1"))
+        assert r.status_code == 400 and "malformed payload" in r.json()["error"] and message in r.json()["error"], (
+            r.text
+        )
+    assert not state.client.rpcs  # nothing reached the engine
+    answer = client.post("/v1/payload", content=good.to_bytes(), headers=_headers(state.version, "r/1"))
+    assert answer.status_code == 200 and answer.json()["applied"] is True, answer.text
+    assert state.client.rpcs.count("logra_apply_payload") == 1
+    received = Payload.from_bytes(good.to_bytes())  # what the workers parse from the same bytes
+    assert (received.distribution, received.refresh_every, received.seed(MATRIX)) == ("hadamard", 3, good.seed(MATRIX))

@@ -44,7 +44,7 @@ def _engine_layout(full: dict[str, torch.Tensor], tp_rank: int, tp: int) -> tupl
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 def test_sliced_merge_equals_whole_matrix_merge(tp: int, distribution: str) -> None:
     full = _matrices()
     payload = _payload(full, distribution)

@@ -128,6 +128,21 @@ def test_separate_engine_process_prefix_cache_and_full_load(engine_report: tuple
     assert all(-30 < v <= 0 for lp in report["sampled"] for v in lp)
 
 
+def test_hadamard_basis_refreshed_every_3_updates_keeps_vllm_bitwise(tmp_path: Path) -> None:
+    """``logra.distribution: hadamard`` and ``logra.refresh_every: 3`` reach vLLM's workers through the payload:
+    after every update the engine's matrices equal the trainer's bit for bit (MLP width 384 = 128·3)."""
+    from logra_pl.sketch import projection_seed
+
+    report = _run("hadamard", tmp_path)
+    steps = report["steps"]
+    name = "model.layers.0.mlp.down_proj"
+    assert [s["update_index"] for s in steps] == [0, 1, 2, 3]
+    assert all(s["distribution"] == "hadamard" and s["refresh_every"] == 3 and s["d_in"] == 384 for s in steps)
+    assert [s["seed"] for s in steps] == [projection_seed(0, i, name) for i in (0, 0, 0, 3)]
+    assert all(s["bitwise_equal"] for s in steps)
+    assert all(s["sync/max_logprob_diff"] <= TOL for s in steps) and report["full_resyncs"] == 0
+
+
 def test_vllm_config_runs_through_the_cli(tmp_path: Path) -> None:
     """configs/tiny_cpu_vllm.yaml parses and trains (3 updates, no warm start) with vLLM rollouts and factor sync."""
     config = Path(__file__).parents[2] / "configs" / "tiny_cpu_vllm.yaml"

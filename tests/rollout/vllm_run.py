@@ -8,6 +8,9 @@ the pytest process. Usage: ``python vllm_run.py SCENARIO OUT_DIR``.
   trainer's weights (the test recomputes log-probs with plain transformers). Update 6's payload is dropped on its
   way to the engine (fault injection), which verification must catch and repair with a full resync.
 - ``engine``: a ``VLLMEngine`` in a separate engine process: payload and full loads, stale-prefix-cache check.
+- ``hadamard``: 4 LoGRA updates with Hadamard projections refreshed every 3 updates (``logra.distribution:
+  hadamard``, ``logra.refresh_every: 3``) on a policy whose MLP width 384 = 128·3 is not a power of two; after each
+  update the engine's matrices are compared with the trainer's, bit for bit.
 """
 
 from __future__ import annotations
@@ -152,7 +155,71 @@ def run_engine(out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report))
 
 
+def run_hadamard(out: Path) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    from logra_pl.callbacks import PolicySync
+    from logra_pl.data import ReasoningGymDataModule
+    from logra_pl.models import TinyModelSpec, build_tiny_model
+    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+    from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
+    from logra_pl.sketch import LoGRAConfig
+
+    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    data = ReasoningGymDataModule(
+        {"chain_sum": {"config": small}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
+    )
+    module = LoGRAPolicyModule(
+        policy=str(build_tiny_model(TinyModelSpec(intermediate_size=384))),
+        logra=LoGRAConfig(rank=16, update_ratio=2e-2, distribution="hadamard", refresh_every=3),
+        rollout=RolloutSettings(max_new_tokens=4),
+        microbatch_size=8,
+        engine=VLLMSettings(kv_cache_gib=1.0),
+    )
+    name = "model.layers.0.mlp.down_proj"
+    report: dict = {"steps": []}
+
+    class Recorder(pl.Callback):
+        """After PolicySync: the payload's projection fields and the engine's matrices against the trainer's."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            assert isinstance(pl_module.engine, VLLMEngine)
+            payload = pl_module.optimizers().optimizer.last_payload
+            names = [f"{n}.weight" for n in pl_module.sketcher.sketches()]
+            got = pl_module.engine.get_weights(names)
+            state = pl_module.policy.state_dict()
+            m = pl_module.step_context.metrics
+            report["steps"].append(
+                {
+                    "update_index": payload.update_index,
+                    "distribution": payload.distribution,
+                    "refresh_every": payload.refresh_every,
+                    "seed": payload.seed(name),
+                    "d_in": pl_module.sketcher.matrices[name].d_in,
+                    "bitwise_equal": all(torch.equal(got[n], state[n]) for n in names),
+                    **{k: float(v) for k, v in m.items() if k.startswith("sync/")},
+                }
+            )
+
+    sync = PolicySync(mode="factors", verify_every=1, tolerance=1e-4)
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=[sync, Recorder()],
+        default_root_dir=out,
+    )
+    trainer.fit(module, datamodule=data)
+    report["full_resyncs"] = sync.full_resyncs
+    (out / "report.json").write_text(json.dumps(report))
+
+
 if __name__ == "__main__":
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     out_dir.mkdir(parents=True, exist_ok=True)
-    {"fit": run_fit, "engine": run_engine}[scenario](out_dir)
+    {"fit": run_fit, "engine": run_engine, "hadamard": run_hadamard}[scenario](out_dir)

@@ -12,17 +12,18 @@ from logra_pl.sketch import merge as merge_module
 def explicit_merge(weight: torch.Tensor, factor: torch.Tensor, seed: int, rank: int, distribution: str) -> torch.Tensor:
     """algorithm.md §5 in one float64 expression: ``W − F P``, rounded once to ``W``'s dtype.
 
-    A Rademacher ``P`` is ``c·M`` with ``M = ±1``: the exact sums ``F M`` are scaled by ``c`` once.
+    A Rademacher ``P`` is ``c·M`` with ``M = ±1``, a Hadamard one with ``M`` of ``0``/``±1``: the exact sums ``F M``
+    are scaled by ``c`` (the entries' one magnitude) once.
     """
     p = make_projection(seed, rank, weight.shape[1], distribution).double()
-    if distribution == "rademacher":
+    if distribution in ("rademacher", "hadamard"):
         delta = (factor.double() @ torch.sign(p)) * float(p.abs().max())
     else:
         delta = factor.double() @ p
     return (weight.double() - delta).to(weight.dtype)
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 @pytest.mark.parametrize(
     ("d_out", "d_in", "rank", "dtype"),
     [

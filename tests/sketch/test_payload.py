@@ -33,7 +33,7 @@ def _trained_step(model, cfg: LoGRAConfig, steps: int = 2):
     return before, payload, sketcher
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 def test_payload_on_fresh_copy_reproduces_trainer_bit_for_bit(qwen2_factory, distribution: str) -> None:
     model = qwen2_factory(seed=0)
     before, payload, _ = _trained_step(model, LoGRAConfig(rank=16, distribution=distribution, update_ratio=1e-3))
@@ -78,7 +78,7 @@ def test_payload_for_another_model_is_refused(qwen2_factory) -> None:
         apply_payload(payload, stranger)
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 @pytest.mark.parametrize("cut", [1, 333, 512])
 def test_merge_on_two_row_shards_equals_whole(distribution: str, cut: int) -> None:
     d_out, d_in, rank = 700, 96, 32
@@ -105,7 +105,7 @@ def test_merge_rejects_rows_outside_factor() -> None:
         merge_rows_(torch.zeros(5, 8), torch.zeros(6, 4), operand, scale, row_offset=3)
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 @pytest.mark.parametrize("rank", [16, 12])  # power of two (scale folded into ±1) and not
 def test_merge_with_cached_projection_equals_fresh_draw(distribution: str, rank: int) -> None:
     """Reusing an already drawn P gives the same (M, c), and so the same merged weights, bit for bit."""
@@ -126,7 +126,7 @@ def test_merge_with_cached_projection_equals_fresh_draw(distribution: str, rank:
         merge_operand(7, rank, d_in, distribution, projection=torch.zeros(rank, d_in + 1))
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 def test_trainer_merge_reuses_the_sketchers_projection(qwen2_factory, monkeypatch, distribution: str) -> None:
     """The sketcher's merge draws no P (it reuses the one it sketched with); a receiver draws each P once."""
     import logra_pl.sketch.merge as merge_module

@@ -21,7 +21,7 @@ torch.save({"seed": seed, "P": make_projection(seed, 32, 200, sys.argv[2])}, sys
 """
 
 
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 def test_projection_is_bit_identical_in_another_process(tmp_path, distribution: str) -> None:
     name = "model.layers.3._checkpoint_wrapped_module.mlp.up_proj"
     out = tmp_path / "p.pt"

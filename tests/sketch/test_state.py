@@ -61,6 +61,9 @@ def test_state_holds_everything(qwen2_factory) -> None:
         ({"rank": 4}, "rank"),
         ({"base_seed": 1}, "base_seed"),
         ({"distribution": "gaussian"}, "distribution"),
+        ({"distribution": "hadamard"}, "distribution"),
+        ({"refresh_every": 2}, "refresh_every"),
+        ({"refresh": False}, "refresh_every"),
         ({"targets": ("q_proj", "v_proj")}, "targets"),
     ],
 )
