@@ -185,13 +185,14 @@ class PredictedKLControl(pl.Callback):
     # ------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Say before training when the run's update method makes no proposals (the callback would do nothing)."""
         view = view_of(pl_module)
         method = view.method if view is not None else None
-        if stage == "fit" and method is not None and not method.makes_proposals:
+        if stage == "fit" and method is not None and not getattr(method, "makes_proposals", False):
             rank_zero_warn(
-                f"PredictedKLControl: the update method {method.name!r} ({type(method).__name__}) makes no proposals, "
-                "so no update is controlled or measured; remove the callback, or give the method a proposal "
-                "(UpdateMethod.makes_proposals)"
+                f"PredictedKLControl: the update method {getattr(method, 'name', '?')!r} ({type(method).__name__}) "
+                "makes no proposals, so no update is controlled or measured; remove the callback, or give the "
+                "method a proposal (UpdateMethod.makes_proposals)"
             )
 
     @override
@@ -200,7 +201,7 @@ class PredictedKLControl(pl.Callback):
         view = view_of(pl_module)
         ctx = view.step_context if view is not None else None
         method = view.method if view is not None else None
-        if proposal is None or ctx is None or method is None or not method.makes_proposals:
+        if proposal is None or ctx is None or method is None or not getattr(method, "makes_proposals", False):
             return
         self.updates += 1
         # The schedule's position is the index of the update this proposal would become: updates applied so far,

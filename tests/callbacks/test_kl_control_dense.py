@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -132,3 +133,20 @@ def test_dense_nan_prediction_skips_the_update() -> None:
     assert kl.skipped == 1 and module.rejections.total == 1 and module.method.applied_updates == 2
     assert all(torch.equal(seen[1][k], poison.before[k]) for k in poison.before)
     assert not all(torch.equal(seen[2][k], poison.before[k]) for k in poison.before)
+
+
+def test_a_method_without_proposals_is_named_before_training() -> None:
+    """A method that makes no proposals gets a warning at setup (the controller would silently do nothing)."""
+
+    class NoProposals(DenseAdamW):
+        name = "no-proposals"
+        makes_proposals = False
+
+    module = LoGRAPolicyModule(policy="tiny", method=NoProposals())
+    with pytest.warns(UserWarning, match="'no-proposals' .*makes no proposals"):
+        PredictedKLControl().setup(None, module, "fit")
+    for method in (DenseAdamW(), LoRAMethod()):  # the built-in methods all do
+        module = LoGRAPolicyModule(policy="tiny", method=method)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            PredictedKLControl().setup(None, module, "fit")
