@@ -1,15 +1,18 @@
-"""Optimizers the policy module can use: ``LoGRAOptimizer`` (sketch core) and the dense AdamW baseline.
+"""Optimizers the policy module can use: ``LoGRAOptimizer`` (sketch core) and ``ProposingAdamW`` (the dense baseline).
 
-``LoGRAOptimizer`` is a ``torch.optim.Optimizer`` so that Lightning treats it like any other: its ``step``
-forms the proposal *first*, then runs the closure — inside which Lightning fires ``on_before_optimizer_step``,
-so a callback sees (and may rescale or veto) ``optimizer.proposal`` — and only then merges.
+Both are ``torch.optim.Optimizer`` subclasses so that Lightning treats them like any other, and both step the same
+way: form the proposal *first*, then run the closure — inside which Lightning fires ``on_before_optimizer_step``,
+so a callback sees (and may rescale or veto) ``optimizer.proposal`` — then let the divergence guard judge the
+(rescaled) update, and only then apply it. ``LoGRAOptimizer`` proposes factors ``U`` and merges ``W ← W − α U P``;
+``ProposingAdamW`` proposes AdamW's own step ``ΔW`` (previewed by :func:`adamw_step_deltas`) and takes it at
+``lr·α``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,28 +125,132 @@ class AdamWConfig:
         """Multiplier of ``lr`` after ``step`` completed updates (``LambdaLR`` semantics)."""
         return lr_factor(step, self.warmup_steps, self.decay_steps, self.min_lr_ratio)
 
-    def build(self, params: list[torch.nn.Parameter]) -> tuple[torch.optim.AdamW, LambdaLR]:
-        """The optimizer and its per-update schedule."""
-        opt = torch.optim.AdamW(
-            params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
-        )
+    def build(self, params: list[torch.nn.Parameter]) -> tuple[ProposingAdamW, LambdaLR]:
+        """The optimizer (torch's AdamW, stepping through a proposal) and its per-update schedule."""
+        opt = ProposingAdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
         return opt, LambdaLR(opt, self.lr_factor)
 
 
+class AdamWProposal:
+    """The AdamW step about to be taken, open to step controllers during ``on_before_optimizer_step``.
+
+    The step at ``alpha`` is torch's AdamW step with ``lr·alpha`` for this update only: ``ΔW(α) = α·ΔW`` with
+    ``ΔW = −lr·wd·W − lr/(1−β1^t) · m/(sqrt(v)/sqrt(1−β2^t) + eps)``, the decoupled weight decay scaled alike;
+    the moments are updated as usual. :meth:`skip` drops the step (weights and AdamW state untouched).
+
+    Arguments:
+        optimizer: the :class:`ProposingAdamW` whose step this is (its gradients and state define ``ΔW``).
+    """
+
+    def __init__(self, optimizer: ProposingAdamW) -> None:
+        self.optimizer: ProposingAdamW | None = optimizer
+        self.alpha = 1.0
+        self.veto: str | None = None
+        self._deltas: dict[torch.nn.Parameter, torch.Tensor] | None = None
+
+    def skip(self, reason: str) -> None:
+        """Ask the optimizer not to take this step (e.g. a step controller's NaN prediction)."""
+        self.veto = reason
+
+    def deltas(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """``{parameter: ΔW}`` at ``α = 1`` for every parameter with a gradient (the local shard under FSDP).
+
+        Computed on the first call and kept until the step is taken (a copy of every trained parameter: only a
+        step controller that probes the step asks for it); the divergence guard then reuses it.
+        """
+        if self._deltas is None:
+            if self.optimizer is None:
+                raise RuntimeError("this AdamW step was already taken (or dropped): its ΔW is gone")
+            self._deltas = dict(adamw_step_deltas(self.optimizer))
+        return self._deltas
+
+    @property
+    def previewed(self) -> dict[torch.nn.Parameter, torch.Tensor] | None:
+        """The deltas if :meth:`deltas` computed them already, else None (nothing is computed)."""
+        return self._deltas
+
+    def release(self) -> None:
+        """Forget the deltas and the optimizer (called once the step is taken or dropped)."""
+        self._deltas, self.optimizer = None, None
+
+
+class ProposingAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose ``step`` is propose → closure (Lightning's hooks) → guard → step at α, or none.
+
+    During the closure :attr:`proposal` is the :class:`AdamWProposal` of the step; a callback may set its
+    ``alpha`` or call ``skip(reason)``. Then :attr:`check` (the divergence guard, set by the update method) judges
+    the α-scaled step; a vetoed or rejected step drops the gradients, so nothing changes — not the weights, not the
+    moments. With ``alpha == 1`` the step is exactly ``torch.optim.AdamW.step`` (the same bits); otherwise ``lr`` is
+    multiplied by ``alpha`` for this step only. Its ``state_dict`` is AdamW's.
+
+    After ``step()``: :attr:`last_proposal`, :attr:`last_applied` (the step changed the weights),
+    :attr:`last_rejection` (why not, or None) and :attr:`last_alpha` (the multiplier it was taken at).
+    """
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.proposal: AdamWProposal | None = None
+        self.last_proposal: AdamWProposal | None = None
+        self.last_applied = False
+        self.last_rejection: str | None = None
+        self.last_alpha = 1.0
+        # The divergence guard's verdict on the α-scaled step (None: accept); set by the update method.
+        self.check: Callable[[ProposingAdamW, AdamWProposal], str | None] | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Propose, run ``closure`` (Lightning's hooks), then take the (possibly rescaled) step unless refused."""
+        self.proposal = AdamWProposal(self)
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        proposal, self.proposal = self.proposal, None
+        self.last_proposal = proposal
+        reason = proposal.veto
+        if reason is None and self.check is not None:
+            reason = self.check(self, proposal)
+        proposal.release()
+        self.last_rejection, self.last_applied = reason, reason is None
+        if reason is not None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # torch's AdamW leaves parameters without a gradient (and their state) untouched
+            return result
+        self.last_alpha = float(proposal.alpha)
+        self._step_at(self.last_alpha)
+        return result
+
+    def _step_at(self, alpha: float) -> None:
+        """AdamW's step with every group's ``lr`` multiplied by ``alpha`` for this call (restored after)."""
+        if alpha == 1.0:
+            super().step()
+            return
+        saved = [group["lr"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["lr"] = group["lr"] * alpha
+            super().step()
+        finally:
+            for group, lr in zip(self.param_groups, saved, strict=True):
+                group["lr"] = lr
+
+
 @torch.no_grad()
-def adamw_update_norm(optimizer: torch.optim.AdamW) -> float:
+def adamw_update_norm(optimizer: torch.optim.AdamW, alpha: float = 1.0) -> float:
     """``‖ΔW‖_F`` of the AdamW step just taken, recomputed from the optimizer's state (no copy of the weights).
 
     ``torch.optim.AdamW`` (not amsgrad) does ``W ← W(1 − lr·wd) − lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps)``, so
     ``ΔW = −lr·wd·W_old − lr/bc1 · m/denom`` with ``W_old = (W + lr/bc1 · m/denom) / (1 − lr·wd)``. Call it after
-    ``step()`` and before the scheduler changes ``lr``. One parameter at a time: the only temporaries are the size
-    of the largest parameter, where a before/after copy would hold every trained weight twice.
+    ``step()`` and before the scheduler changes ``lr``; ``alpha`` is the multiplier the step was taken at
+    (:attr:`ProposingAdamW.last_alpha`: its ``lr`` was ``lr·alpha``). One parameter at a time: the only temporaries
+    are the size of the largest parameter, where a before/after copy would hold every trained weight twice.
     """
     total = 0.0
     for group in optimizer.param_groups:
         if group.get("amsgrad", False):
             raise ValueError("adamw_update_norm does not handle amsgrad")
-        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        lr, wd, eps = float(group["lr"]) * alpha, float(group["weight_decay"]), float(group["eps"])
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -162,21 +269,17 @@ def adamw_update_norm(optimizer: torch.optim.AdamW) -> float:
 
 
 @torch.no_grad()
-def adamw_step_preview(optimizer: torch.optim.AdamW) -> tuple[float, float, int]:
-    """What the next ``optimizer.step()`` would do, computed without doing it: ``(Σ‖ΔW‖², Σ‖W‖², #non-finite)``.
+def adamw_step_deltas(optimizer: torch.optim.AdamW) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """``(parameter, ΔW)`` of the next ``optimizer.step()`` for every parameter with a gradient, without taking it.
 
-    For every parameter with a gradient, AdamW's update is formed as torch does it (no amsgrad/maximize)::
+    AdamW's update is formed as torch does it (no amsgrad/maximize)::
 
         m' = β1·m + (1−β1)·g ;  v' = β2·v + (1−β2)·g² ;  t' = t + 1
         ΔW = −lr·wd·W − lr/(1−β1^t') · m' / (sqrt(v')/sqrt(1−β2^t') + eps)
 
-    and the count of non-finite entries of ``W + ΔW`` in the parameter's dtype is returned with the norms. The
-    divergence guard calls this *before* the step, so a rejected step is simply not taken (its gradients are
-    dropped): nothing to undo. One parameter at a time, so the temporaries are the size of the largest one.
-    Sums are over this process's (local) shards; a data-parallel caller all-reduces them.
+    in the gradient's dtype, on this process's (local) shard of each parameter. A generator: one parameter's
+    temporaries at a time, unless the caller keeps them.
     """
-    update_sq = weight_sq = 0.0
-    nonfinite = 0
     for group in optimizer.param_groups:
         if group.get("amsgrad", False) or group.get("maximize", False):
             raise ValueError("adamw_step_preview does not handle amsgrad or maximize")
@@ -198,9 +301,33 @@ def adamw_step_preview(optimizer: torch.optim.AdamW) -> tuple[float, float, int]
             delta = m.div_(denom).mul_(-lr / (1 - beta1**step))
             if wd:
                 delta.sub_(w, alpha=lr * wd)
-            update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
-            weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
-            nonfinite += int((~torch.isfinite(delta.add_(w))).sum())
+            yield p, delta
+
+
+@torch.no_grad()
+def adamw_step_preview(
+    optimizer: torch.optim.AdamW,
+    alpha: float = 1.0,
+    deltas: dict[torch.nn.Parameter, torch.Tensor] | None = None,
+) -> tuple[float, float, int]:
+    """What the next ``optimizer.step()`` at multiplier ``alpha`` would do, without doing it:
+    ``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW)`` with ``ΔW`` from :func:`adamw_step_deltas`.
+
+    The divergence guard calls this *before* the step, so a rejected step is simply not taken (its gradients are
+    dropped): nothing to undo. ``deltas`` are ``ΔW`` already computed (:meth:`AdamWProposal.deltas`), left
+    unchanged; without them each parameter's ``ΔW`` is formed and dropped in turn, so the temporaries are the size
+    of the largest one. Sums are over this process's (local) shards; a data-parallel caller all-reduces them.
+    """
+    update_sq = weight_sq = 0.0
+    nonfinite = 0
+    steps = deltas.items() if deltas is not None else adamw_step_deltas(optimizer)
+    for p, delta in steps:
+        w = _local(p.detach())
+        if alpha != 1.0:
+            delta = delta * alpha
+        update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
+        weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
+        nonfinite += int((~torch.isfinite(delta + w)).sum())
     return update_sq, weight_sq, nonfinite
 
 

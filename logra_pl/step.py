@@ -77,7 +77,8 @@ class PolicyModuleView(Protocol):
 
     ``policy`` (the trained causal LM), ``tokenizer``, ``engine`` (the rollout engine, or None before
     ``configure_model``), ``method`` (the :class:`~logra_pl.methods.UpdateMethod`: ``sketcher``,
-    ``ships_factors``, ``makes_proposals``), ``step_context`` (the current step's :class:`StepContext`, or None),
+    ``ships_factors``, ``makes_proposals``, ``keeps_sketches``, and for step controllers ``logit_tangent``,
+    ``applied_updates``, ``applied``), ``step_context`` (the current step's :class:`StepContext`, or None),
     ``rollout_settings``, ``microbatch_size``, ``policy_source`` and ``dtype_name``; and the operations below.
     """
 

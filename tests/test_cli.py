@@ -68,14 +68,20 @@ def _scalars(save_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+# The AdamW config with KL measurement added by one flag (callbacks/kl_measure.yaml: no control, α = 1).
+KL_MEASURED = ["kl/predicted", "kl/alpha", "kl/predicted_scaled", "kl/realized"]
+KL_MEASURE = str(Path(CONFIG).parents[1] / "callbacks" / "kl_measure.yaml")
+
+
 @pytest.mark.parametrize("optimizer", ["logra", "adamw"])
 def test_three_updates_end_to_end(tmp_path: Path, optimizer: str) -> None:
     config = CONFIG if optimizer == "logra" else CONFIG.replace("tiny_cpu.yaml", "tiny_cpu_adamw.yaml")
-    cli = LoGRACLI(args=["fit", f"--config={config}", *FAST, f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    extra = [] if optimizer == "logra" else [f"--trainer.callbacks+={KL_MEASURE}"]
+    cli = LoGRACLI(args=["fit", f"--config={config}", *FAST, *extra, f"--trainer.logger.init_args.save_dir={tmp_path}"])
     module = cli.model
     assert cli.trainer.global_step == 3
     scalars = _scalars(tmp_path)
-    wanted = SCALARS + (KL_SCALARS if optimizer == "logra" else [])
+    wanted = SCALARS + (KL_SCALARS if optimizer == "logra" else KL_MEASURED)
     missing = [s for s in wanted if s not in scalars]
     assert not missing, f"missing scalars {missing}; logged {sorted(scalars)}"
     assert [step for step, _ in scalars["train/reward_mean"]] == [0, 1, 2]
@@ -86,13 +92,15 @@ def test_three_updates_end_to_end(tmp_path: Path, optimizer: str) -> None:
         assert a.equal(b), name
     # The resolved config is saved with the run.
     assert glob.glob(str(tmp_path / "**" / "config.yaml"), recursive=True)
+    assert module.method.applied_updates == 3
+    assert [step for step, _ in scalars["kl/alpha"]] == [0, 1, 2] == [step for step, _ in scalars["kl/realized"]]
+    for (_, pred), (_, alpha), (_, scaled) in zip(
+        scalars["kl/predicted"], scalars["kl/alpha"], scalars["kl/predicted_scaled"], strict=True
+    ):
+        assert scaled == pytest.approx(alpha**2 * pred, rel=1e-4)
+        assert optimizer == "logra" or alpha == 1.0  # measured, not controlled
     if optimizer == "logra":
         assert module.sketcher.num_applied == 3
-        assert [step for step, _ in scalars["kl/alpha"]] == [0, 1, 2]
-        for (_, pred), (_, alpha), (_, scaled) in zip(
-            scalars["kl/predicted"], scalars["kl/alpha"], scalars["kl/predicted_scaled"], strict=True
-        ):
-            assert scaled == pytest.approx(alpha**2 * pred, rel=1e-4)
 
 
 def _parse_error(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:

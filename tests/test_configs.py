@@ -36,6 +36,10 @@ PROTOCOL_OVERLAYS = {"paper_logra": (), "logra_levers": ("paper_logra",)}
 # configs/paper/ are GPU recipes (and overlays on them): tests/test_paper_recipes.py covers them.
 CONFIG_FILES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] != "paper")
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
+# Variant recipes: another callback's class with a few values changed (every argument still listed), e.g. KL
+# measurement without control. name -> the values that differ from the class's defaults.
+VARIANTS: dict[str, dict[str, Any]] = {"kl_measure.yaml": {"schedule": {"kind": "none"}, "calibrate": True}}
+PRIMARY_RECIPES = [path for path in RECIPE_FILES if path.name not in VARIANTS]
 # The callbacks configured by a recipe: every Lightning callback logra_pl.callbacks exports, except the checkpoint
 # one, which every run gets from the `checkpoint:` section.
 CALLBACK_CLASSES = sorted(
@@ -174,8 +178,10 @@ def test_recipes_are_yaml_only() -> None:
 
 
 def test_one_recipe_per_callback() -> None:
-    classes = [_recipe(path)[0] for path in RECIPE_FILES]
+    classes = [_recipe(path)[0] for path in PRIMARY_RECIPES]
     assert sorted(classes, key=lambda cls: cls.__name__) == CALLBACK_CLASSES
+    assert set(VARIANTS) <= {path.name for path in RECIPE_FILES}
+    assert all(_recipe(RECIPES / name)[0] in CALLBACK_CLASSES for name in VARIANTS)
     readme = (RECIPES / "README.md").read_text()
     missing = [path.name for path in RECIPE_FILES if path.name not in readme]
     assert not missing, f"callbacks/README.md does not list {missing}"
@@ -183,8 +189,10 @@ def test_one_recipe_per_callback() -> None:
 
 @pytest.mark.parametrize("recipe", RECIPE_FILES, ids=_ids(RECIPE_FILES))
 def test_recipe_lists_every_argument_at_its_default(recipe: Path) -> None:
-    """Exactly the class's __init__ parameters, in order, each at its default (so recipes cannot rot)."""
+    """Exactly the class's __init__ parameters, in order, each at its default (so recipes cannot rot); a variant
+    recipe differs from the defaults in its declared values only."""
     cls, init_args = _recipe(recipe)
+    changed = VARIANTS.get(recipe.name, {})
     params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
     assert list(init_args) == [p.name for p in params]
     hints = typing.get_type_hints(cls.__init__)
@@ -194,9 +202,9 @@ def test_recipe_lists_every_argument_at_its_default(recipe: Path) -> None:
             (dataclass,) = [t for t in typing.get_args(hints[param.name]) if dataclasses.is_dataclass(t)]
             default = dataclasses.asdict(dataclass()) if param.default is None else _plain(param.default)
             assert list(value) == [f.name for f in dataclasses.fields(dataclass)], param.name
-            assert value == default, param.name
+            assert value == {**default, **changed.get(param.name, {})}, param.name
         else:
-            assert value == _plain(param.default), param.name
+            assert value == changed.get(param.name, _plain(param.default)), param.name
 
 
 @pytest.mark.parametrize("recipe", RECIPE_FILES, ids=_ids(RECIPE_FILES))
@@ -221,10 +229,22 @@ def test_recipe_appends_to_the_base_callbacks() -> None:
 
 
 def test_all_recipes_together() -> None:
-    appended = [f"--trainer.callbacks+={recipe}" for recipe in RECIPE_FILES]
+    appended = [f"--trainer.callbacks+={recipe}" for recipe in PRIMARY_RECIPES]
     cli = LoGRACLI(args=[*_args(BASE), "--trainer.callbacks=[]", *appended], run=False)
     for cls in CALLBACK_CLASSES:
         assert sum(isinstance(cb, cls) for cb in cli.trainer.callbacks) == 1, cls.__name__
+
+
+def test_kl_measurement_joins_the_adamw_config_with_one_flag() -> None:
+    """callbacks/kl_measure.yaml on configs/tiny_cpu_adamw.yaml (which has no KL callback): one ``+=`` gives a
+    PredictedKLControl that measures (calibrate) without controlling (kind none), next to the config's callbacks."""
+    adamw = CONFIGS / "tiny_cpu_adamw.yaml"
+    base = [type(cb) for cb in LoGRACLI(args=_args(adamw), run=False).trainer.callbacks]
+    cli = LoGRACLI(args=[*_args(adamw), f"--trainer.callbacks+={RECIPES / 'kl_measure.yaml'}"], run=False)
+    (kl,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, logra_pl.callbacks.PredictedKLControl)]
+    assert kl.schedule.kind == "none" and kl.calibrate and kl.schedule(1) is None
+    assert [type(cb) for cb in cli.trainer.callbacks if cb is not kl] == base
+    assert cli.model.method.makes_proposals
 
 
 def test_second_copy_of_a_stateful_callback_is_refused() -> None:

@@ -272,7 +272,7 @@ class SketchDiagnostics(pl.Callback):
                 "with the default strategy"
             )
         method = getattr(pl_module, "method", None)
-        if method is not None and not method.makes_proposals:
+        if method is not None and not method.keeps_sketches:
             self._warn_not_logra(method)
 
     @override

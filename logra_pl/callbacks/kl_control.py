@@ -14,7 +14,7 @@ from typing_extensions import override
 from logra_pl import compat
 from logra_pl.callbacks.mismatch import RolloutMismatch
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
-from logra_pl.sketch.probe import ProbeMode, logit_tangent, predicted_kl_terms, realized_kl_terms
+from logra_pl.sketch.probe import ProbeMode, predicted_kl_terms, realized_kl_terms
 from logra_pl.step import view_of
 
 
@@ -82,7 +82,12 @@ def _global_row(local_row: int, n: int, rank: int, world: int) -> int:
 
 
 class PredictedKLControl(pl.Callback):
-    """Probe each LoGRA proposal before it merges and set its step multiplier α from the predicted KL.
+    """Probe each proposal before it is applied and set its step multiplier α from the predicted KL.
+
+    Works with every update method that makes proposals (:attr:`~logra_pl.methods.UpdateMethod.makes_proposals`):
+    LoGRA (``α`` scales the factors ``U``), dense AdamW and LoRA (``α`` scales AdamW's step, i.e. its ``lr`` for this
+    update). The probe is the method's :meth:`~logra_pl.methods.UpdateMethod.logit_tangent` of the proposal; the
+    budget schedule's position is the method's :attr:`~logra_pl.methods.UpdateMethod.applied_updates` plus one.
 
     The probe runs on the first ``probe_responses`` responses of the step's global batch — wherever they were
     sampled: the prompt loaders give rank ``r`` every ``world``-th prompt, so global response ``(world·j + r)·n + k``
@@ -100,10 +105,11 @@ class PredictedKLControl(pl.Callback):
         max_probe_tokens: cap on probed positions.
         probe: ``jvp`` (forward-mode AD with math attention) or ``fd`` (central finite difference).
         fd_step: step of the finite difference, in units of the nominal step.
-        calibrate: after the merge, measure the realized KL on the probe contexts from full distributions and
+        calibrate: after the update, measure the realized KL on the probe contexts from full distributions and
             log it as ``kl/realized`` next to ``kl/predicted_scaled``. With ``schedule.kind="none"`` (no control,
             α = 1) and ``calibrate``, the probe still runs so that the uncontrolled run's predicted and realized KL
-            are logged (without ``calibrate``, ``none`` costs nothing).
+            are logged — KL measurement for any method, weights as without the callback (without ``calibrate``,
+            ``none`` costs nothing).
     """
 
     def __init__(
@@ -163,9 +169,8 @@ class PredictedKLControl(pl.Callback):
     def predict(self, pl_module: Any, proposal: Any, ctx: Any) -> tuple[float, dict[str, Any]]:
         """Mean predicted KL per probed position at α = 1 (averaged over ranks), and what calibration needs."""
         inputs, flat = self._probe_inputs(ctx, pl_module.device, compat.trainer_of(pl_module))
-        modules = {name: m.module for name, m in pl_module.sketcher.matrices.items()}
-        dense = pl_module.sketcher.dense
-        logits, tangent = logit_tangent(pl_module.policy, modules, proposal, inputs, self.probe, self.fd_step, dense)
+        method = pl_module.method
+        logits, tangent = method.logit_tangent(pl_module.policy, proposal, inputs, self.probe, self.fd_step)
         vocab = logits.shape[-1]
         z = logits.reshape(-1, vocab)[flat]
         t = tangent.reshape(-1, vocab)[flat]
@@ -179,19 +184,30 @@ class PredictedKLControl(pl.Callback):
 
     # ------------------------------------------------------------------------------------------- hooks
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Say before training when the run's update method makes no proposals (the callback would do nothing)."""
+        view = view_of(pl_module)
+        method = view.method if view is not None else None
+        if stage == "fit" and method is not None and not getattr(method, "makes_proposals", False):
+            rank_zero_warn(
+                f"PredictedKLControl: the update method {getattr(method, 'name', '?')!r} ({type(method).__name__}) "
+                "makes no proposals, so no update is controlled or measured; remove the callback, or give the "
+                "method a proposal (UpdateMethod.makes_proposals)"
+            )
+
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         proposal = getattr(optimizer, "proposal", None)
         view = view_of(pl_module)
         ctx = view.step_context if view is not None else None
-        if proposal is None or ctx is None:
+        method = view.method if view is not None else None
+        if proposal is None or ctx is None or method is None or not getattr(method, "makes_proposals", False):
             return
         self.updates += 1
-        # The schedule's position is the index of the update this proposal would become: merges that happened,
+        # The schedule's position is the index of the update this proposal would become: updates applied so far,
         # plus one. Proposals vetoed here or rejected by the guard do not advance it (the paper's horizons count
         # optimizer updates, D.1).
-        sketcher = view.method.sketcher if view is not None else None
-        applied = sketcher.num_applied if sketcher is not None else self.updates - 1
-        budget = self.schedule(applied + 1)
+        budget = self.schedule(method.applied_updates + 1)
         if budget is None:
             if self.calibrate:  # no control (α = 1), but the predicted and realized KL are still measured
                 self._measure_uncontrolled(pl_module, proposal, ctx)
@@ -232,10 +248,9 @@ class PredictedKLControl(pl.Callback):
 
     def _record(self, proposal: Any, probe: dict[str, Any], pred: float, alpha: float, budget: float) -> None:
         """Append the update to ``history`` and, with ``calibrate``, queue its realized-KL measurement (after the
-        merge, in ``on_train_batch_end``). ``budget`` is NaN for an uncontrolled update."""
+        update, in ``on_train_batch_end``). ``budget`` is NaN for an uncontrolled update."""
         if self.calibrate:
-            index = proposal.update_index
-            self._pending = {**probe, "predicted_scaled": alpha * alpha * pred, "update_index": index, "budget": budget}
+            self._pending = {**probe, "predicted_scaled": alpha * alpha * pred, "proposal": proposal, "budget": budget}
         else:
             self._pending = None
         self.history.append({"predicted": pred, "alpha": alpha, "effective_budget": budget})
@@ -244,12 +259,11 @@ class PredictedKLControl(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Calibration: the realized KL of the merged update on the same probe positions."""
+        """Calibration: the realized KL of the applied update on the same probe positions."""
         pending, self._pending = self._pending, None
-        if pending is None or pl_module.sketcher.update_index <= pending["update_index"]:
-            return
-        if getattr(pl_module.optimizers().optimizer, "last_payload", None) is None:
-            return  # skipped for another reason: nothing merged
+        view = view_of(pl_module)
+        if pending is None or view is None or not view.method.applied(pending["proposal"]):
+            return  # not the step's last update, or not applied (rejected by the guard, skipped): nothing changed
         with torch.no_grad():
             after = pl_module.policy(**pending["inputs"], use_cache=False).logits
         after = after.reshape(-1, after.shape[-1])[pending["flat"]]

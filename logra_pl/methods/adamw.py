@@ -1,14 +1,17 @@
 """``DenseAdamW``: the dense baseline of algorithm.md §10 — AdamW with warmup and cosine decay on the target matrices.
 
-The divergence guard previews the step from the gradients and AdamW's state (:func:`~logra_pl.optim.adamw_step_preview`)
-before taking it; a rejected step drops the gradients, so ``step()`` changes nothing. Engines receive the changed
-tensors.
+Its optimizer (:class:`~logra_pl.optim.ProposingAdamW`) steps through a proposal, as LoGRA's does: AdamW's step
+``ΔW`` (previewed from the gradients and AdamW's state, :func:`~logra_pl.optim.adamw_step_deltas`) is offered to
+``on_before_optimizer_step`` callbacks, which may scale it by ``α`` (``lr·α`` for this step) or veto it; the
+divergence guard then judges the α-scaled step (:func:`~logra_pl.optim.adamw_step_preview`) before it is taken. A
+vetoed or rejected step drops the gradients, so nothing changes. Step controllers probe the step with
+:meth:`DenseAdamW.logit_tangent` (the logits' JVP along ``ΔW``, algorithm.md §6). Engines receive the changed tensors.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,10 +20,11 @@ from typing_extensions import override
 
 from logra_pl.guard import DivergenceGuard
 from logra_pl.methods.base import AllReduceSum, StepResult, UpdateMethod, bytes_text, count_text, relative
-from logra_pl.optim import AdamWConfig, adamw_step_preview, adamw_update_norm
+from logra_pl.optim import AdamWConfig, AdamWProposal, ProposingAdamW, adamw_step_preview, adamw_update_norm
 from logra_pl.sketch import select_targets
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
+from logra_pl.sketch.probe import ProbeMode, parameter_logit_tangent
 
 
 class DenseAdamW(UpdateMethod):
@@ -31,11 +35,12 @@ class DenseAdamW(UpdateMethod):
     """
 
     name = "adamw"
+    makes_proposals = True
 
     def __init__(self, adamw: AdamWConfig | None = None) -> None:
         self.adamw = adamw or AdamWConfig()
         self.guard = DivergenceGuard()
-        self.optimizer: torch.optim.AdamW | None = None
+        self.optimizer: ProposingAdamW | None = None
         self.last_relative_update = 0.0
 
     def trainable(self, policy: nn.Module, targets: Sequence[str]) -> list[nn.Parameter]:
@@ -61,34 +66,63 @@ class DenseAdamW(UpdateMethod):
 
     @override
     def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
-        rejected = self.preview(optimizer.optimizer, all_reduce_sum)
-        optimizer.step()
+        inner: ProposingAdamW = optimizer.optimizer
+        inner.check = lambda opt, proposal: self.judge(opt, proposal, all_reduce_sum)
+        optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → AdamW at lr·α, or no step
+        rejected = inner.last_rejection
         optimizer.zero_grad(set_to_none=True)
-        norm = 0.0 if rejected else adamw_update_norm(optimizer.optimizer)  # from the state: no copy of the weights
+        # From the state: no copy of the weights.
+        norm = 0.0 if rejected else adamw_update_norm(inner, alpha=inner.last_alpha)
         scheduler.step()
         return StepResult(rejected, norm)
 
-    def preview(self, optimizer: torch.optim.Optimizer, all_reduce_sum: AllReduceSum) -> str | None:
-        """Preview the step; if the guard rejects it, drop the gradients so ``step()`` changes nothing."""
+    def judge(
+        self, optimizer: torch.optim.Optimizer, proposal: AdamWProposal, all_reduce_sum: AllReduceSum
+    ) -> str | None:
+        """The divergence guard's verdict on the step at ``proposal.alpha`` (None: take it). Runs after the step
+        controllers, so it judges the step that would be taken; ``ProposingAdamW`` drops a rejected step."""
         if not self.guard.enabled:
             return None
-        upd, w, bad = all_reduce_sum(torch.tensor(adamw_step_preview(optimizer), dtype=torch.float64)).tolist()
+        preview = adamw_step_preview(optimizer, proposal.alpha, proposal.previewed)
+        upd, w, bad = all_reduce_sum(torch.tensor(preview, dtype=torch.float64)).tolist()
         self.last_relative_update = relative(upd, w)
         if bad:
-            reason = f"the step would make {int(bad)} weights non-finite"
-        elif not math.isfinite(self.last_relative_update):
-            reason = "non-finite update (the gradients hold inf/NaN)"
-        elif self.last_relative_update > self.guard.max_update_ratio:
-            reason = (
+            return f"the step would make {int(bad)} weights non-finite"
+        if not math.isfinite(self.last_relative_update):
+            return "non-finite update (the gradients hold inf/NaN)"
+        if self.last_relative_update > self.guard.max_update_ratio:
+            return (
                 f"update size ‖ΔW‖/‖W‖ = {self.last_relative_update:.3g} exceeds the guard's max_update_ratio "
                 f"{self.guard.max_update_ratio:g}"
             )
-        else:
-            return None
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None  # torch's AdamW leaves parameters without a gradient (and their state) untouched
-        return reason
+        return None
+
+    # ------------------------------------------------------------------------------------ step control
+    @property
+    @override
+    def applied_updates(self) -> int:
+        """AdamW's step count (restored with its state on resume): vetoed and rejected steps never reach it."""
+        state = self.optimizer.state if self.optimizer is not None else {}
+        return max((int(s["step"]) for s in state.values() if "step" in s), default=0)
+
+    @override
+    def applied(self, proposal: Any) -> bool:
+        opt = self.optimizer
+        return opt is not None and opt.last_proposal is proposal and opt.last_applied
+
+    @override
+    def logit_tangent(
+        self,
+        policy: nn.Module,
+        proposal: Any,
+        model_inputs: Mapping[str, torch.Tensor],
+        mode: ProbeMode = "jvp",
+        fd_step: float = 1e-3,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits' JVP along the previewed step ``ΔW`` of every trained parameter (LoRA: its adapters)."""
+        names = {id(p): n for n, p in policy.named_parameters()}
+        deltas = {names[id(p)]: d for p, d in proposal.deltas().items()}
+        return parameter_logit_tangent(policy, deltas, model_inputs, mode, fd_step)
 
     @override
     def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:

@@ -4,7 +4,9 @@ The module runs rollouts, losses and backward passes; everything that depends on
 through this one object: which tensors it trains and how their optimizer is built, the update itself (with the
 divergence guard's check before anything is merged), what a rollout engine receives, the memory it holds, its console
 line and its checkpoint kind. Callbacks ask a method what it can do (:attr:`UpdateMethod.ships_factors`,
-:attr:`UpdateMethod.makes_proposals`, :attr:`UpdateMethod.sketcher`), never what it is called.
+:attr:`UpdateMethod.makes_proposals`, :attr:`UpdateMethod.keeps_sketches`, :attr:`UpdateMethod.sketcher`), never
+what it is called; a step controller asks a method that makes proposals how its proposal moves the logits
+(:meth:`UpdateMethod.logit_tangent`), how many updates it applied and whether a proposal was applied.
 
 A new method is one class (``docs/extending.md``: "add an update method"), chosen in YAML by
 ``model.method: {class_path: my_pkg.MyMethod, init_args: {...}}``.
@@ -25,6 +27,7 @@ from logra_pl.guard import DivergenceGuard
 from logra_pl.rollout.base import GatheredState
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.payload import Payload
+from logra_pl.sketch.probe import ProbeMode
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -52,13 +55,18 @@ class UpdateMethod(ABC):
         ships_factors: an update reaches engines as a factor :class:`~logra_pl.sketch.payload.Payload` (not as
             the changed tensors).
         makes_proposals: ``optimizer.proposal`` exists during ``on_before_optimizer_step``, for step controllers
-            to scale (``proposal.alpha``) or veto (``proposal.skip``).
+            to scale (``proposal.alpha``: the update applied is ``α`` times the proposal) or veto
+            (``proposal.skip(reason)``: nothing applied); the divergence guard judges the update after them. Such a
+            method also answers :meth:`logit_tangent`, :attr:`applied_updates` and :meth:`applied`.
+        keeps_sketches: gradients reach the update as LoGRA sketches (:attr:`sketcher` is set once the optimizer is
+            built), which sketch diagnostics measure.
         step_knob: the setting to lower when the divergence guard keeps rejecting updates.
     """
 
     name: ClassVar[str] = "method"
     ships_factors: ClassVar[bool] = False
     makes_proposals: ClassVar[bool] = False
+    keeps_sketches: ClassVar[bool] = False
 
     @property
     def step_knob(self) -> str:
@@ -100,6 +108,31 @@ class UpdateMethod(ABC):
     def full_state(self, policy: nn.Module, dtype: torch.dtype | None = None) -> Mapping[str, torch.Tensor]:
         """Every tensor of the policy as an engine holds it, gathered lazily (a full sync, an export)."""
         return GatheredState(policy.state_dict(), dtype=dtype)
+
+    # ------------------------------------------------------------------ step control (makes_proposals)
+    @property
+    def applied_updates(self) -> int:
+        """Updates applied so far (vetoed, rejected and skipped ones not counted; restored on resume): the update
+        index a step controller's budget schedule is at, minus one."""
+        raise NotImplementedError(f"{type(self).__name__} makes no proposals: it counts no applied updates")
+
+    def applied(self, proposal: Any) -> bool:
+        """Whether ``proposal`` became the last update taken and changed the weights (False when it was vetoed,
+        rejected or skipped, or is not the last one)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no proposals")
+
+    def logit_tangent(
+        self,
+        policy: nn.Module,
+        proposal: Any,
+        model_inputs: Mapping[str, torch.Tensor],
+        mode: ProbeMode = "jvp",
+        fd_step: float = 1e-3,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z, dz/dα)``: the policy's logits (``(B, T, V)``) with the weights as they are (``α = 0``) and their rate
+        of change along ``proposal`` at ``α = 0``, by forward-mode AD (``mode="jvp"``) or a central difference of
+        step ``fd_step`` (``"fd"``). The weights are left exactly as they were (algorithm.md §6)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no proposals to probe")
 
     def metrics(self) -> dict[str, float]:
         """Scalars of the last update (``guard/relative_update`` at least)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from logra_pl.sketch import LoGRAConfig, LoGRASketcher, select_targets
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
+from logra_pl.sketch.probe import ProbeMode, logit_tangent
 
 
 class LoGRAMethod(UpdateMethod):
@@ -37,6 +38,7 @@ class LoGRAMethod(UpdateMethod):
     name = "logra"
     ships_factors = True
     makes_proposals = True
+    keeps_sketches = True
 
     def __init__(self, config: LoGRAConfig | None = None) -> None:
         self.config = config or LoGRAConfig()
@@ -99,6 +101,32 @@ class LoGRAMethod(UpdateMethod):
         rejected = sketcher.last_skip_reason if inner.last_payload is None else None
         norm = 0.0 if rejected else math.sqrt(sketcher.last_update_sq_norm)
         return StepResult(rejected, norm, inner.last_payload)
+
+    # ------------------------------------------------------------------------------------ step control
+    @property
+    @override
+    def applied_updates(self) -> int:
+        return self._sketcher.num_applied if self._sketcher is not None else 0
+
+    @override
+    def applied(self, proposal: Any) -> bool:
+        opt = self.optimizer
+        return opt is not None and opt.last_proposal is proposal and opt.last_payload is not None
+
+    @override
+    def logit_tangent(
+        self,
+        policy: nn.Module,
+        proposal: Any,
+        model_inputs: Mapping[str, torch.Tensor],
+        mode: ProbeMode = "jvp",
+        fd_step: float = 1e-3,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hooks on the sketched layers add ``−(X Pᵀ) Uᵀ`` to their outputs' tangents; ``logra.dense_params`` add
+        theirs by a central difference (:func:`~logra_pl.sketch.probe.logit_tangent`)."""
+        sketcher = self._sketcher
+        modules = {name: m.module for name, m in sketcher.matrices.items()}
+        return logit_tangent(policy, modules, proposal, model_inputs, mode, fd_step, sketcher.dense)
 
     @override
     def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:

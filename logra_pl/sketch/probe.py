@@ -1,10 +1,16 @@
 """How a proposal changes the policy (algorithm.md §6): logit tangents along the step, predicted and realized KL.
 
-Along ``W(α) = W − α U P`` each selected layer's output moves by ``−α (X Pᵀ) Uᵀ``. The logit tangent
-``t = dz/dα`` at ``α = 0`` comes from one forward-mode pass (JVP) in which every selected layer adds
-``−(X Pᵀ) Uᵀ`` to its output's tangent, or from a central finite difference that adds ``∓h (X Pᵀ) Uᵀ`` to the
-layer outputs (the model with weights ``W ∓ h U P``, weights untouched). With ``p = softmax(z/T)`` and
-``t' = t/T``, the KL of a step of size α is ``≈ α² · ½ Σ_v p_v (t'_v − Σ_u p_u t'_u)²`` per position.
+LoGRA (:func:`logit_tangent`): along ``W(α) = W − α U P`` each selected layer's output moves by ``−α (X Pᵀ) Uᵀ``.
+The logit tangent ``t = dz/dα`` at ``α = 0`` comes from one forward-mode pass (JVP) in which every selected layer
+adds ``−(X Pᵀ) Uᵀ`` to its output's tangent, or from a central finite difference that adds ``∓h (X Pᵀ) Uᵀ`` to the
+layer outputs (the model with weights ``W ∓ h U P``, weights untouched).
+
+Any parameter step (:func:`parameter_logit_tangent`, dense AdamW and LoRA): along ``θ(α) = θ + α Δθ``,
+``t = J Δθ``, the logits' JVP in direction ``Δθ`` — one forward-mode pass with every stepped parameter a dual
+tensor (``torch.func.functional_call``), or a central difference over ``θ ± h Δθ`` (restored exactly).
+
+With ``p = softmax(z/T)`` and ``t' = t/T``, the KL of a step of size α is ``≈ α² · ½ Σ_v p_v (t'_v − Σ_u p_u t'_u)²``
+per position.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Literal
 import torch
 import torch.autograd.forward_ad as fwad
 from torch import nn
+from torch.func import functional_call
 
 from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.payload import Proposal
@@ -123,19 +130,30 @@ def logit_tangent(
 
 @contextlib.contextmanager
 def _dense_shift(dense: Mapping[str, torch.Tensor], proposal: Proposal, h: float) -> Iterator[None]:
-    """Move each dense parameter by ``h·delta`` (its local shard) for the block; restore its exact values after."""
+    """Move each ``logra.dense_params`` parameter by ``h·delta`` for the block; restore its exact values after."""
+    with _parameter_shift(dense, {name: step.delta for name, step in proposal.dense.items()}, h):
+        yield
+
+
+@contextlib.contextmanager
+def _parameter_shift(
+    params: Mapping[str, torch.Tensor], deltas: Mapping[str, torch.Tensor], h: float
+) -> Iterator[None]:
+    """Move each parameter by ``h·delta`` (its local shard under FSDP) for the block; restore its exact values after.
+
+    ``deltas`` not in ``params`` are ignored; ``h = 0`` moves nothing."""
     saved = {}
     try:
-        for name, step in proposal.dense.items():
-            if h == 0.0 or name not in dense:
+        for name, delta in deltas.items():
+            if h == 0.0 or name not in params:
                 continue
-            local = local_tensor(dense[name])
+            local = local_tensor(params[name])
             saved[name] = local.detach().clone()
-            local.data.add_((h * step.delta).to(local.dtype))
+            local.data.add_((h * delta).to(local.dtype))
         yield
     finally:
         for name, value in saved.items():
-            local_tensor(dense[name]).data.copy_(value)
+            local_tensor(params[name]).data.copy_(value)
 
 
 def _dense_moved(
@@ -148,6 +166,51 @@ def _dense_moved(
     """Logits with the dense parameters moved by ``h·delta`` (sketched matrices at α = 0)."""
     with _dense_shift(dense, proposal, h):
         return model(**inputs, use_cache=False).logits
+
+
+def parameter_logit_tangent(
+    model: nn.Module,
+    deltas: Mapping[str, torch.Tensor],
+    model_inputs: Mapping[str, torch.Tensor],
+    mode: ProbeMode = "jvp",
+    fd_step: float = 1e-3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, dz/dα)`` along ``θ(α) = θ + α·Δθ`` of named parameters of ``model``: logits at α = 0 and ``J·Δθ``.
+
+    Arguments:
+        model: the policy (weights untouched: exactly as before when this returns).
+        deltas: ``{parameter name in model.named_parameters(): Δθ}`` (same shape as the parameter, or as its
+            local shard when the parameter is an FSDP-sharded ``DTensor``). Unnamed parameters stay fixed.
+        model_inputs: keyword inputs of the forward (``input_ids``, ``attention_mask``, ``position_ids``).
+        mode: ``"jvp"``: one forward-mode pass (eager attention) in which each stepped parameter is the dual tensor
+            ``(θ, Δθ)``, swapped in by ``torch.func.functional_call`` (tied parameters follow). Parameters that
+            FSDP shards cannot be swapped (FSDP gathers its own), so over those ``jvp`` falls back to the central
+            difference. ``"fd"``: ``(z(θ + hΔθ) − z(θ − hΔθ)) / 2h``, the parameters moved in place and restored
+            bit for bit.
+        fd_step: ``h`` of the central difference, in units of the step.
+    """
+    if mode not in ("jvp", "fd"):
+        raise ValueError(f"unknown probe mode {mode!r}: use 'jvp' or 'fd'")
+    params = dict(model.named_parameters())
+    missing = [n for n in deltas if n not in params]
+    if missing:
+        raise KeyError(f"stepped parameters {missing[:3]} are not parameters of the probed model")
+    sharded = any(hasattr(params[n], "to_local") for n in deltas)
+    with torch.no_grad():
+        if mode == "jvp" and not sharded:
+            with _math_attention(model), fwad.dual_level():
+                duals = {n: fwad.make_dual(params[n].detach(), d.to(params[n].dtype)) for n, d in deltas.items()}
+                kwargs = {**model_inputs, "use_cache": False}
+                out = functional_call(model, duals, (), kwargs, strict=False).logits
+                primal, tangent = fwad.unpack_dual(out)
+                primal, tangent = primal.clone(), (torch.zeros_like(primal) if tangent is None else tangent.clone())
+            return primal, tangent
+        logits = {}
+        for sign in (1.0, -1.0, 0.0):
+            with _parameter_shift(params, deltas, sign * fd_step):
+                logits[sign] = model(**model_inputs, use_cache=False).logits
+        tangent = (logits[1.0].double() - logits[-1.0].double()) / (2 * fd_step)
+        return logits[0.0], tangent.to(logits[0.0].dtype)
 
 
 def predicted_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """A LoGRA run under LoGRAStrategy, launched as its own script (Lightning re-launches it once per rank).
 
     python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH] [--hf-export DIR]
+        [--optimizer adamw] [--kl-control]
 
-Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT.
+Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT (and, with ``--kl-control``, the KL
+controller's history).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from logra_pl.callbacks import HFExport
+from logra_pl.callbacks import BudgetSchedule, HFExport, PredictedKLControl
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.optim import AdamWConfig
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--param-dtype", default=None, help="FSDP2 compute dtype (bfloat16: bf16 compute, fp32 master)")
     parser.add_argument("--distributed-ckpt", action="store_true", help="save sharded checkpoints")
     parser.add_argument("--hf-export", default=None, help="HFExport every 3 updates and at the end to this folder")
+    parser.add_argument("--kl-control", action="store_true", help="PredictedKLControl (constant budget, calibrating)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -88,6 +91,9 @@ def main() -> None:
         )
     if args.hf_export:
         callbacks.append(HFExport(every_n_updates=3, dirpath=args.hf_export))
+    kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True) if args.kl_control else None
+    if kl is not None:
+        callbacks.append(kl)
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
@@ -123,6 +129,7 @@ def main() -> None:
                 "persistent_bytes": memory_report(
                     module.policy, optimizer=module.optimizers().optimizer, sketcher=module.sketcher
                 ).persistent,
+                "kl": kl.history if kl is not None else None,
             },
             args.out,
         )

@@ -44,7 +44,8 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
         "resumed6": _run(tmp, 2, 6, "resumed6", "--ckpt-resume", str(ckpt / "step=3.ckpt")),
         "one6": _run(tmp, 1, 6, "one6", "--ckpt-dir", str(ckpt1)),
         "one_resumed6": _run(tmp, 1, 6, "one_resumed6", "--ckpt-resume", str(ckpt1 / "step=3.ckpt")),
-        "adamw": _run(tmp, 2, 2, "adamw", "--optimizer", "adamw"),
+        "adamw": _run(tmp, 2, 2, "adamw", "--optimizer", "adamw", "--kl-control"),
+        "adamw_one": _run(tmp, 1, 2, "adamw_one", "--optimizer", "adamw", "--kl-control"),
         "dist6": _run(tmp, 2, 6, "dist6", "--ckpt-dir", str(dckpt), "--distributed-ckpt"),
         "dist_resumed6": _run(
             tmp, 2, 6, "dist_resumed6", "--ckpt-resume", str(dckpt / "step=3.ckpt"), "--distributed-ckpt"
@@ -119,6 +120,17 @@ def test_dense_adamw_under_the_same_strategy(runs, tiny_model_dir) -> None:
     assert all(torch.equal(adamw["engine"][k], adamw["policy"][k]) for k in adamw["policy"])
     moved = {k for k, v in adamw["policy"].items() if not torch.equal(v, initial[k])}
     assert moved and all(k.endswith("proj.weight") for k in moved)  # only the trained matrices changed
+
+
+def test_dense_kl_control_is_the_same_on_two_ranks(runs) -> None:
+    """PredictedKLControl on dense AdamW under FSDP2: the probe's prediction (all-reduced; the sharded parameters are
+    probed by a central difference) sets the same α on 1 and 2 ranks, and the realized KL meets α²·pred."""
+    one, two = runs["adamw_one"]["kl"], runs["adamw"]["kl"]
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two, strict=True):
+        assert a["alpha"] < 1 and b["alpha"] == pytest.approx(a["alpha"], rel=2e-3)
+        for h in (a, b):
+            assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.05
 
 
 def test_persistent_state_halves(runs) -> None:
