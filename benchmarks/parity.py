@@ -27,9 +27,9 @@ on, and is reported on fresh seeds. The protocol, on ``configs/tiny_cpu.yaml``:
    optimizer moments, adapters and theirs, sketches, projections, row statistics; the peak over updates) and the
    wall time per run, with the ratios to tuned AdamW and the goal line (MET/MISSED, with the numbers).
 4. **KL for every method.** LoGRA runs carry their KL controller with ``calibrate: true``; AdamW and LoRA runs get
-   :class:`~logra_pl.callbacks.PredictedKLControl` in measure-only mode (``callbacks/kl_control.yaml`` with
-   ``schedule.kind=none``, ``calibrate=true``: no control, α = 1). Until PredictedKLControl measures dense and LoRA
-   steps, those runs log no ``kl/realized``: the report shows "—" and says so.
+   :class:`~logra_pl.callbacks.PredictedKLControl` in measure-only mode (``callbacks/kl_measure.yaml``:
+   ``schedule.kind: none``, ``calibrate: true``; no control, α = 1, the weights those of a run without it). A run
+   that logged no ``kl/realized`` gets "—" in the report, which says so.
 5. **Levers** (``--stage levers``, or ``--grid levers``): each lever of :data:`LEVERS` alone on top of
    ``paper_logra`` at its tuned budget, seeds 0-1, scored like the tuning stage against paper_logra's own tuning
    runs at that budget (same seeds); the winners go into ``configs/overlays/logra_levers.yaml`` by hand.
@@ -84,11 +84,7 @@ KL_MEASURE_COST = 0.06
 MODEL_COST = {"tiny": 1.0, "tiny:small": 4.5}
 STARTUP_COST = {"tiny": 1.0, "tiny:small": 1.5}
 # PredictedKLControl in measure-only mode, appended to the runs of methods without KL control.
-MEASURE_KL = (
-    "--trainer.callbacks+=callbacks/kl_control.yaml",
-    "--trainer.callbacks.init_args.schedule.kind=none",
-    "--trainer.callbacks.init_args.calibrate=true",
-)
+MEASURE_KL = ("--trainer.callbacks+=callbacks/kl_measure.yaml",)
 GOAL = {"gain": 1.0, "state": 0.35}
 GOAL_TEXT = (
     "tuned LoGRA's reward gain ≥ 100% of tuned AdamW's, report-split pass@1 within one seed std, at ≤ 0.35× "
@@ -848,9 +844,8 @@ def findings(report: dict) -> list[str]:
     ]
     if no_kl:
         out.append(
-            f"Realized KL per update: — for {', '.join(no_kl)}: their runs logged no kl/realized (PredictedKLControl "
-            "measures only LoGRA proposals on this checkout; the measure-only callback is in their commands and "
-            "fills the column once it measures dense and LoRA steps)."
+            f"Realized KL per update: — for {', '.join(no_kl)}: their runs logged no kl/realized (runs finished "
+            "before PredictedKLControl measured dense and LoRA steps: rerun them with --rerun-without-kl)."
         )
     for name, entry in report["methods"].items():
         if entry["choice_at_edge"]:

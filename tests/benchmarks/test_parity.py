@@ -134,7 +134,7 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
     commands = [line for line in text.splitlines() if line.startswith("[tune] ")]
     assert len(commands) == 32
     measure = " ".join(parity.MEASURE_KL)
-    assert "schedule.kind=none" in measure and "calibrate=true" in measure and "kl_control.yaml" in measure
+    assert measure == "--trainer.callbacks+=callbacks/kl_measure.yaml"
     for method, knob in (("adamw", "--model.adamw.lr="), ("lora", "--model.adamw.lr=")):
         lines = [line for line in commands if line.startswith(f"[tune] {method}/")]
         assert len(lines) == 8 and all(measure in line for line in lines)
@@ -143,7 +143,7 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
         assert all("--model.adamw.decay_steps=600" in line for line in lines)
     for method in ("paper_logra", "logra_best"):
         lines = [line for line in commands if line.startswith(f"[tune] {method}/")]
-        assert len(lines) == 8 and not any("kl_control.yaml" in line for line in lines)
+        assert len(lines) == 8 and not any("kl_measure.yaml" in line for line in lines)
         for scale in (0.5, 1, 2, 4):
             assert sum(f"schedule.delta_max={parity.fmt(0.01 * scale)} " in line for line in lines) == 2
         assert all("configs/overlays/paper_logra.yaml" in line for line in lines)
