@@ -217,33 +217,3 @@ def test_checkpointing_off_saves_nothing(tmp_path: Path, caplog: pytest.LogCaptu
     assert cli.trainer.global_step == 2
     assert not list(tmp_path.rglob("*.ckpt"))  # not at updates, validations, epoch ends or the end
     assert "saves no checkpoint" in caplog.text
-
-
-@pytest.mark.slow
-def test_resume_of_a_hadamard_basis_refreshed_every_3_updates_is_bitwise(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Non-default projections (Hadamard, a new basis every 3 updates) checkpointed at update 4, inside the period
-    of update 3, and resumed: the weights and LoGRA state equal an uninterrupted run's; another period is refused."""
-    basis = ["--model.logra.distribution=hadamard", "--model.logra.refresh_every=3"]
-    done = _cli(tmp_path / "straight", "--trainer.max_steps=6", *basis)
-    assert done.returncode == 0, done.stderr[-3000:]
-    first = _cli(tmp_path / "cut", "--trainer.max_steps=4", *basis)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _cli(tmp_path / "cut", "--trainer.max_steps=6", *basis, "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ref = torch.load(tmp_path / "straight" / "tiny_cpu" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
-    mine = torch.load(tmp_path / "cut" / "tiny_cpu" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert mine["global_step"] == ref["global_step"] == 6
-    for key, value in ref["state_dict"].items():
-        assert torch.equal(mine["state_dict"][key], value), key
-    ref_logra, mine_logra = ref["optimizer_states"][0]["logra"], mine["optimizer_states"][0]["logra"]
-    assert mine_logra["config"]["distribution"] == "hadamard" and mine_logra["config"]["refresh_every"] == 3
-    for name, v in ref_logra["row_stats"].items():
-        assert torch.equal(mine_logra["row_stats"][name], v), name
-    ckpt = tmp_path / "cut" / "tiny_cpu" / "version_0" / "checkpoints" / "last.ckpt"
-    base = ["fit", f"--config={CONFIG}", *FAST, f"--trainer.logger.init_args.save_dir={tmp_path / 'other'}"]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*base, f"--ckpt_path={ckpt}", "--trainer.max_steps=7", "--model.logra.distribution=hadamard"])
-    assert exit_info.value.code == 1
-    assert "model.logra.refresh_every: checkpoint 3, now 1" in capsys.readouterr().err

@@ -9,8 +9,20 @@ from logra_pl.callbacks import PolicySync
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
-# A sketch-space first moment carried across refreshed projections, the Adam-style step, warmup and cosine decay.
-LEVERS = dict(rank=16, beta1=0.9, step_mode="adam", lr=3e-3, lr_warmup_steps=1, lr_decay_steps=3, lr_min_ratio=0.1)
+# Every new option at once: orthogonal (Hadamard) rows refreshed every 3 updates, a sketch-space first moment carried
+# across the refresh, the Adam-style step with warmup and cosine decay. The checkpoint at update 2 lies inside the
+# first basis period; the resumed run crosses the refresh at update 3.
+LEVERS = dict(
+    rank=16,
+    distribution="hadamard",
+    refresh_every=3,
+    beta1=0.9,
+    step_mode="adam",
+    lr=3e-3,
+    lr_warmup_steps=1,
+    lr_decay_steps=3,
+    lr_min_ratio=0.1,
+)
 
 
 def _module() -> LoGRAPolicyModule:
@@ -31,7 +43,7 @@ def test_levers_reach_the_engine_and_resume_bit_for_bit(tmp_path, rl_run) -> Non
     assert all(torch.equal(mine[k], engine[k]) for k in mine)  # factors of the new rules merge alike on both sides
     resumed = _module()
     rl_run(resumed, tmp_path, 4, callbacks=[_sync()], ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
-    assert resumed.sketcher.moment_age == 4
+    assert resumed.sketcher.moment_age == 4 and resumed.sketcher.config.refresh_every == 3
     for name, value in straight.policy.state_dict().items():
         assert torch.equal(value, resumed.policy.state_dict()[name]), name
     for name, moment in sketcher.moments.items():
