@@ -3,7 +3,7 @@
     python benchmarks/ablate.py [--grid default|quick|demo] [--seeds 0 1 2] [--budget-minutes 75 | --updates N]
         [--jobs 2] [--out runs/ablate/<grid>] [--cells NAME ...] [--figures DIR] [--dry-run]
     python benchmarks/ablate.py --grid parity [--model tiny|tiny:small] [--stage tune|report|all|levers]
-        [--updates N] [--values K] [--methods NAME ...] [--jobs 2] [--out runs/ablate/parity/<model>] [--dry-run]
+        [--updates N] [--values K] [--methods NAME ...] [--jobs 2] [--out results/parity/<model>] [--dry-run]
 
 Each cell of a grid is ``configs/tiny_cpu.yaml`` plus YAML overlays (``configs/ablations/``, ``configs/overlays/``),
 run for every seed as ``logra-pl fit`` in its own process (``--jobs`` at a time, each with ``cpu_count / jobs``

@@ -1013,7 +1013,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, str, tuple[str, ...]]:
         updates=args.updates or defaults["updates"],
         values=args.values if args.values is not None else defaults["values"],
         methods=methods,
-        out=(args.out or ROOT / "runs" / "ablate" / "parity" / _slug(args.model)).resolve(),
+        out=(args.out or ROOT / "results" / "parity" / _slug(args.model)).resolve(),
         tune_seeds=tuple(args.tune_seeds or TUNE_SEEDS),
         report_seeds=tuple(args.report_seeds or REPORT_SEEDS),
         extra=tuple(args.extra),

@@ -1,7 +1,7 @@
 """A LoGRA run under LoGRAStrategy, launched as its own script (Lightning re-launches it once per rank).
 
     python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH] [--hf-export DIR]
-        [--optimizer adamw] [--kl-control]
+        [--optimizer adamw] [--kl-control] [--snapshot-at K]
 
 Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT (and, with ``--kl-control``, the KL
 controller's history).
@@ -47,6 +47,28 @@ class CountLayerForwards(pl.Callback):
             layer.register_forward_pre_hook(count)  # a pre-hook: a replay stops early, before post-hooks
 
 
+class Snapshot(pl.Callback):
+    """What the run held after update ``at``: the gathered policy, the engine's copy, the LoGRA state, the layer
+    forwards so far (a collective on every rank; rank 0 keeps it). One run then stands for a shorter one too."""
+
+    def __init__(self, at: int, counter: CountLayerForwards) -> None:
+        self.at, self.counter = at, counter
+        self.taken: dict | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.at:
+            return
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(pl_module.policy, options=options)
+        sketcher = pl_module.sketcher
+        self.taken = {
+            "policy": state,
+            "engine": {k: v.clone() for k, v in pl_module.engine.model.state_dict().items()},
+            "logra": sketcher.state_dict() if sketcher is not None else None,
+            "layer_forwards": self.counter.calls,
+        }
+
+
 class Record(pl.Callback):
     """What each rank trained on: (update, question, response ids) per response."""
 
@@ -71,6 +93,7 @@ def main() -> None:
     parser.add_argument("--param-dtype", default=None, help="FSDP2 compute dtype (bfloat16: bf16 compute, fp32 master)")
     parser.add_argument("--distributed-ckpt", action="store_true", help="save sharded checkpoints")
     parser.add_argument("--hf-export", default=None, help="HFExport every 3 updates and at the end to this folder")
+    parser.add_argument("--snapshot-at", type=int, default=None, help="also record the state after this update")
     parser.add_argument("--kl-control", action="store_true", help="PredictedKLControl (constant budget, calibrating)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -94,6 +117,9 @@ def main() -> None:
     kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True) if args.kl_control else None
     if kl is not None:
         callbacks.append(kl)
+    snapshot = Snapshot(args.snapshot_at, counter) if args.snapshot_at else None
+    if snapshot is not None:
+        callbacks.append(snapshot)
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
@@ -130,6 +156,7 @@ def main() -> None:
                     module.policy, optimizer=module.optimizers().optimizer, sketcher=module.sketcher
                 ).persistent,
                 "kl": kl.history if kl is not None else None,
+                "snapshot": snapshot.taken if snapshot is not None else None,
             },
             args.out,
         )
