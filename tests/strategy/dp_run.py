@@ -59,7 +59,8 @@ class Snapshot(pl.Callback):
         if trainer.global_step != self.at:
             return
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(pl_module.policy, options=options)
+        # Copies: on one CPU rank the "gathered" state holds the live parameters, which later merges change in place.
+        state = {k: v.clone() for k, v in get_model_state_dict(pl_module.policy, options=options).items()}
         sketcher = pl_module.sketcher
         self.taken = {
             "policy": state,
