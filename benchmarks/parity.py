@@ -15,7 +15,8 @@ on, and is reported on fresh seeds. The protocol, on ``configs/tiny_cpu.yaml``:
    LoGRA) and ``logra_best`` (plus ``configs/overlays/logra_levers.yaml``: the chosen levers), both tuned by the
    KL budget's scale (δmax and δmin times one factor: with the controller active the budget, not update_ratio,
    sizes the step); ``adamw`` (``configs/overlays/adamw.yaml``) and ``lora`` r = 64 (``configs/ablations/lora.yaml``),
-   tuned by lr. Each knob has 4 log-spaced values (:data:`METHODS`), run on seeds 0-1. The chosen value is the
+   tuned by lr. Each knob has 4 or 5 log-spaced values (:data:`METHODS`; the KL scale 5, its grid extended one
+   step down when paper_logra's best was at the lower edge), run on seeds 0-1. The chosen value is the
    argmax over values of the tuning-split pass@1, each run's score being the **mean of its last two validations**
    (less evaluation noise than the final one alone, still the end of training), averaged over the seeds. Ties
    (equal to 1e-9) go to the higher mean reward gain, then to the smaller knob value (the more conservative
@@ -73,8 +74,8 @@ TUNE_FRACTION = 0.5  # every second evaluation problem is a tuning problem
 TUNE_SEEDS = (0, 1)
 REPORT_SEEDS = (2, 3, 4, 5, 6)
 # The full protocol per model: updates per run and knob values per method (what results.md compares a run with).
-PROTOCOL = {"updates": 600, "values": 4}
-MODEL_DEFAULTS = {"tiny": {"updates": 600, "values": 4}, "tiny:small": {"updates": 300, "values": 3}}
+PROTOCOL = {"updates": 600, "values": 5}
+MODEL_DEFAULTS = {"tiny": {"updates": 600, "values": 5}, "tiny:small": {"updates": 300, "values": 3}}
 # Seconds per update of the measure-only KL probe on AdamW/LoRA runs (one forward-mode pass and one forward on 2
 # responses). An estimate, not a measurement: LoGRA's COSTS entry already includes its probe.
 KL_MEASURE_COST = 0.06
@@ -150,8 +151,9 @@ class Method:
 
 
 # The grids: factor-2 steps of the KL budget around paper_logra.yaml's own (δmax 1e-2 → δmin 1e-3); half-decade
-# steps of lr around the configs' (AdamW 3e-4, LoRA 1e-3).
-KL_KNOB = Knob("kl_scale", (0.5, 1.0, 2.0, 4.0), 1.0)
+# steps of lr around the configs' (AdamW 3e-4, LoRA 1e-3). The KL grid has a fifth value, 0.25: on `tiny`
+# paper_logra's best tuning score was at 0.5, the grid's edge, so the grid was extended one step down.
+KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0), 1.0)
 ADAMW_KNOB = Knob("lr", (1e-4, 3e-4, 1e-3, 3e-3), 3e-4)
 LORA_KNOB = Knob("lr", (3e-4, 1e-3, 3e-3, 1e-2), 1e-3)
 METHODS: dict[str, Method] = {
