@@ -107,6 +107,7 @@ def plan(
     targets: Sequence[str] = DEFAULT_TARGETS,
     train_all: bool = False,
     logra_moments: bool = False,
+    moment_dtype: str = "float32",
 ) -> dict[str, PlanRow]:
     """Predict per-rank training-state bytes for each optimizer.
 
@@ -119,13 +120,17 @@ def plan(
         weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
         targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
         train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
-        logra_moments: LoGRA keeps a sketch-space first moment (``logra.beta1 > 0``): ``d_out × r`` fp32 per matrix.
+        logra_moments: LoGRA keeps a sketch-space first moment (``logra.beta1 > 0``): ``d_out × r`` per matrix.
+        moment_dtype: its storage (``logra.moment_dtype``): ``"float32"`` (4 bytes per value) or ``"bfloat16"`` (2).
     """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     unknown = set(optimizers) - {"adamw", "lora", "logra"}
     if unknown:
         raise ValueError(f"unknown optimizers {sorted(unknown)}: plan 'adamw', 'lora' and/or 'logra'")
+    moment_bytes = {"float32": 4, "bfloat16": 2}.get(moment_dtype)
+    if moment_bytes is None:
+        raise ValueError(f"unknown moment_dtype {moment_dtype!r}: use 'float32' or 'bfloat16'")
     cfg = load_config(config)
     dtype = _DTYPES[weight_dtype]
     with torch.device("meta"):
@@ -158,7 +163,7 @@ def plan(
             report.sketches += linear.out_features * rank_r * 4
             report.projections += rank_r * linear.in_features * 4
             report.row_statistics += linear.out_features * 4
-            report.sketch_moments += linear.out_features * rank_r * 4 if logra_moments else 0
+            report.sketch_moments += linear.out_features * rank_r * moment_bytes if logra_moments else 0
             report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
         out["logra"] = PlanRow("logra", ranks, report)
     return out
@@ -197,7 +202,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank r; default 64")
     parser.add_argument("--weight-dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
     parser.add_argument("--train-all", action="store_true", help="dense baseline trains every parameter")
-    parser.add_argument("--logra-moments", action="store_true", help="LoGRA keeps a first moment (logra.beta1 > 0)")
+    parser.add_argument(
+        "--logra-moments",
+        nargs="?",
+        const="float32",
+        choices=("float32", "bfloat16"),
+        help="LoGRA keeps a first moment (logra.beta1 > 0), stored as this dtype (logra.moment_dtype; default float32)",
+    )
     parser.add_argument("--json", help="write the plan here too")
     args = parser.parse_args(argv)
     rows = plan(
@@ -206,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.rank,
         weight_dtype=args.weight_dtype,
         train_all=args.train_all,
-        logra_moments=args.logra_moments,
+        logra_moments=args.logra_moments is not None,
+        moment_dtype=args.logra_moments or "float32",
     )
     title = f"{args.model}: {args.ranks} rank(s), r={args.rank}, {args.weight_dtype} weights"
     print(format_plan(rows, title))

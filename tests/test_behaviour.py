@@ -27,6 +27,7 @@ ADDED_SCALARS = {
 ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
     "beta1": 0.0,
     "momentum_transfer": "project",
+    "moment_dtype": "float32",
     "lr_warmup_steps": 0,
     "lr_decay_steps": 0,
     "lr_min_ratio": 1.0,

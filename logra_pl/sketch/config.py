@@ -20,6 +20,8 @@ MomentTransfer = Literal["project", "reset"]
 RatioScope = Literal["global", "matrix"]
 
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# How the sketch-space first moment may be stored (it is always computed in fp32).
+_MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Keys that change what the saved LoGRA state means: a checkpoint written with one value cannot be resumed
 # under another (row statistics of another rank/target set, projections from another seed or distribution).
@@ -94,11 +96,14 @@ class LoGRAConfig:
         base_seed: mixed with the update index and the module name into each projection's seed.
         update_rule: ``"rowadam"`` (per-row second moment, algorithm.md §4) or ``"sgd"`` (``D = S``).
         beta2: RowAdam's EMA factor for the row statistic.
-        beta1: EMA factor of a first moment in sketch space (``d_out × r`` fp32 per matrix), carried across
+        beta1: EMA factor of a first moment in sketch space (``d_out × r`` per matrix), carried across
             projection changes; ``0`` (default, the paper's rule): no first moment, ``D`` is formed from ``S``.
         momentum_transfer: what the first moment does when a matrix's projection changes: ``"project"`` carries it
             to the new basis (``m ← m (P_old P_oldᵀ)⁻¹ P_old P_newᵀ``), ``"reset"`` zeroes it (and its bias
             correction restarts).
+        moment_dtype: how the first moment is stored between updates: ``"float32"`` (default) or ``"bfloat16"``
+            (half the bytes; each update computes ``β1·m + (1−β1)·S`` and its step in fp32 from the stored value,
+            then rounds the new ``m`` to bf16 to keep it). Not structural: a resume under another dtype casts.
         eps: RowAdam's denominator floor, relative to the mean row root.
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``;
             ``"adam"`` uses ``U = lr·N/den``: row-wise Adam in sketch space (no norm restore), steps of dense Adam's
@@ -134,6 +139,7 @@ class LoGRAConfig:
     beta2: float = 0.95
     beta1: float = 0.0
     momentum_transfer: MomentTransfer = "project"
+    moment_dtype: str = "float32"
     eps: float = 1e-8
     step_mode: StepMode = "ratio"
     update_ratio: float = 6e-5
@@ -183,6 +189,11 @@ class LoGRAConfig:
             raise LoGRAConfigError(str(err)) from None
         if self.factor_dtype not in _FACTOR_DTYPES:
             raise LoGRAConfigError(f"unknown factor_dtype {self.factor_dtype!r}: use one of {sorted(_FACTOR_DTYPES)}")
+        if self.moment_dtype not in _MOMENT_DTYPES:
+            raise LoGRAConfigError(
+                f"unknown moment_dtype {self.moment_dtype!r}: use one of {sorted(_MOMENT_DTYPES)} (the first moment's "
+                "storage; it is computed in float32 either way)"
+            )
         if self.merge_chunk_rows is not None and self.merge_chunk_rows <= 0:
             raise LoGRAConfigError(f"merge_chunk_rows must be > 0 (or null: automatic), got {self.merge_chunk_rows!r}")
         self.dense_params = tuple(self.dense_params)
@@ -201,6 +212,11 @@ class LoGRAConfig:
     def factor_torch_dtype(self) -> torch.dtype:
         """The torch dtype of shipped/merged factors."""
         return _FACTOR_DTYPES[self.factor_dtype]
+
+    @property
+    def moment_torch_dtype(self) -> torch.dtype:
+        """The torch dtype the sketch-space first moment is stored in."""
+        return _MOMENT_DTYPES[self.moment_dtype]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-Python form (lists, not tuples) for checkpoints and payloads.

@@ -86,10 +86,16 @@ class LoGRASketcher:
             for name, m in self.matrices.items()
         }
         self._pending_row_stats: dict[str, torch.Tensor] | None = None
-        # The sketch-space first moment (``logra.beta1 > 0``): d_out × r fp32 per matrix, in the basis of the current
-        # projection; ``moment_age`` counts the merged updates it has averaged since it started (bias correction).
+        # The sketch-space first moment (``logra.beta1 > 0``): d_out × r per matrix (stored as ``moment_dtype``), in
+        # the basis of the current projection; ``moment_age`` counts the merged updates it has averaged since it
+        # started (bias correction).
         self.moments: dict[str, torch.Tensor] = (
-            {name: torch.zeros_like(m.sketch) for name, m in self.matrices.items()} if self.config.beta1 > 0 else {}
+            {
+                name: torch.zeros_like(m.sketch, dtype=self.config.moment_torch_dtype)
+                for name, m in self.matrices.items()
+            }
+            if self.config.beta1 > 0
+            else {}
         )
         self.moment_age = 0
         self._pending_moments: dict[str, torch.Tensor] | None = None

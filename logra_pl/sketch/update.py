@@ -89,8 +89,9 @@ def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
 
 
 def first_moment(sketch: torch.Tensor, moment: torch.Tensor, beta1: float) -> torch.Tensor:
-    """``m ← β1·m + (1−β1)·S`` (fp32), the sketch-space first moment; returns the new ``m``, inputs untouched."""
-    return beta1 * moment + (1.0 - beta1) * sketch.to(torch.float32)
+    """``m ← β1·m + (1−β1)·S`` in fp32 (from ``m`` as stored: fp32 or bf16), the sketch-space first moment;
+    returns the new fp32 ``m``, inputs untouched. The caller rounds it to the storage dtype when it commits."""
+    return beta1 * moment.to(torch.float32) + (1.0 - beta1) * sketch.to(torch.float32)
 
 
 def bias_corrected(moment: torch.Tensor, beta1: float, age: int) -> torch.Tensor:

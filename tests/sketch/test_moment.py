@@ -189,3 +189,46 @@ def test_the_moment_is_counted_and_planned(qwen2_factory) -> None:
     planned = plan(model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_moments=True)["logra"].report
     assert planned.sketch_moments == report.sketch_moments
     assert memory_report(model, sketcher=LoGRASketcher(qwen2_factory(seed=1), LoGRAConfig(rank=8))).sketch_moments == 0
+
+
+def test_bf16_storage_is_the_fp32_rule_rounded_at_each_commit() -> None:
+    """``moment_dtype: bfloat16``: each update forms ``β1·m + (1−β1)·S`` in fp32 from the stored bf16 ``m``, steps
+    with that fp32 value, and keeps it rounded to bf16. Checked with SGD at a constant lr (the factor is lr·m̂) on a
+    fixed basis, against the recurrence written here."""
+    base = {"targets": ("up_proj",), "rank": 4, "beta1": 0.9, "refresh": False, "update_rule": "sgd"}
+    cfg = LoGRAConfig(**base, step_mode="lr", lr=0.5, factor_dtype="float32", moment_dtype="bfloat16")
+    _, sketcher, factors = _run(cfg, 5)
+    stored = torch.zeros(D_OUT, 4, dtype=torch.bfloat16)
+    for t, factor in enumerate(factors, start=1):
+        gen = torch.Generator().manual_seed(100 * 5 + t - 1)
+        s = torch.randn(D_OUT, D_IN, generator=gen)[:, :4]
+        m = 0.9 * stored.float() + 0.1 * s
+        assert torch.equal(factor, 0.5 * (m / (1 - 0.9**t)))  # the step uses the unrounded fp32 moment
+        stored = m.to(torch.bfloat16)
+    assert sketcher.moments["up_proj"].dtype == torch.bfloat16 and torch.equal(sketcher.moments["up_proj"], stored)
+    # Not the fp32-stored run: the rounding is real (and the fp32 default is unchanged by the option's existence).
+    _, _, fp32 = _run(LoGRAConfig(**base, step_mode="lr", lr=0.5, factor_dtype="float32"), 5)
+    assert torch.equal(fp32[0], factors[0]) and not torch.equal(fp32[-1], factors[-1])
+
+
+def test_bf16_moment_resumes_bit_for_bit_and_transfers_in_bf16() -> None:
+    cfg = LoGRAConfig(targets=("up_proj",), rank=4, beta1=0.9, update_ratio=1e-2, moment_dtype="bfloat16")
+    straight, s_sketcher, _ = _run(cfg, 5)  # a new basis every update: the moment is carried (projected) 4 times
+    first, f_sketcher, _ = _run(cfg, 2)
+    state = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "sketcher": f_sketcher.state_dict()}
+    assert state["sketcher"]["moments"]["up_proj"].dtype == torch.bfloat16
+    resumed, r_sketcher, _ = _run(cfg, 3, state)
+    assert torch.equal(straight.up_proj.weight, resumed.up_proj.weight)
+    assert torch.equal(s_sketcher.moments["up_proj"], r_sketcher.moments["up_proj"])
+    assert r_sketcher.moments["up_proj"].dtype == torch.bfloat16
+    with pytest.raises(LoGRAConfigError, match="moment_dtype"):
+        LoGRAConfig(moment_dtype="float16")
+
+
+def test_bf16_moment_is_counted_and_planned_at_half(qwen2_factory) -> None:
+    model = qwen2_factory(seed=1)
+    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, beta1=0.9, moment_dtype="bfloat16"))
+    report = memory_report(model, sketcher=sketcher)
+    assert report.sketch_moments == sum(m.d_out * 8 * 2 for m in sketcher.matrices.values())
+    planned = plan(model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_moments=True, moment_dtype="bfloat16")
+    assert planned["logra"].report.sketch_moments == report.sketch_moments
