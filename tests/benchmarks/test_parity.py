@@ -66,7 +66,7 @@ def test_tuning_picks_the_argmax_and_the_report_stage_runs_it(tmp_path: Path) ->
         for seed, score in zip(plan.tune_seeds, scores, strict=True):
             spec = plan.spec("tune", "adamw", value, seed)
             _finish(spec, tmp_path, tune_score=score if score is not None else math.nan, failed=score is None)
-    for value, score in {0.5: 0.3, 1.0: 0.4, 2.0: 0.6, 4.0: 0.2}.items():
+    for value, score in {0.25: 0.1, 0.5: 0.3, 1.0: 0.4, 2.0: 0.6, 4.0: 0.2}.items():
         for seed in plan.tune_seeds:
             _finish(plan.spec("tune", "paper_logra", value, seed), tmp_path, tune_score=score)
     for value in parity.METHODS["lora"].knob.values:  # LoRA: one run missing, one run from other settings
@@ -130,9 +130,9 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
 ) -> None:
     ablate.main(["--grid", "parity", "--dry-run", "--out", str(tmp_path)])
     text = capsys.readouterr().out
-    assert "tune: 32 runs" in text and "report: 20 runs" in text and "total estimated" in text
+    assert "tune: 36 runs" in text and "report: 20 runs" in text and "total estimated" in text
     commands = [line for line in text.splitlines() if line.startswith("[tune] ")]
-    assert len(commands) == 32
+    assert len(commands) == 36
     measure = " ".join(parity.MEASURE_KL)
     assert measure == "--trainer.callbacks+=callbacks/kl_measure.yaml"
     for method, knob in (("adamw", "--model.adamw.lr="), ("lora", "--model.adamw.lr=")):
@@ -143,8 +143,8 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
         assert all("--model.adamw.decay_steps=600" in line for line in lines)
     for method in ("paper_logra", "logra_best"):
         lines = [line for line in commands if line.startswith(f"[tune] {method}/")]
-        assert len(lines) == 8 and not any("kl_measure.yaml" in line for line in lines)
-        for scale in (0.5, 1, 2, 4):
+        assert len(lines) == 10 and not any("kl_measure.yaml" in line for line in lines)
+        for scale in (0.25, 0.5, 1, 2, 4):
             assert sum(f"schedule.delta_max={parity.fmt(0.01 * scale)} " in line for line in lines) == 2
         assert all("configs/overlays/paper_logra.yaml" in line for line in lines)
         assert all("schedule.horizon=600" in line for line in lines)
