@@ -114,7 +114,8 @@ class LoGRAConfig:
             the tiny CPU models, where a global scale starves the layers with small gradients).
         lr: learning rate (``lr`` and ``adam`` modes).
         lr_warmup_steps: updates of linear warmup of ``lr`` (``lr``/``adam`` modes; counted in merged updates).
-        lr_decay_steps: updates (after warmup) of its cosine decay to ``lr_min_ratio·lr``.
+        lr_decay_steps: updates (after warmup) of its cosine decay to ``lr_min_ratio·lr``; ``0``: no decay, ``lr``
+            is ``lr_min_ratio·lr`` from the end of the warmup on (one step down, dense AdamW's reading of 0).
         lr_min_ratio: final ``lr`` as a fraction of ``lr``; ``1`` (default) with no warmup: a constant ``lr``.
         factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
         merge_chunk_rows: rows merged per chunk, bounding the temporary float64 ``rows × d_in`` delta. ``None``
