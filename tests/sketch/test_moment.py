@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import logra_pl.sketch.sketcher as sketcher_module
+from logra_pl.memory import main as plan_main
 from logra_pl.memory import plan
 from logra_pl.optim import AdamWConfig
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher
@@ -225,10 +227,17 @@ def test_bf16_moment_resumes_bit_for_bit_and_transfers_in_bf16() -> None:
         LoGRAConfig(moment_dtype="float16")
 
 
-def test_bf16_moment_is_counted_and_planned_at_half(qwen2_factory) -> None:
+def test_bf16_moment_is_counted_and_planned_at_half(qwen2_factory, tmp_path) -> None:
     model = qwen2_factory(seed=1)
     sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, beta1=0.9, moment_dtype="bfloat16"))
     report = memory_report(model, sketcher=sketcher)
     assert report.sketch_moments == sum(m.d_out * 8 * 2 for m in sketcher.matrices.values())
     planned = plan(model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_moments=True, moment_dtype="bfloat16")
     assert planned["logra"].report.sketch_moments == report.sketch_moments
+    # The CLI: `--logra-moments` alone is fp32, with a dtype that dtype.
+    model.config.to_json_file(tmp_path / "config.json")
+    for flag, bytes_each in ((["--logra-moments"], 4), (["--logra-moments", "bfloat16"], 2)):
+        out = tmp_path / "plan.json"
+        plan_main(["--model", str(tmp_path / "config.json"), "--rank", "8", *flag, "--json", str(out)])
+        planned_cli = json.loads(out.read_text())["logra"]["sketch_moments"]
+        assert planned_cli == sum(m.d_out * 8 * bytes_each for m in sketcher.matrices.values())
