@@ -9,14 +9,15 @@ from logra_pl.callbacks import PolicySync
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
-# Every new option at once: orthogonal (Hadamard) rows refreshed every 3 updates, a sketch-space first moment carried
-# across the refresh, the Adam-style step with warmup and cosine decay. The checkpoint at update 2 lies inside the
-# first basis period; the resumed run crosses the refresh at update 3.
+# Every new option at once: orthogonal (Hadamard) rows refreshed every 3 updates, a sketch-space first moment (stored
+# in bf16) carried across the refresh, the Adam-style step with warmup and cosine decay. The checkpoint at update 2
+# lies inside the first basis period; the resumed run crosses the refresh at update 3.
 LEVERS = dict(
     rank=16,
     distribution="hadamard",
     refresh_every=3,
     beta1=0.9,
+    moment_dtype="bfloat16",
     step_mode="adam",
     lr=3e-3,
     lr_warmup_steps=1,
@@ -47,4 +48,4 @@ def test_levers_reach_the_engine_and_resume_bit_for_bit(tmp_path, rl_run) -> Non
     for name, value in straight.policy.state_dict().items():
         assert torch.equal(value, resumed.policy.state_dict()[name]), name
     for name, moment in sketcher.moments.items():
-        assert torch.equal(moment, resumed.sketcher.moments[name]), name
+        assert moment.dtype == torch.bfloat16 and torch.equal(moment, resumed.sketcher.moments[name]), name

@@ -129,8 +129,9 @@ def test_separate_engine_process_prefix_cache_and_full_load(engine_report: tuple
 
 
 def test_hadamard_basis_refreshed_every_3_updates_keeps_vllm_bitwise(tmp_path: Path) -> None:
-    """``logra.distribution: hadamard`` and ``logra.refresh_every: 3`` reach vLLM's workers through the payload:
-    after every update the engine's matrices equal the trainer's bit for bit (MLP width 384 = 128·3)."""
+    """``logra.distribution: hadamard`` and ``logra.refresh_every: 3`` reach vLLM's workers through the payload, with
+    a bf16 first moment and the Adam-style step shaping the factors: after every update the engine's matrices equal
+    the trainer's bit for bit (MLP width 384 = 128·3)."""
     from logra_pl.sketch import projection_seed
 
     report = _run("hadamard", tmp_path)
@@ -141,6 +142,7 @@ def test_hadamard_basis_refreshed_every_3_updates_keeps_vllm_bitwise(tmp_path: P
     assert [s["seed"] for s in steps] == [projection_seed(0, i, name) for i in (0, 0, 0, 3)]
     assert all(s["bitwise_equal"] for s in steps)
     assert all(s["sync/max_logprob_diff"] <= TOL for s in steps) and report["full_resyncs"] == 0
+    assert [s["moment_age"] for s in steps] == [1, 2, 3, 4] and {s["moment_dtype"] for s in steps} == {"torch.bfloat16"}
 
 
 def test_vllm_config_runs_through_the_cli(tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ the pytest process. Usage: ``python vllm_run.py SCENARIO OUT_DIR``.
   way to the engine (fault injection), which verification must catch and repair with a full resync.
 - ``engine``: a ``VLLMEngine`` in a separate engine process: payload and full loads, stale-prefix-cache check.
 - ``hadamard``: 4 LoGRA updates with Hadamard projections refreshed every 3 updates (``logra.distribution:
-  hadamard``, ``logra.refresh_every: 3``) on a policy whose MLP width 384 = 128·3 is not a power of two; after each
-  update the engine's matrices are compared with the trainer's, bit for bit.
+  hadamard``, ``logra.refresh_every: 3``) on a policy whose MLP width 384 = 128·3 is not a power of two, with the
+  other update-rule options on (a bf16 sketch-space first moment carried across the refresh, the Adam-style step
+  with warmup); after each update the engine's matrices are compared with the trainer's, bit for bit.
 """
 
 from __future__ import annotations
@@ -172,7 +173,16 @@ def run_hadamard(out: Path) -> None:
     )
     module = LoGRAPolicyModule(
         policy=str(build_tiny_model(TinyModelSpec(intermediate_size=384))),
-        logra=LoGRAConfig(rank=16, update_ratio=2e-2, distribution="hadamard", refresh_every=3),
+        logra=LoGRAConfig(
+            rank=16,
+            distribution="hadamard",
+            refresh_every=3,
+            beta1=0.9,
+            moment_dtype="bfloat16",
+            step_mode="adam",
+            lr=3e-3,
+            lr_warmup_steps=1,
+        ),
         rollout=RolloutSettings(max_new_tokens=4),
         microbatch_size=8,
         engine=VLLMSettings(kv_cache_gib=1.0),
@@ -195,6 +205,8 @@ def run_hadamard(out: Path) -> None:
                     "update_index": payload.update_index,
                     "distribution": payload.distribution,
                     "refresh_every": payload.refresh_every,
+                    "moment_dtype": str(pl_module.sketcher.moments[name].dtype),
+                    "moment_age": pl_module.sketcher.moment_age,
                     "seed": payload.seed(name),
                     "d_in": pl_module.sketcher.matrices[name].d_in,
                     "bitwise_equal": all(torch.equal(got[n], state[n]) for n in names),
