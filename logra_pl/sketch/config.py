@@ -119,7 +119,7 @@ class LoGRAConfig:
         lr_min_ratio: final ``lr`` as a fraction of ``lr``; ``1`` (default) with no warmup: a constant ``lr``.
         factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
         merge_chunk_rows: rows merged per chunk, bounding the temporary float64 ``rows × d_in`` delta. ``None``
-            (default): as many rows as fit 64 MiB on a GPU, 32 MiB on a CPU
+            (default): as many rows as fit 64 MiB on a GPU, 4 MiB on a CPU
             (:func:`~logra_pl.sketch.merge.merge_chunk_rows`). The merged weights are the same bits either way.
         dense_params: opt-in (algorithm.md §1): glob patterns of parameter names (``"*norm.weight"``,
             ``"model.embed_tokens.weight"``) trained beside the sketches by a small dense Adam — their step joins

@@ -19,9 +19,12 @@ import torch
 from logra_pl.sketch.projection import make_projection, sign_scale
 
 # The float64 ``rows × d_in`` delta of one merge chunk stays within this many bytes. GPUs: large chunks, few
-# launches. CPUs: past ~32 MiB the delta falls out of cache and the merge slows down (measured, one thread).
+# launches. CPUs: 4 MiB. A 32 MiB budget kept the merge's buffers in the process after each update (glibc serves
+# blocks below its dynamic mmap threshold, which rises to 32 MiB, from a heap it does not give back): peak RSS of
+# a 50M-parameter LoGRA run was 1,186 MiB at 32 MiB and 923 MiB at 4 MiB (benchmarks/compare.py --model-size
+# medium --optimizers logra), and 4 MiB chunks merged in 0.34-0.55x the time (one thread, the medium shapes).
 MERGE_BUFFER_BYTES = 64 * 2**20
-MERGE_BUFFER_BYTES_CPU = 32 * 2**20
+MERGE_BUFFER_BYTES_CPU = 4 * 2**20
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
