@@ -130,9 +130,9 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
 ) -> None:
     ablate.main(["--grid", "parity", "--dry-run", "--out", str(tmp_path)])
     text = capsys.readouterr().out
-    assert "tune: 36 runs" in text and "report: 20 runs" in text and "total estimated" in text
+    assert "tune: 38 runs" in text and "report: 20 runs" in text and "total estimated" in text
     commands = [line for line in text.splitlines() if line.startswith("[tune] ")]
-    assert len(commands) == 36
+    assert len(commands) == 38
     measure = " ".join(parity.MEASURE_KL)
     assert measure == "--trainer.callbacks+=callbacks/kl_measure.yaml"
     for method, knob in (("adamw", "--model.adamw.lr="), ("lora", "--model.adamw.lr=")):
@@ -141,10 +141,10 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
         for value in parity.METHODS[method].knob.values:
             assert sum(f"{knob}{parity.fmt(value)} " in line for line in lines) == 2
         assert all("--model.adamw.decay_steps=600" in line for line in lines)
-    for method in ("paper_logra", "logra_best"):
+    for method, scales in (("paper_logra", (0.25, 0.5, 1, 2, 4)), ("logra_best", (0.25, 0.5, 1, 2, 4, 8))):
         lines = [line for line in commands if line.startswith(f"[tune] {method}/")]
-        assert len(lines) == 10 and not any("kl_measure.yaml" in line for line in lines)
-        for scale in (0.25, 0.5, 1, 2, 4):
+        assert len(lines) == 2 * len(scales) and not any("kl_measure.yaml" in line for line in lines)
+        for scale in scales:
             assert sum(f"schedule.delta_max={parity.fmt(0.01 * scale)} " in line for line in lines) == 2
         assert all("configs/overlays/paper_logra.yaml" in line for line in lines)
         assert all("schedule.horizon=600" in line for line in lines)
