@@ -26,7 +26,7 @@ at the configs' own length) over seeds 0-4.
 
 ``parity`` (``benchmarks/parity.py``, whose docstring has the whole protocol) is the fair comparison the optimizer
 cells above are not: the paper's LoGRA, LoGRA with the levers of ``configs/overlays/logra_levers.yaml``, dense
-AdamW and LoRA r = 64, each tuned by its step knob (the KL budget's scale, or lr) over 4-5 log-spaced values on seeds
+AdamW and LoRA r = 64, each tuned by its step knob (the KL budget's scale, or lr) over 4-6 log-spaced values on seeds
 0-1 by the pass@1 of a tuning half of the held-out problems, then run at the chosen value on seeds 2-6 and scored
 on the other half (reward gain, report-split pass@1, realized KL per update, training state, wall time, ratios to
 tuned AdamW and the goal line). ``--stage tune|report|all`` (all: both, the report once the tuning is complete),

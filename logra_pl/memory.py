@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from logra_pl.sketch import DEFAULT_TARGETS, select_targets
+from logra_pl.sketch.config import MOMENT_DTYPES
 from logra_pl.sketch.memory import MemoryReport
 
 GiB = 1024**3
@@ -128,9 +129,9 @@ def plan(
     unknown = set(optimizers) - {"adamw", "lora", "logra"}
     if unknown:
         raise ValueError(f"unknown optimizers {sorted(unknown)}: plan 'adamw', 'lora' and/or 'logra'")
-    moment_bytes = {"float32": 4, "bfloat16": 2}.get(moment_dtype)
-    if moment_bytes is None:
-        raise ValueError(f"unknown moment_dtype {moment_dtype!r}: use 'float32' or 'bfloat16'")
+    if moment_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"unknown moment_dtype {moment_dtype!r}: use one of {sorted(MOMENT_DTYPES)}")
+    moment_bytes = MOMENT_DTYPES[moment_dtype].itemsize
     cfg = load_config(config)
     dtype = _DTYPES[weight_dtype]
     with torch.device("meta"):
@@ -206,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--logra-moments",
         nargs="?",
         const="float32",
-        choices=("float32", "bfloat16"),
+        choices=sorted(MOMENT_DTYPES),
         help="LoGRA keeps a first moment (logra.beta1 > 0), stored as this dtype (logra.moment_dtype; default float32)",
     )
     parser.add_argument("--json", help="write the plan here too")

@@ -20,8 +20,8 @@ MomentTransfer = Literal["project", "reset"]
 RatioScope = Literal["global", "matrix"]
 
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# How the sketch-space first moment may be stored (it is always computed in fp32).
-_MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# How the sketch-space first moment may be stored (it is always computed in fp32); the planner reads it too.
+MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Keys that change what the saved LoGRA state means: a checkpoint written with one value cannot be resumed
 # under another (row statistics of another rank/target set, projections from another seed or distribution).
@@ -190,9 +190,9 @@ class LoGRAConfig:
             raise LoGRAConfigError(str(err)) from None
         if self.factor_dtype not in _FACTOR_DTYPES:
             raise LoGRAConfigError(f"unknown factor_dtype {self.factor_dtype!r}: use one of {sorted(_FACTOR_DTYPES)}")
-        if self.moment_dtype not in _MOMENT_DTYPES:
+        if self.moment_dtype not in MOMENT_DTYPES:
             raise LoGRAConfigError(
-                f"unknown moment_dtype {self.moment_dtype!r}: use one of {sorted(_MOMENT_DTYPES)} (the first moment's "
+                f"unknown moment_dtype {self.moment_dtype!r}: use one of {sorted(MOMENT_DTYPES)} (the first moment's "
                 "storage; it is computed in float32 either way)"
             )
         if self.merge_chunk_rows is not None and self.merge_chunk_rows <= 0:
@@ -217,7 +217,7 @@ class LoGRAConfig:
     @property
     def moment_torch_dtype(self) -> torch.dtype:
         """The torch dtype the sketch-space first moment is stored in."""
-        return _MOMENT_DTYPES[self.moment_dtype]
+        return MOMENT_DTYPES[self.moment_dtype]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-Python form (lists, not tuples) for checkpoints and payloads.
