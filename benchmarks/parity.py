@@ -212,6 +212,33 @@ def kl_budget(overlays: tuple[str, ...]) -> tuple[float, float]:
     return found
 
 
+@functools.cache
+def alpha_cap(overlays: tuple[str, ...]) -> float:
+    """``alpha_max`` of the PredictedKLControl in the last of base + ``overlays`` that lists one (the class's
+    default, 3, where it is not set)."""
+    found = 3.0
+    for path in (BASE, *overlays):
+        for cb in (_yaml(path).get("trainer") or {}).get("callbacks") or []:
+            if str(cb.get("class_path", "")).endswith("PredictedKLControl"):
+                found = float((cb.get("init_args") or {}).get("alpha_max", 3.0))
+    return found
+
+
+# A KL budget that binds on fewer updates than this no longer sizes the step: α sits at its cap on the rest.
+CAP_BOUND_FRACTION = 0.75
+
+
+def cap_binding(runs: Sequence[dict], alpha_max: float) -> dict[str, float] | None:
+    """How often α sat at its cap in ``runs`` (their ``kl/alpha`` curves): the fraction of updates with
+    α ≥ α_max·(1 − 1e-6) and the mean α over α_max. None when no run logged α. When the fraction is high, a
+    larger KL budget cannot grow the step much: it is sized by the step rule times α_max, not by the budget."""
+    alphas = [v for r in runs for _, v in (r.get("curves") or {}).get("kl/alpha", [])]
+    if not alphas:
+        return None
+    at_cap = sum(a >= alpha_max * (1 - 1e-6) for a in alphas)
+    return {"fraction": at_cap / len(alphas), "mean_alpha": statistics.fmean(alphas), "alpha_max": alpha_max}
+
+
 def merged_logra(method: Method, lever: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``model.logra`` of base + the method's overlays (mappings merge key by key, ``null`` drops) + ``lever``."""
     out: dict[str, Any] = {}
@@ -479,6 +506,12 @@ def _finite(x: float | None) -> float:
     return x if x is not None and math.isfinite(x) else -math.inf
 
 
+def _mean_kl(runs: Sequence[dict]) -> float | None:
+    """The runs' mean realized KL per update; None unless every run logged one."""
+    kls = [r.get("kl_realized") for r in runs]
+    return statistics.fmean(kls) if kls and all(k is not None and math.isfinite(k) for k in kls) else None
+
+
 def choose(method: str, results: Mapping[float, Sequence[dict | None]]) -> Choice:
     """The tuning stage's choice for ``method`` from its tuning runs (``value -> one result per tuning seed, None
     where unfinished``): the argmax of the seeds' mean tuning score; ties (1e-9) go to the higher mean reward gain,
@@ -493,6 +526,7 @@ def choose(method: str, results: Mapping[float, Sequence[dict | None]]) -> Choic
         scores[value] = {
             "tune_score": statistics.fmean(r["tune_score"] for r in ok) if ok else float("nan"),
             "reward_gain": statistics.fmean(r["reward_gain"] for r in ok) if ok else float("nan"),
+            "kl_realized": _mean_kl(ok),
             "failed": float(failed),
             "n": float(len(done)),
         }
@@ -641,9 +675,18 @@ def collect(plan: Plan, out: Path, found: Mapping[str, Choice], levers: Sequence
             "choice": None if choice is None else choice.value,
             "choice_reason": "" if choice is None else choice.reason,
             "choice_at_edge": bool(choice and choice.at_edge),
+            "cap_binding": None,
             "runs": {},
             "summary": None,
         }
+        if choice is not None and method.knob.name == "kl_scale":
+            for value in plan.values_of(name):
+                tuned = [load_result(plan.spec("tune", name, value, s), out) for s in plan.tune_seeds]
+                cap = cap_binding([r for r in tuned if r and not r.get("failed")], alpha_cap(method.overlays))
+                if fmt(value) in entry["tuning"] and cap is not None:
+                    entry["tuning"][fmt(value)]["alpha_at_cap"] = cap["fraction"]
+                if value == choice.value:
+                    entry["cap_binding"] = cap
         if choice is not None and choice.value is not None:
             runs = [load_result(plan.spec("report", name, choice.value, s), out) for s in plan.report_seeds]
             done = [r for r in runs if r is not None]
@@ -737,7 +780,8 @@ def tuning_table(report: dict) -> str:
     """Every knob value's tuning-split score (mean over the tuning seeds), the chosen one marked ★."""
     seeds = ", ".join(map(str, report["tune_seeds"]))
     lines = [
-        f"| method | knob | tuning-split pass@1 (mean of the last two validations, seeds {seeds}) · reward gain |",
+        f"| method | knob | tuning-split pass@1 (mean of the last two validations, seeds {seeds}) · reward gain · "
+        "realized KL per update (· share of updates with α at its cap) |",
         "| --- | --- | --- |",
     ]
     for entry in report["methods"].values():
@@ -751,7 +795,9 @@ def tuning_table(report: dict) -> str:
             elif s["failed"]:
                 cells.append(f"{fmt(value)}: failed ({int(s['failed'])} run(s))")
             else:
-                cells.append(f"{fmt(value)}: {s['tune_score']:.3f} · {s['reward_gain']:+.3f}{mark}")
+                kl = "" if s.get("kl_realized") is None else f" · {s['kl_realized']:.1e}"
+                cap = "" if s.get("alpha_at_cap") is None else f" · {s['alpha_at_cap']:.0%}"
+                cells.append(f"{fmt(value)}: {s['tune_score']:.3f} · {s['reward_gain']:+.3f}{kl}{cap}{mark}")
         lines.append(f"| {entry['label']} | {entry['knob']} | {'; '.join(cells)} |")
     return "\n".join(lines)
 
@@ -855,7 +901,19 @@ def findings(report: dict) -> list[str]:
             "before PredictedKLControl measured dense and LoRA steps: rerun them with --rerun-without-kl)."
         )
     for name, entry in report["methods"].items():
-        if entry["choice_at_edge"]:
+        cap = entry.get("cap_binding")
+        saturated = (
+            cap is not None and cap["fraction"] >= CAP_BOUND_FRACTION and entry["choice"] == max(entry["values"])
+        )
+        if saturated:
+            out.append(
+                f"{name}: the chosen {entry['knob']} = {fmt(entry['choice'])} is the grid's largest, and the budget "
+                f"has stopped sizing the step there: α sat at its cap {fmt(cap['alpha_max'])} on "
+                f"{cap['fraction']:.0%} of the tuning runs' updates (mean α {cap['mean_alpha']:.2f}), so a larger "
+                f"budget can grow the step by at most {cap['alpha_max'] / cap['mean_alpha'] - 1:.0%}; the step is "
+                "the update rule's times α_max (tune its lr, or α_max, to go further)."
+            )
+        elif entry["choice_at_edge"]:
             out.append(
                 f"{name}: the chosen {entry['knob']} = {fmt(entry['choice'])} is at the edge of its grid "
                 f"{list(map(fmt, entry['values']))}: the optimum may lie outside it (extend METHODS' grid and rerun; "

@@ -246,3 +246,41 @@ def test_reuse_rules_for_failed_runs_and_runs_without_kl(tmp_path: Path) -> None
     assert not parity.needs_rerun(adamw, no_kl) and parity.needs_rerun(adamw, no_kl, rerun_without_kl=True)
     assert not parity.needs_rerun(adamw, {"failed": False, "kl_updates": 40}, rerun_without_kl=True)
     assert not parity.needs_rerun(paper, no_kl, rerun_without_kl=True)  # LoGRA's KL comes from its controller
+
+
+def test_a_budget_past_the_alpha_cap_is_reported_as_saturated_not_as_an_edge(tmp_path: Path) -> None:
+    """logra_best's best value is its grid's largest, and α sat at its cap (paper_logra.yaml's α_max = 3) on 90% of
+    those updates: the findings say the budget stopped sizing the step (not "extend the grid"); the tuning table
+    shows each value's realized KL and share of capped updates. paper_logra's edge choice with α below the cap
+    keeps the edge warning."""
+    plan = _plan(tmp_path)
+    assert parity.alpha_cap(parity.METHODS["logra_best"].overlays) == 3.0
+    values = parity.METHODS["logra_best"].knob.values
+    for i, value in enumerate(values):
+        capped = 36 if value == max(values) else 4 * i  # of 40 updates
+        alphas = [(s, 3.0 if s <= capped else 1.5) for s in range(1, 41)]
+        for seed in plan.tune_seeds:
+            result = _finish(plan.spec("tune", "logra_best", value, seed), tmp_path, tune_score=0.5 + 0.01 * i)
+            result["curves"]["kl/alpha"] = alphas
+            result["kl_realized"] = 1e-3 * value
+            (plan.spec("tune", "logra_best", value, seed).folder(tmp_path) / "result.json").write_text(
+                json.dumps(result)
+            )
+    for value in parity.METHODS["paper_logra"].knob.values:
+        for seed in plan.tune_seeds:
+            spec = plan.spec("tune", "paper_logra", value, seed)
+            result = _finish(spec, tmp_path, tune_score=0.9 if value == 0.25 else 0.5)
+            result["curves"]["kl/alpha"] = [(s, 1.0) for s in range(1, 41)]
+            (spec.folder(tmp_path) / "result.json").write_text(json.dumps(result))
+
+    report = parity.collect(plan, tmp_path, parity.choices(plan, tmp_path), ())
+    best = report["methods"]["logra_best"]
+    assert best["choice"] == 8.0 and best["cap_binding"]["fraction"] == pytest.approx(0.9)
+    assert best["cap_binding"]["mean_alpha"] == pytest.approx(0.9 * 3.0 + 0.1 * 1.5)
+    found = "\n".join(parity.findings(report))
+    assert "logra_best: the chosen kl_scale = 8 is the grid's largest, and the budget has stopped sizing" in found
+    assert "on 90% of the tuning runs' updates (mean α 2.85)" in found and "at most 5%" in found
+    assert "logra_best: the chosen kl_scale = 8 is at the edge" not in found
+    assert "paper_logra: the chosen kl_scale = 0.25 is at the edge of its grid" in found
+    tuning = parity.tuning_table(report)
+    assert "8: 0.550 · +0.100 · 8.0e-03 · 90% ★" in tuning and "0.5: 0.510 · +0.100 · 5.0e-04 · 10%" in tuning
