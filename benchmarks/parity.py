@@ -103,7 +103,8 @@ class Knob:
         name: ``kl_scale`` (δmax and δmin of the method's PredictedKLControl times the value) or ``lr``
             (``model.adamw.lr``, AdamW's and LoRA's).
         values: the log-spaced grid, ascending.
-        default: the configs' own value (``--values K`` keeps the K values nearest to it).
+        default: the value a cut grid centres on (``--values K`` keeps the K values nearest to it): where the
+            method's full tuning on ``tiny`` chose, so a 3-value grid on ``tiny:small`` brackets that choice.
     """
 
     name: str
@@ -154,11 +155,13 @@ class Method:
 # The grids: factor-2 steps of the KL budget around paper_logra.yaml's own (δmax 1e-2 → δmin 1e-3); half-decade
 # steps of lr around the configs' (AdamW 3e-4, LoRA 1e-3). The KL grid has a fifth value, 0.25: on `tiny`
 # paper_logra's best tuning score was at 0.5, the grid's edge, so the grid was extended one step down.
-KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0), 1.0)
+KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0), 0.5)
 # logra_best's grid goes one step further up: on `tiny` its best tuning score was at 4, the edge of the paper's grid
 # (its first moment and Adam-style step take larger budgets without the collapse the paper's rule shows at 2 and 4).
-# Centred on 2, so a 3-value cut (tiny:small) keeps 1, 2, 4.
-LEVERS_KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), 2.0)
+# At 8 (tiny's choice) α sat at its cap 3 on 84% of updates: the budget no longer sizes the step, so the grid stops.
+# Each default is tiny's choice, so a 3-value cut (tiny:small) keeps 0.25, 0.5, 1 (paper), 2, 4, 8 (logra_best),
+# 1e-4, 3e-4, 1e-3 (AdamW), 3e-4, 1e-3, 3e-3 (LoRA).
+LEVERS_KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), 4.0)
 ADAMW_KNOB = Knob("lr", (1e-4, 3e-4, 1e-3, 3e-3), 3e-4)
 LORA_KNOB = Knob("lr", (3e-4, 1e-3, 3e-3, 1e-2), 1e-3)
 METHODS: dict[str, Method] = {
