@@ -212,6 +212,13 @@ def _settings_key(args: Sequence[str]) -> str:
     return hashlib.sha256("\0".join(kept).encode()).hexdigest()[:16]
 
 
+def recorded_args(args: Sequence[str]) -> list[str]:
+    """A run's arguments as its ``result.json`` keeps them: paths under the checkout relative to it (``./results/…``),
+    so committed results name no machine's folders (the settings key ignores where a run writes)."""
+    root = str(ROOT)
+    return [a.replace(f"={root}/", "=./").replace(root, ".") for a in args]
+
+
 def _logra_pl() -> list[str]:
     return [sys.executable, "-c", "from logra_pl.cli import main; main()"]
 
@@ -340,7 +347,7 @@ def run_grid(
         cell, seed, folder, args, key = item
         shutil.rmtree(folder, ignore_errors=True)  # an unfinished run starts over
         wall = _run_one([*_logra_pl(), *args], folder, threads)
-        result = {"key": key, "cell": cell.name, "seed": seed, "args": args}
+        result = {"key": key, "cell": cell.name, "seed": seed, "args": recorded_args(args)}
         result.update(summarize_run(read_scalars(folder / "tb"), val0, wall))
         (folder / "result.json").write_text(json.dumps(result))
         print(

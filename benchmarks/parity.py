@@ -478,7 +478,7 @@ def failed_result(spec: RunSpec, error: str, wall_s: float) -> dict:
         "key": spec.key,
         "cell": spec.cell,
         "seed": spec.seed,
-        "args": spec.args,
+        "args": ablate.recorded_args(spec.args),
         "failed": True,
         "error": error[-2000:],
         "wall_s": wall_s,
@@ -633,7 +633,7 @@ def execute(
             (folder / "result.json").write_text(json.dumps(failed_result(spec, str(err), time.perf_counter() - start)))
             print(f"  {spec.cell} seed {spec.seed}: FAILED (kept as failed; --retry-failed reruns it)\n{err}")
             return
-        result = {"key": spec.key, "cell": spec.cell, "seed": spec.seed, "args": spec.args}
+        result = {"key": spec.key, "cell": spec.cell, "seed": spec.seed, "args": ablate.recorded_args(spec.args)}
         result.update(summarize(ablate.read_scalars(folder / "tb"), val0, wall))
         (folder / "result.json").write_text(json.dumps(result))
         final = math.nan if result["report_final"] is None else result["report_final"]

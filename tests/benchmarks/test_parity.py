@@ -284,3 +284,13 @@ def test_a_budget_past_the_alpha_cap_is_reported_as_saturated_not_as_an_edge(tmp
     assert "paper_logra: the chosen kl_scale = 0.25 is at the edge of its grid" in found
     tuning = parity.tuning_table(report)
     assert "8: 0.550 · +0.100 · 8.0e-03 · 90% ★" in tuning and "0.5: 0.510 · +0.100 · 5.0e-04 · 10%" in tuning
+
+
+def test_results_record_paths_relative_to_the_checkout() -> None:
+    """A committed result.json names no machine's folders, and its settings key does not depend on where it ran."""
+    args = [f"--trainer.logger.init_args.save_dir={ablate.ROOT}/results/parity/tiny/adamw/seed0", "--model.seed=0"]
+    relative = "--trainer.logger.init_args.save_dir=./results/parity/tiny/adamw/seed0"
+    assert ablate.recorded_args(args) == [relative, args[1]]
+    assert ablate._settings_key(args) == ablate._settings_key(ablate.recorded_args(args))
+    for done in (ablate.ROOT / "results").rglob("result.json"):
+        assert str(ablate.ROOT) not in done.read_text(), done
