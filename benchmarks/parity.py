@@ -1029,7 +1029,11 @@ def plots(report: dict, out: Path) -> list[Path]:
 def write_report(report: dict, out: Path, figures: Path | None, plan: Plan) -> None:
     """``results.json``, ``results.md`` and the plots under ``out``; the plots also to ``figures`` when given."""
     out.mkdir(parents=True, exist_ok=True)
+    # Without the runs' curves: each run's result.json holds them, and results.json stays small enough to commit.
     slim = json.loads(json.dumps(report))
+    for group in (*slim["methods"].values(), *slim["levers"].values()):
+        for run in group["runs"].values():
+            run.pop("curves", None)
     (out / "results.json").write_text(json.dumps(slim, indent=1))
     pngs = plots(report, out)
     lines = [f"# Parity protocol on `{report['model']}` (`benchmarks/ablate.py --grid parity`)", ""]
