@@ -201,30 +201,29 @@ def _yaml(path: str) -> dict:
     return yaml.safe_load((ROOT / path).read_text()) or {}
 
 
-@functools.cache
-def kl_budget(overlays: tuple[str, ...]) -> tuple[float, float]:
-    """(δmin, δmax) of the PredictedKLControl in the last of base + ``overlays`` that lists one."""
+def _kl_control(overlays: tuple[str, ...]) -> dict[str, Any] | None:
+    """``init_args`` of the PredictedKLControl in the last of base + ``overlays`` that lists one (None: none)."""
     found = None
     for path in (BASE, *overlays):
         for cb in (_yaml(path).get("trainer") or {}).get("callbacks") or []:
             if str(cb.get("class_path", "")).endswith("PredictedKLControl"):
-                schedule = (cb.get("init_args") or {}).get("schedule") or {}
-                found = (float(schedule["delta_min"]), float(schedule["delta_max"]))
-    if found is None:
-        raise SystemExit(f"no PredictedKLControl schedule in {BASE} + {list(overlays)}: the kl_scale knob needs one")
+                found = cb.get("init_args") or {}
     return found
 
 
 @functools.cache
+def kl_budget(overlays: tuple[str, ...]) -> tuple[float, float]:
+    """(δmin, δmax) of the PredictedKLControl in the last of base + ``overlays`` that lists one."""
+    control = _kl_control(overlays)
+    if control is None or "schedule" not in control:
+        raise SystemExit(f"no PredictedKLControl schedule in {BASE} + {list(overlays)}: the kl_scale knob needs one")
+    return float(control["schedule"]["delta_min"]), float(control["schedule"]["delta_max"])
+
+
+@functools.cache
 def alpha_cap(overlays: tuple[str, ...]) -> float:
-    """``alpha_max`` of the PredictedKLControl in the last of base + ``overlays`` that lists one (the class's
-    default, 3, where it is not set)."""
-    found = 3.0
-    for path in (BASE, *overlays):
-        for cb in (_yaml(path).get("trainer") or {}).get("callbacks") or []:
-            if str(cb.get("class_path", "")).endswith("PredictedKLControl"):
-                found = float((cb.get("init_args") or {}).get("alpha_max", 3.0))
-    return found
+    """``alpha_max`` of that PredictedKLControl (the class's default, 3, where it is not set)."""
+    return float((_kl_control(overlays) or {}).get("alpha_max", 3.0))
 
 
 # A KL budget that binds on fewer updates than this no longer sizes the step: α sits at its cap on the rest.
