@@ -77,6 +77,11 @@ REPORT_SEEDS = (2, 3, 4, 5, 6)
 # The full protocol per model: updates per run and knob values per method (what results.md compares a run with).
 PROTOCOL = {"updates": 600, "values": 6}
 MODEL_DEFAULTS = {"tiny": {"updates": 600, "values": 6}, "tiny:small": {"updates": 300, "values": 3}}
+# Settings a model needs beyond configs/tiny_cpu.yaml, in every run and in the baseline validation (they are no cut:
+# every method gets them). tiny:small: the demo's warm-start lr (2e-3) stalls its 4.2M-parameter model at answer
+# loss ~1.1-1.3 (1500 steps: final 1.11, start pass@1 0.055); at 5e-4 the loss keeps falling (0.70 after 300 steps,
+# where 2e-3 sat at 1.26 and 1e-3 at 1.08; one seed, 64 problems per step).
+MODEL_ARGS: dict[str, tuple[str, ...]] = {"tiny:small": ("--model.warm_start.lr=0.0005",)}
 # Seconds per update of the measure-only KL probe on AdamW/LoRA runs (one forward-mode pass and one forward on 2
 # responses). An estimate, not a measurement: LoGRA's COSTS entry already includes its probe.
 KL_MEASURE_COST = 0.06
@@ -356,6 +361,7 @@ def run_args(
         "--checkpoint.save_last=false",
         "--checkpoint.at_end=false",
         f"--model.policy={model}",
+        *MODEL_ARGS.get(model, ()),
         f"--data.eval_tune_fraction={fmt(TUNE_FRACTION)}",
     ]
     if method.optimizer == "logra":  # the anneal spans the run (600 updates: the configs' own horizon)
@@ -572,7 +578,8 @@ def estimate_s(runs: Sequence[RunSpec], model: str, updates: int, jobs: int) -> 
 def parity_baseline(plan: Plan, out: Path, threads: int) -> dict[str, float]:
     """Greedy pass@1 of the warm-started policy before any update, on all / tuning / report problems, once per
     model; cached in ``<out>/baseline.json``. Also fills the warm-start cache before runs start in parallel."""
-    args = ["validate", "--config", BASE, f"--model.policy={plan.model}", f"--data.eval_tune_fraction={TUNE_FRACTION}"]
+    args = ["validate", "--config", BASE, f"--model.policy={plan.model}", *MODEL_ARGS.get(plan.model, ())]
+    args.append(f"--data.eval_tune_fraction={TUNE_FRACTION}")
     args += [f"--trainer.logger.init_args.save_dir={out / 'baseline'}", "--trainer.logger.init_args.name=tb"]
     args += ["--trainer.logger.init_args.version=0", "--trainer.enable_progress_bar=false"]
     args += [a for a in plan.extra if a.startswith(ablate.BASELINE_EXTRA)]
@@ -1042,7 +1049,12 @@ def write_report(report: dict, out: Path, figures: Path | None, plan: Plan) -> N
         f"chosen value on seeds {', '.join(map(str, report['report_seeds']))} and scored on the report split "
         f"(the other problems); {report['updates']} updates per run. Cut from the full protocol: "
         + ("; ".join(cuts(plan)) or "nothing")
-        + ".",
+        + "."
+        + (
+            f" The model's own settings, in every run and the baseline: `{' '.join(MODEL_ARGS[plan.model])}`."
+            if MODEL_ARGS.get(plan.model)
+            else ""
+        ),
         "",
         "## Report",
         "",
@@ -1129,6 +1141,8 @@ def describe(plan: Plan, stage: str, levers: Sequence[str], tune: Sequence[RunSp
     cut = cuts(dataclasses.replace(plan, methods=tuple(METHODS)))  # a stage's own subset of methods is no cut
     if cut:
         lines.append(f"  cut from the full protocol: {'; '.join(cut)}")
+    if MODEL_ARGS.get(plan.model):
+        lines.append(f"  {plan.model}'s own settings (every run and the baseline): {' '.join(MODEL_ARGS[plan.model])}")
     return "\n".join(lines)
 
 

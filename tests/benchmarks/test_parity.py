@@ -157,6 +157,11 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
     ablate.main(["--grid", "parity", "--model", "tiny:small", "--dry-run", "--out", str(tmp_path)])
     small = capsys.readouterr().out
     assert "--model.policy=tiny:small" in small and "cut from the full protocol: 300 updates" in small
+    # tiny:small's own warm-start lr reaches every run (and tiny's runs keep the config's).
+    small_commands = [line for line in small.splitlines() if line.startswith("[tune] ")]
+    assert small_commands and all("--model.warm_start.lr=0.0005 " in line for line in small_commands)
+    assert not any("warm_start" in line for line in commands)
+    assert "tiny:small's own settings (every run and the baseline): --model.warm_start.lr=0.0005" in small
 
 
 def test_unknown_logra_keys_are_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
