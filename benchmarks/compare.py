@@ -1,7 +1,7 @@
 """Dense AdamW, LoRA and LoGRA, side by side: training state, peak memory and step time on the same model and prompts.
 
     python benchmarks/compare.py --json out.json [--model-size small|medium] [--steps N] [--repeats R]
-        [--rank R] [--lora-alpha A] [--optimizers adamw lora logra] [--glibc-default]
+        [--rank R] [--lora-alpha A] [--optimizers adamw lora logra]
 
 Each run is its own fresh process (peaks do not mix), the order alternates between repeats (adamw, lora, logra,
 then logra, lora, adamw, ...), and all optimizers see the same prompts, sampling seeds, microbatching and rollout
@@ -13,9 +13,7 @@ peak RSS during updates (and CUDA peaks on GPUs), the medians of step / rollout 
 the bytes an update sends to a remote rollout engine (LoGRA: the serialized factor payload; AdamW: the changed
 tensors in bf16; LoRA: the merged target matrices in bf16, as engines never see adapters). The first
 ``--warmup`` updates of each run are left out of the time medians. The JSON's ``runs`` holds the medians over
-repeats, ``per_run`` every run's own numbers (in its optimizer's run order), to see the spread. Each run pins
-glibc's mmap threshold at 1 MiB first, as ``logra-pl fit`` does (:mod:`logra_pl.allocator`); ``--glibc-default``
-leaves glibc's dynamic threshold, to measure what that costs.
+repeats, ``per_run`` every run's own numbers (in its optimizer's run order), to see the spread.
 
 The table and the JSON ``ratios`` compare lora/adamw, logra/adamw and logra/lora (keys
 ``<a>_vs_<b>_<metric>``, e.g. ``logra_vs_adamw_state``, ``lora_vs_adamw_step_time``, ``logra_vs_lora_peak``),
@@ -48,11 +46,8 @@ TASK = {"chain_sum": {"config": {"min_terms": 2, "max_terms": 3, "min_digits": 1
 
 def run_worker(args: argparse.Namespace) -> None:
     """One optimizer, one process: train ``warmup + steps`` updates and write the measurements as JSON."""
-    from logra_pl.allocator import pin_mmap_threshold, pinned_threshold
     from logra_pl.callbacks.memory import peak_rss_lifetime_bytes, rss_bytes
 
-    if not args.glibc_default:  # what `logra-pl fit` does at start (logra_pl.allocator)
-        pin_mmap_threshold()
     baseline_rss = rss_bytes()  # before any model exists (interpreter + libraries)
     import lightning.pytorch as pl
 
@@ -141,7 +136,6 @@ def run_worker(args: argparse.Namespace) -> None:
         "sync_seconds_median": median("sync/seconds"),
         "sync_payload_bytes": median("wire_bytes"),
         "engine_copy": bool(args.engine_copy),
-        "mmap_threshold_pinned": pinned_threshold(),
         "rank": args.rank,
         "wall_seconds": time.perf_counter() - start,
     }
@@ -183,11 +177,6 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=2, help="responses per backward; default 2")
     parser.add_argument("--engine-copy", action="store_true", help="give the HF engine its own copy of the weights")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="response limit; default 16")
-    parser.add_argument(
-        "--glibc-default",
-        action="store_true",
-        help="leave glibc's dynamic mmap threshold as it is (the CLI pins it at 1 MiB: logra_pl.allocator)",
-    )
     parser.add_argument("--worker", choices=OPTIMIZERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -205,7 +194,6 @@ def main() -> None:
     shared += ["--rank", str(args.rank), "--lora-alpha", repr(args.lora_alpha)]
     shared += ["--prompts", str(args.prompts), "--microbatch", str(args.microbatch)]
     shared += ["--max-new-tokens", str(args.max_new_tokens)] + (["--engine-copy"] if args.engine_copy else [])
-    shared += ["--glibc-default"] if args.glibc_default else []
     results: dict[str, list[dict]] = {name: [] for name in names}
     order: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:

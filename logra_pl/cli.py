@@ -2,8 +2,6 @@
 
 Beyond LightningCLI's own behaviour, a run started here:
 
-- pins glibc's mmap threshold at 1 MiB (:mod:`logra_pl.allocator`), so the memory of freed temporaries returns to
-  the OS and peak RSS does not depend on the order of frees (``MALLOC_MMAP_THRESHOLD_`` in the environment wins);
 - saves a checkpoint every N updates (the ``checkpoint:`` section, :class:`UpdateCheckpoint`), atomically;
 - resumes honestly: ``--ckpt_path last`` finds the newest ``last.ckpt`` of the run across logger versions (or
   says where it looked), continues in that version's folder (TensorBoard drops the steps the crash left after the
@@ -30,7 +28,6 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from logra_pl import compat, resume
-from logra_pl.allocator import pin_mmap_threshold
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
@@ -503,7 +500,6 @@ def main(args: list[str] | None = None) -> None:
             print(f"logra-pl serve: error: {err}", file=sys.stderr)
             sys.exit(1)
     _console()
-    pin_mmap_threshold()  # freed temporaries go back to the OS: peak RSS no longer depends on the order of frees
     cli: LoGRACLI | None = None
     try:
         cli = LoGRACLI(args=args)
