@@ -1,7 +1,7 @@
 """Dense AdamW, LoRA and LoGRA, side by side: training state, peak memory and step time on the same model and prompts.
 
     python benchmarks/compare.py --json out.json [--model-size small|medium] [--steps N] [--repeats R]
-        [--rank R] [--lora-alpha A] [--optimizers adamw lora logra]
+        [--rank R] [--lora-alpha A] [--optimizers adamw lora logra] [--mmap-threshold BYTES]
 
 Each run is its own fresh process (peaks do not mix), the order alternates between repeats (adamw, lora, logra,
 then logra, lora, adamw, ...), and all optimizers see the same prompts, sampling seeds, microbatching and rollout
@@ -14,6 +14,8 @@ the bytes an update sends to a remote rollout engine (LoGRA: the serialized fact
 tensors in bf16; LoRA: the merged target matrices in bf16, as engines never see adapters). The first
 ``--warmup`` updates of each run are left out of the time medians. The JSON's ``runs`` holds the medians over
 repeats, ``per_run`` every run's own numbers (in its optimizer's run order), to see the spread.
+``--mmap-threshold`` starts the runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` set (a fixed threshold instead of
+glibc's dynamic one), to measure what the allocator's choices do to peak RSS and step time.
 
 The table and the JSON ``ratios`` compare lora/adamw, logra/adamw and logra/lora (keys
 ``<a>_vs_<b>_<metric>``, e.g. ``logra_vs_adamw_state``, ``lora_vs_adamw_step_time``, ``logra_vs_lora_peak``),
@@ -136,6 +138,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "sync_seconds_median": median("sync/seconds"),
         "sync_payload_bytes": median("wire_bytes"),
         "engine_copy": bool(args.engine_copy),
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "rank": args.rank,
         "wall_seconds": time.perf_counter() - start,
     }
@@ -177,6 +180,12 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=2, help="responses per backward; default 2")
     parser.add_argument("--engine-copy", action="store_true", help="give the HF engine its own copy of the weights")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="response limit; default 16")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        help="run the workers with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: blocks this large are mapped on their own "
+        "and unmapped when freed; fixed, where glibc's default threshold rises after each such free); default unset",
+    )
     parser.add_argument("--worker", choices=OPTIMIZERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -194,6 +203,9 @@ def main() -> None:
     shared += ["--rank", str(args.rank), "--lora-alpha", repr(args.lora_alpha)]
     shared += ["--prompts", str(args.prompts), "--microbatch", str(args.microbatch)]
     shared += ["--max-new-tokens", str(args.max_new_tokens)] + (["--engine-copy"] if args.engine_copy else [])
+    env = dict(os.environ)
+    if args.mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     results: dict[str, list[dict]] = {name: [] for name in names}
     order: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,7 +213,7 @@ def main() -> None:
             for name in names if i % 2 == 0 else names[::-1]:
                 out = Path(tmp) / f"{name}-{i}.json"
                 cmd = [sys.executable, __file__, "--worker", name, "--result", str(out), *shared]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     sys.exit(f"the {name} run failed:\n{proc.stderr[-3000:]}")
                 results[name].append(json.loads(out.read_text()))
