@@ -53,6 +53,19 @@ class PromptSampler(DistributedSampler):
         skip = int(self.batches_done()) * self.batch_size if self.batches_done is not None else 0
         return iter(indices[skip:])
 
+    def batch_indices(self, epoch: int, batch: int) -> list[int]:
+        """This rank's dataset indices of batch ``batch`` (0-based within the epoch) of epoch ``epoch``, whatever
+        the sampler's current epoch and resume skip: the order is a function of (seed, epoch) alone, so a pipeline
+        that samples batches ahead (asynchronous rollouts) can name a future batch's prompts without the loader."""
+        if not 0 <= batch < len(self) // self.batch_size:
+            raise IndexError(f"batch {batch} of an epoch of {len(self) // self.batch_size} batches")
+        current, self.epoch = self.epoch, epoch
+        try:
+            indices = list(super().__iter__())
+        finally:
+            self.epoch = current
+        return indices[batch * self.batch_size : (batch + 1) * self.batch_size]
+
 
 class PromptLoader(DataLoader):
     """The training ``DataLoader``, resumable mid-epoch (it implements Lightning's ``state_dict`` interface).
@@ -66,6 +79,10 @@ class PromptLoader(DataLoader):
     def __init__(self, *args: Any, position: Callable[[], int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.position = position
+
+    def batch_at(self, epoch: int, batch: int) -> list[dict[str, Any]]:
+        """The items of batch ``batch`` of epoch ``epoch`` on this rank, as the loader will yield them."""
+        return self.collate_fn([self.dataset[i] for i in self.sampler.batch_indices(epoch, batch)])
 
     def identity(self) -> dict[str, Any]:
         """What the saved position refers to: the sampler's seed and the training prompts."""
