@@ -134,6 +134,14 @@ def batches_that_stepped(trainer: Any) -> int:
     return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
 
 
+def batch_position(trainer: Any) -> tuple[int, int]:
+    """``(batches completed in the run, batches completed in this epoch)`` during a training step: the index of the
+    batch being trained, over the run and within its epoch (``fit_loop.epoch_loop.batch_progress``'s ``total`` and
+    ``current`` counts, 2.6.6; restored on resume)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return int(progress.total.completed), int(progress.current.completed)
+
+
 def checkpoint_first_log_step(checkpoint: Mapping[str, Any]) -> int | None:
     """The first step a run resumed from ``checkpoint`` logs at, or None when the checkpoint does not say.
 

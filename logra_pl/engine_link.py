@@ -19,6 +19,7 @@ import torch
 from logra_pl.errors import StaleEngineError
 from logra_pl.ranks import any_rank
 from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig, StaleableEngine, cast_floats
+from logra_pl.rollout.pipeline import RolloutPipeline
 from logra_pl.sketch.payload import Payload
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ class EngineLink:
         self.resyncs = 0  # full resyncs of engines found stale (lost update, restart)
         self.logged_resyncs = 0  # the count the loggers last received
         self.last_payload: Payload | None = None  # what the last update merged (factor methods)
+        self.pipeline: RolloutPipeline | None = None  # asynchronous rollouts: every engine call on its worker
+
+    def place(self, device: torch.device) -> bool:
+        """``engine.place``: whether the engine moved (then it needs the full weights); on the worker when there
+        is one, after the calls before it."""
+        if self.pipeline is not None:
+            return self.pipeline.call(self.engine.place, device)
+        return self.engine.place(device)
 
     @property
     def can_go_stale(self) -> bool:
@@ -59,16 +68,30 @@ class EngineLink:
         engine = self.engine
         if engine.shares_weights:
             return  # the engine generates with the trainer's weights: always current
+        if self.pipeline is not None:  # after the requests before it; the tensors are taken now, on this thread
+            self.pipeline.submit(self._apply, *self._change(full, payload, copy=True))
+            return
         if engine.place(device):
             full = True  # the engine moved: resend everything
-        wire = getattr(engine, "wire_dtype", None)
-        if full:
-            engine.load_weights(self.method.full_state(self.policy, dtype=wire))
-        elif self.method.ships_factors:
-            if payload is not None:
-                engine.apply_payload(payload)
+        self._apply(*self._change(full, payload, copy=False))
+
+    def _change(self, full: bool, payload: Payload | None, copy: bool) -> tuple[Payload | None, Any]:
+        """What a sync sends: ``(payload, None)`` for a factor update, else ``(None, tensors)`` (None, None: none).
+        ``copy``: clone the tensors, for a worker that applies them while the trainer's weights move on."""
+        wire = getattr(self.engine, "wire_dtype", None)
+        if not full and self.method.ships_factors:
+            return payload, None
+        if full:  # gathered lazily, one tensor at a time, as the engine reads them
+            tensors: Any = self.method.full_state(self.policy, dtype=wire)
         else:
-            engine.load_weights(cast_floats(self.method.trained_tensors(self.policy), wire))
+            tensors = cast_floats(self.method.trained_tensors(self.policy), wire)
+        return None, ({k: v.detach().clone() for k, v in tensors.items()} if copy else tensors)
+
+    def _apply(self, payload: Payload | None, tensors: Any) -> None:
+        if payload is not None:
+            self.engine.apply_payload(payload)
+        elif tensors is not None:
+            self.engine.load_weights(tensors)
 
     def generate(
         self,
@@ -79,6 +102,8 @@ class EngineLink:
     ) -> Rollout:
         """``engine.generate``, made safe for engines that can go stale: repaired and repeated, 3 tries at most."""
         engine = self.engine
+        if self.pipeline is not None:  # after the weight changes submitted before it
+            return self.pipeline.call(engine.generate, prompts, sampling, prompt_seeds=prompt_seeds)
         if not self.can_go_stale:
             return engine.generate(prompts, sampling, prompt_seeds=prompt_seeds)
         last: StaleEngineError | None = None

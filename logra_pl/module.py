@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 
 from logra_pl import compat, methods
+from logra_pl.async_rollouts import AsyncRollouts
 from logra_pl.backward import backward_over
 from logra_pl.batching import encode_prompts, microbatches, select_rows
 from logra_pl.callbacks.progress import replace_default_callbacks
@@ -137,6 +138,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.link: EngineLink | None = None
         self.sync_owner: object | None = None  # a callback that sends each update to the engine (PolicySync)
         self.step_context: StepContext | None = None
+        self.async_rollouts: AsyncRollouts | None = None  # rollout.max_staleness >= 1, from on_train_start
+        self._async_state: dict[str, Any] | None = None  # a checkpoint's pipeline, until on_train_start
         self.validation = ValidationMetrics(self.rollout_settings.pass_at(), self.rollout_settings.val_responses)
 
     def set_launch(self, run_config: dict[str, Any] | None, resume_from: str | None, resume_checked: bool) -> None:
@@ -178,19 +181,36 @@ class LoGRAPolicyModule(pl.LightningModule):
         return self.method.configure_optimizers(self.policy, self.targets, self.guard)
 
     def on_train_start(self) -> None:
-        """The engine samples from weights equal to the trainer's (after any checkpoint restore)."""
+        """The engine samples from weights equal to the trainer's (after any checkpoint restore); with
+        ``rollout.max_staleness`` ≥ 1 the asynchronous pipeline starts (with a checkpoint's unused rollouts)."""
         self.sync_engine(full=True)
+        k = self.rollout_settings.max_staleness
+        if k:
+            AsyncRollouts.check(self, self.trainer)
+            self.async_rollouts = AsyncRollouts(self, k, self.rollout_settings.max_stale_kl)
+            if self._async_state is not None:
+                self.async_rollouts.load_state_dict(self._async_state)
+                self._async_state = None
+            self.link.pipeline = self.async_rollouts.pipeline
 
     def on_validation_start(self) -> None:
         """Validation samples from the engine too: it must hold the current weights. Per-task pass@1 when the
         evaluation problems mix tasks (their macro mean is the RG-Hard score)."""
-        if self.engine is not None and self.engine.place(self.device):
+        if self.engine is not None and self.link.place(self.device):
             self.sync_engine(full=True)
         self.validation.start(getattr(self.trainer.datamodule, "eval_items", None) or [], self.device)
 
     def teardown(self, stage: str) -> None:
-        """Stop the scoring processes (they restart on the next ``score``)."""
+        """Stop the scoring processes (they restart on the next ``score``) and the asynchronous worker."""
         self.scorer.close()
+        self._stop_pipeline()
+
+    def _stop_pipeline(self) -> None:
+        """End the asynchronous pipeline (its unused rollouts are dropped); the engine is called inline again."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.pipeline.close()
+            self.async_rollouts = None
+            self.link.pipeline = None
 
     # ---------------------------------------------------------------------------------------- engine
     def attach_sync(self, owner: object) -> None:
@@ -244,17 +264,23 @@ class LoGRAPolicyModule(pl.LightningModule):
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
-        sampling = rs.training_sampling(self._sampling_seed("train"))
-        # One seed per prompt (from its question): a prompt's responses do not depend on batch or rank layout.
-        seeds = [self._sampling_seed("train", prompt_key(it)) for it in items]
+        staleness = 0
         try:
-            rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
+            if self.async_rollouts is not None:  # sampled ahead by the worker (or again, when too stale)
+                rollout, staleness = self.async_rollouts.rollout(items)
+            else:
+                sampling = rs.training_sampling(self._sampling_seed("train"))
+                # One seed per prompt (from its question): a prompt's responses do not depend on batch or ranks.
+                seeds = [self._sampling_seed("train", prompt_key(it)) for it in items]
+                rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
         rewards = self.score(rollout, items)
         advantages = self.baseline.advantages(rewards, self._all_reduce_sum, groups=rollout.prompt_index)
         t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
-        return assemble_step(self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp)
+        ctx = assemble_step(self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp)
+        ctx.staleness = staleness
+        return ctx
 
     # ---------------------------------------------------------------------------------------- training
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
@@ -266,6 +292,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
+        if self.async_rollouts is not None:
+            metrics |= self.async_rollouts.metrics()
         metrics["guard/rejected_updates"] = float(self.rejections.total)
         metrics |= self.method.metrics()
         metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
@@ -279,7 +307,10 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """``sync/engine_resyncs`` after the step's callbacks: a repair made by ``PolicySync``'s probe in this step
-        (an engine restarted during the last update) counts at this step, not one step late."""
+        (an engine restarted during the last update) counts at this step, not one step late. An asynchronous run
+        records the update's KL and requests the batch ``max_staleness + 1`` ahead, now that the callbacks ran."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.finish()
         if self.link.can_go_stale:
             self.link.logged_resyncs = self.link.resyncs
             bs = len(self.step_context.rollout) if self.step_context is not None else 1
@@ -287,6 +318,7 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     def on_train_end(self) -> None:
         """A repair after the last logged step (the final verification's probe) still reaches the loggers."""
+        self._stop_pipeline()
         if self.link.can_go_stale and self.link.resyncs != self.link.logged_resyncs and self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
                 logger.log_metrics({"sync/engine_resyncs": float(self.link.resyncs)}, step=self.global_step)
@@ -341,11 +373,15 @@ class LoGRAPolicyModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The module's own state (the rest is in the optimizer state) and the run's settings, for honest resumes."""
         checkpoint["logra_pl"] = module_state(self)
+        if self.async_rollouts is not None:  # wait for the requests in flight: their rollouts are saved too
+            self.async_rollouts.finish()
+            checkpoint["logra_pl"]["async"] = self.async_rollouts.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint written under structurally different settings (before Lightning loads the optimizer
         state, so a resume under another method gets a message, not a ``KeyError``); restore the module's state."""
         restore_module_state(self, checkpoint)
+        self._async_state = (checkpoint.get("logra_pl") or {}).get("async")
 
     # ------------------------------------------------------------------------------------------ console
     def configure_callbacks(self) -> list[pl.Callback]:

@@ -36,6 +36,12 @@ class RolloutSettings:
         max_batch: responses per engine forward batch.
         share_weights: the HF engine generates with the trainer's own weights instead of a private copy (one
             process only): saves one model copy — as when the rollout engine runs elsewhere — and nothing is synced.
+        max_staleness: asynchronous rollouts: the engine samples the prompts of the next ``k`` updates while this
+            one trains, each batch by weights at most ``k`` updates old (0: synchronous, the default;
+            :mod:`logra_pl.async_rollouts`).
+        max_stale_kl: with ``max_staleness`` ≥ 1, a batch is used only while the KL of the updates merged since its
+            weights (summed, as PredictedKLControl priced them) is at most this; else it is sampled again by the
+            current weights. None: the staleness bound alone.
     """
 
     responses_per_prompt: int = 1
@@ -48,6 +54,8 @@ class RolloutSettings:
     val_pass_at: list[int] = field(default_factory=list)
     max_batch: int = 256
     share_weights: bool = False
+    max_staleness: int = 0
+    max_stale_kl: float | None = None
 
     def training_sampling(self, seed: int) -> SamplingConfig:
         """The sampling of one training rollout."""
@@ -86,6 +94,14 @@ class RolloutSettings:
                     f"least {j} responses per validation problem, or drop {j} from rollout.val_pass_at"
                 )
         check_int("rollout.max_batch", self.max_batch, 1)
+        check_int("rollout.max_staleness", self.max_staleness, 0)
+        if self.max_stale_kl is not None:
+            check_range("rollout.max_stale_kl", self.max_stale_kl, 0.0, low_open=True, hint="nats per token")
+            if self.max_staleness == 0:
+                raise ConfigError(
+                    "rollout.max_stale_kl bounds stale batches, but rollout.max_staleness is 0 (synchronous: none "
+                    "are stale); set max_staleness >= 1, or remove max_stale_kl"
+                )
         if self.temperature == 0:
             log.warning(
                 "rollout.temperature is 0: training samples greedily, so every response to a prompt is the same and "

@@ -39,6 +39,8 @@ class StepContext:
     metrics: dict[str, float] = field(default_factory=dict)
     payloads: list[Payload] = field(default_factory=list)  # merged factor updates of this step, in order
     loss_stats: dict[str, list[float]] = field(default_factory=dict)  # loss statistics: [numerator, denominator]
+    staleness: int = 0  # updates between the weights that sampled the rollout and the trainer's (asynchronous)
+    update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
 
     @property
     def eos_terminated(self) -> torch.Tensor:

@@ -226,6 +226,7 @@ class PredictedKLControl(pl.Callback):
             log["kl/skipped_updates"] = float(self.skipped)
             pl_module.log_dict(log, on_step=True, batch_size=bs)
             self._pending = None
+            ctx.update_kls.append(0.0)  # skipped: the weights did not move
             return
         alpha = step_multiplier(pred, effective, self.alpha_max)
         proposal.alpha = alpha
@@ -233,6 +234,7 @@ class PredictedKLControl(pl.Callback):
             {"kl/alpha": alpha, "kl/predicted_scaled": alpha * alpha * pred, "kl/skipped_updates": float(self.skipped)}
         )
         pl_module.log_dict(log, on_step=True, batch_size=bs)
+        ctx.update_kls.append(alpha * alpha * pred)
         self._record(proposal, probe, pred, alpha, effective)
 
     def _measure_uncontrolled(self, pl_module: Any, proposal: Any, ctx: Any) -> None:
@@ -243,7 +245,9 @@ class PredictedKLControl(pl.Callback):
         pl_module.log_dict(log, on_step=True, batch_size=len(ctx.rollout))
         if not math.isfinite(pred) or pred < 0:
             self._pending = None  # nothing to calibrate against; the guard judges the update as usual
+            ctx.update_kls.append(math.nan)  # not priced: a KL bound cannot judge this update
             return
+        ctx.update_kls.append(proposal.alpha * proposal.alpha * pred)
         self._record(proposal, probe, pred, proposal.alpha, float("nan"))
 
     def _record(self, proposal: Any, probe: dict[str, Any], pred: float, alpha: float, budget: float) -> None:
@@ -273,6 +277,9 @@ class PredictedKLControl(pl.Callback):
             total = trainer.strategy.reduce(total, reduce_op="sum")
         realized = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
         pl_module.log("kl/realized", realized, on_step=True, batch_size=1)
+        ctx = view.step_context
+        if ctx is not None and ctx.update_kls:
+            ctx.update_kls[-1] = realized  # measured beats predicted
         if self.history:
             self.history[-1]["realized"] = realized
             self.history[-1]["predicted_scaled"] = pending["predicted_scaled"]

@@ -28,7 +28,8 @@ class RolloutMismatch(pl.Callback):
     ``observed = mean(logp_rollout − logp_trainer)`` (summed over ranks, clamped ≥ 0), then
     ``m ← (1 − ema)·m + ema·observed`` (the first valid observation sets ``m``'s EMA from 0). An update
     without a valid measurement leaves ``m`` unchanged. The step controller uses
-    ``max(budget − m, floor·budget)``.
+    ``max(budget − m, floor·budget)``. In an asynchronous run only batches sampled by the trainer's current weights
+    (``ctx.staleness == 0``) are measured: a stale batch's gap holds the updates made since, not the engine's error.
 
     Arguments:
         ema: weight of the new observation (0.3).
@@ -50,6 +51,9 @@ class RolloutMismatch(pl.Callback):
         if self._seen_update == ctx.update_index:
             return self.value
         self._seen_update = ctx.update_index
+        if getattr(ctx, "staleness", 0):  # sampled by older weights: the gap is the updates', not the engine's
+            self.last_observed = None
+            return self.value
         total, count = observed_mismatch(
             ctx.logp_rollout, ctx.logp_trainer, ctx.packed.response_mask, ctx.eos_terminated
         )

@@ -87,8 +87,8 @@ class StaleKL:
 
     def record(self, update: int, kl: float) -> None:
         """The KL update ``update`` made (``α²·predicted`` or realized; 0 when it was skipped)."""
-        if not math.isfinite(kl) or kl < 0:
-            raise ValueError(f"update {update}: KL {kl!r} is not a finite number >= 0")
+        if math.isnan(kl) or kl < 0:  # inf: not priced (every batch spanning it is dropped under a KL bound)
+            raise ValueError(f"update {update}: KL {kl!r} is not a number >= 0")
         if self.kl and update <= max(self.kl):
             raise ValueError(f"update {update} recorded after update {max(self.kl)}: updates come in order")
         self.kl[update] = float(kl)

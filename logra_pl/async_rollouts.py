@@ -1,0 +1,172 @@
+"""Asynchronous rollouts for :class:`~logra_pl.module.LoGRAPolicyModule`: the next updates' batches sampled while
+this update trains (``rollout.max_staleness: k``), bounded by staleness and by the KL merged since (algorithm.md §12).
+
+What the module asks of it, per training step of batch ``b`` (the run's ``b``-th batch):
+
+1. :meth:`AsyncRollouts.rollout` — the rollout of ``b``, sampled by version ``max(e, b − k)`` (``e``: the first
+   batch of the epoch). Batches up to ``b + k`` not yet requested are requested now (an epoch's start: the
+   prefill). If the KL merged since the batch's version exceeds ``max_stale_kl``, the batch is dropped and
+   sampled again by the current weights (``async/dropped``).
+2. the update; its weight change goes to the engine through the same ordered worker (``EngineLink.sync``);
+3. :meth:`AsyncRollouts.finish` (after the callbacks) — records the batch's KL, ``Σ`` of its updates' entries in
+   ``StepContext.update_kls`` (``α²·predicted`` from PredictedKLControl, replaced by the realized KL when it
+   calibrates; an update the guard then rejected still counts as proposed: conservative), and requests batch
+   ``b + k + 1``, sampled by the weights after update ``b``.
+
+Future batches' prompts come from the training loader itself (``PromptLoader.batch_at``): the order is a function
+of the seed and the epoch, and the batch Lightning then delivers is checked to be the one that was sampled.
+Sampling seeds are keyed by the batch index (the synchronous path keys them by ``global_step``, equal for one
+update per batch), since a request is made before the updates in between.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from logra_pl import compat
+from logra_pl.data.schema import prompt_key
+from logra_pl.errors import ConfigError
+from logra_pl.rollout.base import Rollout
+from logra_pl.rollout.pipeline import RolloutPipeline
+from logra_pl.rollout.staleness import StaleKL, StalenessSchedule
+from logra_pl.step import sampling_seed
+
+
+class AsyncRollouts:
+    """The module's side of the pipeline: which batches to request, their prompts and seeds, the KL ledger.
+
+    Arguments:
+        module: the policy module (its link, encoder, settings and trainer).
+        max_staleness: ``k`` (≥ 1).
+        max_stale_kl: ``δ``, or None for a staleness bound only.
+    """
+
+    def __init__(self, module: Any, max_staleness: int, max_stale_kl: float | None) -> None:
+        self.module = module
+        self.schedule = StalenessSchedule(max_staleness)
+        self.pipeline = RolloutPipeline(self.schedule, StaleKL(max_stale_kl, window=max(1, max_staleness)))
+        self.epoch_start = 0
+        self.finished = -1  # the last batch whose update was recorded and whose follow-up request was made
+        self.last: tuple[int, float] = (0, 0.0)  # the last batch's staleness and stale KL
+
+    # --------------------------------------------------------------------------------------------- setup
+    @staticmethod
+    def check(module: Any, trainer: Any) -> None:
+        """Refuse a setting the pipeline cannot run exactly, naming the fix."""
+        engine = module.engine
+        if engine.shares_weights:
+            raise ConfigError(
+                "rollout.max_staleness >= 1 with rollout.share_weights: the engine generates with the trainer's own "
+                "weights, which the update changes while it generates; set share_weights: false (a private copy)"
+            )
+        if module.link.can_go_stale:
+            raise ConfigError(
+                "rollout.max_staleness >= 1 is not yet available with served engines (engine: remote); use the "
+                "in-process engines (hf, vllm), or max_staleness: 0"
+            )
+        if module.sync_owner is not None:
+            raise ConfigError(
+                "rollout.max_staleness >= 1 with PolicySync: its per-update sync and verification do not yet go "
+                "through the asynchronous pipeline; remove the callback (the module sends each update itself)"
+            )
+        if trainer.world_size > 1:
+            raise ConfigError(
+                "rollout.max_staleness >= 1 on several training processes is not yet available; use one process, "
+                "or max_staleness: 0"
+            )
+        loader = trainer.train_dataloader
+        if not hasattr(loader, "batch_at"):
+            raise ConfigError(
+                f"rollout.max_staleness >= 1 needs a training loader that names future batches (batch_at): "
+                f"{type(loader).__name__} does not; build it with logra_pl.data.loaders.prompt_loader"
+            )
+
+    # ---------------------------------------------------------------------------------------------- step
+    def rollout(self, items: list[dict[str, Any]]) -> tuple[Rollout, int]:
+        """The rollout of the batch being trained and its staleness (updates since the weights that sampled it)."""
+        trainer, pipe = self.module.trainer, self.pipeline
+        batch, in_epoch = compat.batch_position(trainer)
+        self.epoch_start = batch - in_epoch
+        end = self.epoch_start + int(trainer.num_training_batches)
+        for b in range(batch, min(batch + self.schedule.max_staleness + 1, end)):
+            if not pipe.has(b):
+                self._request(b, batch)
+        entry, rollout = pipe.take(batch)
+        version, expected = entry.version, self.schedule.version_of(batch, self.epoch_start)
+        if version != expected:
+            raise RuntimeError(f"batch {batch} was sampled by version {version}, the schedule says {expected}")
+        if entry.keys != [prompt_key(it) for it in items]:
+            raise RuntimeError(
+                f"batch {batch}: the prompts sampled ahead are not the batch the loader delivered; the training "
+                "loader's order must be a function of its seed and epoch (PromptLoader)"
+            )
+        stale_kl = pipe.stale_kl.since(version, batch) if version < batch else 0.0
+        if not pipe.stale_kl.keeps(version, batch):
+            pipe.dropped += 1
+            self._request(batch, batch)
+            entry, rollout = pipe.take(batch)
+            version, stale_kl = entry.version, 0.0
+        self.last = (batch - version, stale_kl)
+        return rollout, batch - version
+
+    def finish(self) -> None:
+        """After the batch's update(s) and callbacks: record its KL and request batch ``b + k + 1`` (once)."""
+        trainer = self.module.trainer
+        batch, _ = compat.batch_position(trainer)
+        if batch <= self.finished:
+            return
+        ledger, ctx = self.pipeline.stale_kl, self.module.step_context
+        kls = ctx.update_kls if ctx is not None else []
+        if ledger.max_stale_kl is not None and not kls:
+            raise ConfigError(
+                "rollout.max_stale_kl needs each update's KL: add PredictedKLControl (callbacks/kl_measure.yaml "
+                "measures it without controlling the step), or remove max_stale_kl"
+            )
+        # An update the controller could not price (NaN) counts as unbounded: every batch spanning it is dropped.
+        ledger.record(batch, math.fsum(math.inf if math.isnan(k) else k for k in kls))
+        nxt = self.schedule.request_after(batch, self.epoch_start + int(trainer.num_training_batches))
+        if nxt is not None and not self.pipeline.has(nxt):
+            self._request(nxt, batch + 1)
+        self.finished = batch
+
+    def metrics(self) -> dict[str, float]:
+        """``async/*`` of the last batch: its staleness and stale KL, drops so far, the trainer's wait for it, and
+        the worker's idle seconds since the last batch."""
+        pipe, (staleness, stale_kl) = self.pipeline, self.last
+        return {
+            "async/staleness": float(staleness),
+            "async/stale_kl": stale_kl,
+            "async/dropped": float(pipe.dropped),
+            "async/trainer_wait_s": pipe.wait_s,
+            "async/engine_idle_s": pipe.engine_idle_s(),
+        }
+
+    # ---------------------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Every requested batch's rollout (waiting for those in flight) and the KL ledger."""
+        self.pipeline.drain()
+        return {"max_staleness": self.schedule.max_staleness, **self.pipeline.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["max_staleness"]) != self.schedule.max_staleness:
+            raise ConfigError(
+                f"the checkpoint's rollouts were sampled with rollout.max_staleness={state['max_staleness']}, this run "
+                f"has {self.schedule.max_staleness}: resume with the checkpoint's setting"
+            )
+        self.pipeline.load_state_dict(state)
+        trainer = self.module.trainer
+        self.finished = compat.batch_position(trainer)[0] - 1 if trainer is not None else -1
+
+    # -------------------------------------------------------------------------------------------- helpers
+    def _request(self, batch: int, version: int) -> None:
+        """Sample ``batch`` on the worker after the weight changes submitted so far (they make ``version``)."""
+        module, trainer = self.module, self.module.trainer
+        in_epoch = batch - self.epoch_start
+        items = trainer.train_dataloader.batch_at(trainer.current_epoch, in_epoch)
+        rs = module.rollout_settings
+        sampling = rs.training_sampling(sampling_seed(module.seed, "train", batch))
+        seeds = [sampling_seed(module.seed, "train", batch, prompt_key(it)) for it in items]
+        prompts, engine = module.encode_prompts(items), module.link.engine
+        keys = [prompt_key(it) for it in items]
+        self.pipeline.request(batch, version, keys, lambda: engine.generate(prompts, sampling, prompt_seeds=seeds))
