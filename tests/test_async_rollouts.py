@@ -79,8 +79,10 @@ def test_each_response_is_sampled_by_the_weights_of_its_version(tmp_path: Path) 
             assert torch.allclose(torch.tensor(logp, dtype=torch.float64), expected, atol=2e-5), b
         if step["staleness"]:  # and not by the trainer's current weights (the check can tell them apart)
             reference.load_state_dict(record.weights[b])
-            now = torch.cat([_logprobs(reference, p, r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)])
-            assert not torch.allclose(torch.tensor(sum(rollout.logprobs, []), dtype=torch.float64), now, atol=2e-5)
+            pairs = zip(rollout.prompt_ids, rollout.response_ids, strict=True)
+            now = torch.cat([_logprobs(reference, p, r) for p, r in pairs])
+            sampled = torch.tensor([x for row in rollout.logprobs for x in row], dtype=torch.float64)
+            assert not torch.allclose(sampled, now, atol=2e-5)
     assert {s["staleness"] for s in record.steps} == {0, 1, 2}
 
 
@@ -108,7 +110,7 @@ def test_max_stale_kl_drops_exactly_the_batches_whose_summed_kl_exceeds_it(tmp_p
 def test_resume_with_rollouts_in_flight_continues_bit_for_bit(tmp_path: Path) -> None:
     steps = 6
 
-    def run(root: Path, max_steps: int, ckpt: str | None = None, save: bool = False) -> tuple[LoGRAPolicyModule, Record]:
+    def run(root: Path, max_steps: int, ckpt: str | None = None, save: bool = False):
         record, callbacks = Record(), []
         if save:
             callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, save_last=False))
