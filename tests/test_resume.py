@@ -93,6 +93,31 @@ def test_kill9_before_first_validation_then_resume_last_is_bitwise(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(tmp_path: Path) -> None:
+    """``rollout.max_staleness: 1``: the checkpoint at update 4 waits for the batch in flight and stores it; the run
+    killed at update 6 resumes from it and ends where the uninterrupted run ends (weights, rewards, staleness)."""
+    stale = ["--model.rollout.max_staleness=1", "--model.rollout.max_stale_kl=0.01", "--trainer.max_steps=8"]
+    straight = _cli(tmp_path / "straight", *stale)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _cli(tmp_path / "killed", *stale, kill_at=6)
+    assert killed.returncode == -signal.SIGKILL
+    run = tmp_path / "killed" / "tiny_cpu" / "version_0"
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 4 and sorted(saved["logra_pl"]["async"]["rollouts"]) == ["4", "5"]
+    resumed = _cli(tmp_path / "killed", *stale, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref_run = tmp_path / "straight" / "tiny_cpu" / "version_0"
+    mine = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    ref = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert mine["global_step"] == ref["global_step"] == 8
+    for key, value in ref["state_dict"].items():
+        assert torch.equal(mine["state_dict"][key], value), key
+    for tag in ("train/reward_mean", "async/staleness", "async/stale_kl", "kl/alpha"):
+        assert _scalars(run, tag) == _scalars(ref_run, tag), tag
+    assert set(_scalars(ref_run, "async/staleness").values()) == {0.0, 1.0}
+
+
+@pytest.mark.slow
 def test_resume_refuses_structural_changes_and_notes_the_others(
     straight_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
