@@ -145,6 +145,20 @@ def test_hadamard_basis_refreshed_every_3_updates_keeps_vllm_bitwise(tmp_path: P
     assert [s["moment_age"] for s in steps] == [1, 2, 3, 4] and {s["moment_dtype"] for s in steps} == {"torch.bfloat16"}
 
 
+def test_asynchronous_rollouts_are_sampled_by_the_weights_of_their_version(tmp_path: Path) -> None:
+    """``rollout.max_staleness: 2`` with vLLM in the trainer process: each batch's staleness follows the schedule
+    (epochs of 4 batches), and its sampling log-probs are those of the weights it names (rebuilt by plain HF from
+    the weights saved before that update), not the trainer's current ones."""
+    report = _run("async", tmp_path)
+    steps = report["steps"]
+    assert [s["staleness"] for s in steps] == [0, 1, 2, 2, 0, 1]
+    for b, s in enumerate(steps):
+        hf = _hf_logprobs(tmp_path / f"v{b - s['staleness']}", s["prompts"], s["responses"])
+        assert _max_diff(hf, s["logprobs"]) <= TOL, b
+        if s["staleness"]:
+            assert _max_diff(_hf_logprobs(tmp_path / f"v{b}", s["prompts"], s["responses"]), s["logprobs"]) > TOL
+
+
 def test_vllm_config_runs_through_the_cli(tmp_path: Path) -> None:
     """configs/tiny_cpu_vllm.yaml parses and trains (3 updates, no warm start) with vLLM rollouts and factor sync."""
     config = Path(__file__).parents[2] / "configs" / "tiny_cpu_vllm.yaml"

@@ -12,6 +12,9 @@ the pytest process. Usage: ``python vllm_run.py SCENARIO OUT_DIR``.
   hadamard``, ``logra.refresh_every: 3``) on a policy whose MLP width 384 = 128·3 is not a power of two, with the
   other update-rule options on (a bf16 sketch-space first moment carried across the refresh, the Adam-style step
   with warmup); after each update the engine's matrices are compared with the trainer's, bit for bit.
+- ``async``: 6 LoGRA updates with ``rollout.max_staleness: 2`` (vLLM generating on the pipeline's worker thread,
+  4 batches per epoch); the trainer's weights before each update are saved, for the test to rebuild each
+  response's version.
 """
 
 from __future__ import annotations
@@ -231,7 +234,56 @@ def run_hadamard(out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report))
 
 
+def run_async(out: Path) -> None:
+    import lightning.pytorch as pl
+
+    from logra_pl.data import ReasoningGymDataModule
+    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+    from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
+    from logra_pl.sketch import LoGRAConfig
+
+    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+    data = ReasoningGymDataModule(
+        {"chain_sum": {"config": small}}, train_size=32, eval_size=8, prompts_per_step=8, eval_batch_size=8
+    )
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16, update_ratio=2e-2),
+        rollout=RolloutSettings(max_new_tokens=6, max_staleness=2),
+        microbatch_size=8,
+        engine=VLLMSettings(kv_cache_gib=1.0),
+    )
+    report: dict = {"steps": []}
+
+    class Recorder(pl.Callback):
+        """The trainer's weights before each update (that version), then the rollout the update trained on."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            assert isinstance(pl_module.engine, VLLMEngine) and pl_module.link.pipeline is not None
+            pl_module.policy.save_pretrained(out / f"v{len(report['steps'])}")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            ctx = pl_module.step_context
+            r = ctx.rollout
+            step = {"staleness": ctx.staleness, "prompts": r.prompt_ids, "responses": r.response_ids}
+            report["steps"].append(step | {"logprobs": r.logprobs})
+
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        callbacks=[Recorder()],
+        default_root_dir=out,
+    )
+    trainer.fit(module, datamodule=data)
+    (out / "report.json").write_text(json.dumps(report))
+
+
 if __name__ == "__main__":
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     out_dir.mkdir(parents=True, exist_ok=True)
-    {"fit": run_fit, "engine": run_engine, "hadamard": run_hadamard}[scenario](out_dir)
+    {"fit": run_fit, "engine": run_engine, "hadamard": run_hadamard, "async": run_async}[scenario](out_dir)
