@@ -13,7 +13,8 @@ models:
 - ``GET /v1/health`` → :class:`HealthInfo`
 - ``POST /v1/generate`` :class:`GenerateRequest` → :class:`GenerateResponse`
 - ``POST /v1/probe`` :class:`ProbeRequest` → :class:`GenerateResponse` (greedy, one response per prompt)
-- ``POST /v1/payload`` payload bytes + :data:`EXPECT_HEADER`, :data:`NEW_HEADER` → :class:`WeightsAnswer`
+- ``POST /v1/payload`` payload bytes + :data:`EXPECT_HEADER`, :data:`NEW_HEADER` (and :data:`HOLD_HEADER`)
+  → :class:`WeightsAnswer`
 - ``POST /v1/weights`` safetensors bytes + the version headers, :data:`CHUNK_HEADER`, :data:`FULL_HEADER`
   → :class:`WeightsAnswer`
 - ``POST /v1/weights/path`` :class:`WeightsPathRequest` → :class:`WeightsAnswer`
@@ -41,6 +42,8 @@ EXPECT_HEADER = "X-LoGRA-Expect-Version"  # the version a weight change applies 
 NEW_HEADER = "X-LoGRA-New-Version"  # the version it creates
 CHUNK_HEADER = "X-LoGRA-Chunk"  # ``<index>/<total>`` of a chunked full load
 FULL_HEADER = "X-LoGRA-Full"  # ``1``: the load covers every served tensor (accepted from any version)
+HOLD_HEADER = "X-LoGRA-Hold"  # ``<count>/<seconds>``: serve that many generate requests at the old version first
+MAX_WAIT_S = 600.0  # the longest wait a request may ask of an engine (``wait_s``, a hold's seconds)
 OCTET_STREAM = "application/octet-stream"
 
 _SAMPLING = SamplingConfig()  # the defaults of every sampling field
@@ -61,6 +64,20 @@ def parse_chunk(value: str | None) -> tuple[int, int]:
     except ValueError as err:
         raise ValueError(f"malformed {CHUNK_HEADER} header {value!r}: use '<index>/<total>'") from err
     return index, total
+
+
+def parse_hold(value: str | None) -> tuple[int, float]:
+    """``(count, seconds)`` of a :data:`HOLD_HEADER` value (absent: ``0/0``, no hold)."""
+    try:
+        count, seconds = (value or "0/0").split("/")
+        out = int(count), float(seconds)
+        if out[0] < 0 or not 0 <= out[1] <= MAX_WAIT_S:
+            raise ValueError(value)
+    except ValueError as err:
+        raise ValueError(
+            f"malformed {HOLD_HEADER} header {value!r}: use '<count>/<seconds>', seconds at most {MAX_WAIT_S:g}"
+        ) from err
+    return out
 
 
 def describe(err: ValidationError) -> str:
@@ -97,6 +114,9 @@ class GenerateRequest(_Request):
         stop_token_ids: tokens that end a response.
         expect_version: the weights the trainer expects; the engine refuses (409) when it holds others.
         prompt_seeds: one seed per prompt (response ``k`` gets ``(seed · 1_000_003 + k) mod 2⁶³``).
+        wait_s: when ``expect_version`` is a later version of the run the engine holds, wait up to this long for
+            it before refusing (an asynchronous trainer's request that overtook its weight change); 0: refuse
+            at once, as version-1 clients expect.
     """
 
     prompts: list[list[int]]
@@ -109,6 +129,14 @@ class GenerateRequest(_Request):
     expect_version: str | None = None
     seed: int = _SAMPLING.seed
     prompt_seeds: list[int] | None = None
+    wait_s: float = 0.0
+
+    @field_validator("wait_s")
+    @classmethod
+    def _bounded_wait(cls, value: float) -> float:
+        if not 0.0 <= value <= MAX_WAIT_S:
+            raise ValueError(f"wait_s must lie in [0, {MAX_WAIT_S:g}] seconds")
+        return value
 
     @field_validator(*_SAMPLING_FIELDS)
     @classmethod

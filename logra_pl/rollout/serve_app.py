@@ -20,6 +20,7 @@ from logra_pl.rollout.protocol import (
     CHUNK_HEADER,
     EXPECT_HEADER,
     FULL_HEADER,
+    HOLD_HEADER,
     NEW_HEADER,
     DigestAnswer,
     DigestRequest,
@@ -33,6 +34,7 @@ from logra_pl.rollout.protocol import (
     WeightsPathRequest,
     bearer,
     describe,
+    parse_hold,
 )
 from logra_pl.rollout.serve_state import EngineState, RequestError
 
@@ -108,7 +110,12 @@ def build_app(state: EngineState) -> Any:
         authorize(request)
         data = await body_of(request)
         h = request.headers
-        return _json(await state.apply_payload(data, h.get(EXPECT_HEADER), h.get(NEW_HEADER)), exclude_none=True)
+        try:
+            hold = parse_hold(h.get(HOLD_HEADER))
+        except ValueError as err:
+            raise RequestError(400, str(err)) from None
+        answer = await state.apply_payload(data, h.get(EXPECT_HEADER), h.get(NEW_HEADER), hold)
+        return _json(answer, exclude_none=True)
 
     @app.post("/v1/weights", response_model=WeightsAnswer)
     async def weights(request: Request) -> Any:

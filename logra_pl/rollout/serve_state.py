@@ -70,6 +70,21 @@ class WeightsLock:
                 self._readers -= 1
                 self._cond.notify_all()
 
+    async def wait_until(self, predicate: Any, timeout: float) -> bool:
+        """Wait until ``predicate()`` holds (checked whenever a generation or a change ends), at most ``timeout``
+        seconds; whether it held."""
+        async with self._cond:
+            try:
+                await asyncio.wait_for(self._cond.wait_for(predicate), timeout)
+            except TimeoutError:
+                return bool(predicate())
+        return True
+
+    async def notify(self) -> None:
+        """Wake the waiters: something they wait for may hold now (a generate request was counted)."""
+        async with self._cond:
+            self._cond.notify_all()
+
     @contextlib.asynccontextmanager
     async def write(self) -> AsyncIterator[None]:
         async with self._cond:
@@ -115,7 +130,7 @@ class EngineState:
         self.vocab_size = int(config.get("vocab_size", 0))
         self.max_model_len = int(client.model_config.max_model_len)
         self.lock = WeightsLock()
-        self.counts = {"payloads": 0, "full_loads": 0, "refused": 0, "generate_requests": 0}
+        self.counts = {"payloads": 0, "full_loads": 0, "refused": 0, "generate_requests": 0, "hold_timeouts": 0}
         self.started = time.time()
 
     @property
@@ -183,9 +198,13 @@ class EngineState:
         if any(t < 0 or (self.vocab_size and t >= self.vocab_size) for p in prompts for t in p):
             raise RequestError(400, f"prompt token ids must lie in [0, {self.vocab_size})")
         params = request_params(sampling, seeds if seeds is not None else row_seeds(sampling, len(rows)), eos)
+        expect = body.expect_version
+        if body.wait_s and self.ledger.may_arrive(expect):  # overtook its weight change: wait for it (bounded)
+            await self.lock.wait_until(lambda: not self.ledger.may_arrive(expect), body.wait_s)
         async with self.lock.read():
             with self._versions():
-                self.ledger.check_generate(body.expect_version)
+                self.ledger.admit_generate(expect)
+            await self.lock.notify()  # a change held for this request may go once the generation ends
             self.counts["generate_requests"] += 1
             start = time.perf_counter()
             batch = uuid.uuid4().hex[:8]
@@ -267,9 +286,17 @@ class EngineState:
                 raise RequestError(400, f"weights {key!r} are not finite: refused, weights unchanged")
         return tensors
 
-    async def apply_payload(self, data: bytes, expect: str | None, new: str | None) -> WeightsAnswer:
-        """Merge a checked payload into every worker, reset the prefix cache, move to version ``new``."""
+    async def apply_payload(
+        self, data: bytes, expect: str | None, new: str | None, hold: tuple[int, float] = (0, 0.0)
+    ) -> WeightsAnswer:
+        """Merge a checked payload into every worker, reset the prefix cache, move to version ``new``.
+
+        ``hold = (count, seconds)``: first serve ``count`` generate requests at ``expect`` (waiting up to
+        ``seconds``; past that the change goes ahead, and a request that comes later is refused and repaired)."""
         payload = self.check_payload(data)
+        count, seconds = hold
+        if count and not await self.lock.wait_until(lambda: not self.ledger.holds(expect, count), seconds):
+            self.counts["hold_timeouts"] += 1
         async with self.lock.write():
             with self._versions():
                 admitted = self.ledger.admit(expect, new)

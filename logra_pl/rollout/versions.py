@@ -14,7 +14,10 @@ a message. The rules:
 - a full load (every served tensor) replaces the weights whatever they were: accepted from any version — it is how
   an engine is repaired; chunks of a load arrive in order (:meth:`VersionLedger.admit_chunk`);
 - a generate request that names another version than the engine's is refused with 409
-  (:meth:`VersionLedger.check_generate`): nothing is sampled from unexpected weights.
+  (:meth:`VersionLedger.check_generate`): nothing is sampled from unexpected weights. Asynchronous trainers add
+  two waits, both bounded: a request for a *later* version of the run the engine holds may wait for it
+  (``wait_s``, :meth:`VersionLedger.may_arrive`), and a change may wait until the engine has served ``hold_for``
+  requests at the version it replaces (:meth:`VersionLedger.holds`), so a slow rank's request is not overtaken.
 
 :class:`VersionLedger` is the engine's side (``logra-pl serve``), :class:`ExpectedVersions` the trainer's
 (:class:`~logra_pl.rollout.remote.RemoteEngine`). Both are plain state machines: no I/O, no locks, no clock.
@@ -36,6 +39,14 @@ def base_version(engine_id: str) -> str:
 def run_version(run_id: str, n: int) -> str:
     """The version the ``n``-th weight change of run ``run_id`` creates."""
     return f"{run_id}/{n}"
+
+
+def run_sequence(version: str | None) -> tuple[str, int] | None:
+    """``(run id, n)`` of a :func:`run_version` string; None for any other version (a fresh or partial engine)."""
+    if not version or version.startswith(("base:", "partial:")) or "/" not in version:
+        return None
+    run_id, _, n = version.rpartition("/")
+    return (run_id, int(n)) if n.isdigit() else None
 
 
 def partial_version(new: str) -> str:
@@ -66,6 +77,7 @@ class VersionLedger:
     def __init__(self, version: str) -> None:
         self.version = version
         self.loading: dict[str, Any] | None = None
+        self.served = 0  # generate requests admitted at the current version (what a held change waits for)
 
     @classmethod
     def fresh(cls, engine_id: str) -> VersionLedger:
@@ -78,6 +90,22 @@ class VersionLedger:
             raise VersionError(
                 409, f"the engine holds weights {self.version!r}, the request expects {expect!r}", self.version
             )
+
+    def admit_generate(self, expect: str | None) -> None:
+        """:meth:`check_generate`, then count the request as served by the current version."""
+        self.check_generate(expect)
+        self.served += 1
+
+    def may_arrive(self, expect: str | None) -> bool:
+        """Whether a generate request for ``expect`` can be served by waiting: ``expect`` is a later version of the
+        run whose weights the engine holds (an asynchronous trainer's request that overtook the change it needs)."""
+        want, have = run_sequence(expect), run_sequence(self.version)
+        return want is not None and have is not None and want[0] == have[0] and want[1] > have[1]
+
+    def holds(self, expect: str | None, hold_for: int) -> bool:
+        """Whether a change from ``expect`` must still wait: the engine holds ``expect`` and has served fewer than
+        ``hold_for`` generate requests at it (the requests asynchronous trainers sampled at that version)."""
+        return hold_for > 0 and self.version == expect and self.served < hold_for
 
     def admit(self, expect: str | None, new: str | None) -> bool:
         """True when a change from ``expect`` to ``new`` must be applied; False when it already was (a repeat).
@@ -129,6 +157,7 @@ class VersionLedger:
     def commit(self, new: str) -> None:
         """The change to ``new`` is complete."""
         self.version = str(new)
+        self.served = 0
 
     def chunk_loaded(self, index: int) -> bool:
         """Chunk ``index`` of the open transfer is in the engine; True when it was the last one."""

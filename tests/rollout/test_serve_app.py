@@ -21,7 +21,14 @@ from safetensors.torch import save_file
 
 from logra_pl.errors import StaleEngineError
 from logra_pl.rollout.base import SamplingConfig, StaleableEngine
-from logra_pl.rollout.protocol import CHUNK_HEADER, EXPECT_HEADER, FULL_HEADER, NEW_HEADER, GenerateRequest
+from logra_pl.rollout.protocol import (
+    CHUNK_HEADER,
+    EXPECT_HEADER,
+    FULL_HEADER,
+    HOLD_HEADER,
+    NEW_HEADER,
+    GenerateRequest,
+)
 from logra_pl.rollout.remote import RemoteEngine, RemoteSettings
 from logra_pl.rollout.server import EngineState, ServeSettings, build_app
 from logra_pl.rollout.vllm_worker import tensors_to_bytes
@@ -155,6 +162,59 @@ def test_weight_changes_follow_the_version_rules(served) -> None:
     assert r.status_code == 409 and "restart the transfer from chunk 0" in r.json()["error"]
     digests = client.post("/v1/weights/digest", json={"names": [f"{MATRIX}.weight"]}).json()
     assert digests == {"digests": {f"{MATRIX}.weight": f"digest-{MATRIX}.weight"}, "version": "r/2"}
+
+
+def test_asynchronous_waits_a_held_change_and_a_request_that_overtook_its_change(served) -> None:
+    """Version-1 rules plus the two bounded waits of asynchronous trainers: a payload held for ``count`` requests at
+    the version it replaces, and a generate request for the next version waiting for it (``wait_s``)."""
+    if not HAS_VLLM:
+        pytest.skip("generate builds vLLM SamplingParams: the vllm extra is not installed")
+    import threading
+    import time
+
+    client, state = served
+    full = tensors_to_bytes({k: torch.ones(s) for k, s in TENSORS.items()})
+    assert (
+        client.post("/v1/weights", content=full, headers=_headers("", "r/1", **{FULL_HEADER: "1"})).status_code == 200
+    )
+    answers: dict[str, Any] = {}
+
+    def post(key: str, path: str, **kwargs: Any) -> threading.Thread:
+        thread = threading.Thread(target=lambda: answers.__setitem__(key, client.post(path, **kwargs)))
+        thread.start()
+        return thread
+
+    # A change held for two requests at r/1 (two ranks' shares of one batch sampled by r/1) waits for both.
+    held = post("held", "/v1/payload", content=_payload(1), headers=_headers("r/1", "r/2", **{HOLD_HEADER: "2/30"}))
+    time.sleep(0.5)
+    assert state.version == "r/1" and "held" not in answers
+    assert client.post("/v1/generate", json={"prompts": [[1]], "expect_version": "r/1"}).json()["version"] == "r/1"
+    time.sleep(0.3)
+    assert state.version == "r/1" and "held" not in answers  # one of two served: still held
+    assert client.post("/v1/generate", json={"prompts": [[2]], "expect_version": "r/1"}).json()["version"] == "r/1"
+    held.join(10)
+    assert answers["held"].json()["applied"] is True and state.version == "r/2"
+    # A request for r/3 that overtook its change waits for it; one for the past is refused at once.
+    early = post("early", "/v1/generate", json={"prompts": [[1]], "expect_version": "r/3", "wait_s": 30})
+    time.sleep(0.5)
+    assert "early" not in answers
+    assert client.post("/v1/payload", content=_payload(2), headers=_headers("r/2", "r/3")).json()["applied"]
+    early.join(10)
+    assert answers["early"].status_code == 200 and answers["early"].json()["version"] == "r/3"
+    start = time.perf_counter()
+    late = client.post("/v1/generate", json={"prompts": [[1]], "expect_version": "r/2", "wait_s": 30})
+    assert late.status_code == 409 and time.perf_counter() - start < 5
+    # Without wait_s (a version-1 client) a request for a later version is refused at once, as before.
+    assert client.post("/v1/generate", json={"prompts": [[1]], "expect_version": "r/4"}).status_code == 409
+    # A hold whose requests never come ends after its seconds: the change goes ahead, counted.
+    t0 = time.perf_counter()
+    answer = client.post("/v1/payload", content=_payload(3), headers=_headers("r/3", "r/4", **{HOLD_HEADER: "5/0.3"}))
+    assert answer.json()["applied"] and state.version == "r/4" and time.perf_counter() - t0 >= 0.3
+    assert state.counts["hold_timeouts"] == 1
+    bad = client.post("/v1/payload", content=_payload(4), headers=_headers("r/4", "r/5", **{HOLD_HEADER: "x"}))
+    assert bad.status_code == 400 and HOLD_HEADER in bad.json()["error"]
+    r = client.post("/v1/generate", json={"prompts": [[1]], "wait_s": 601})
+    assert r.status_code == 400 and "wait_s" in r.json()["error"]
 
 
 def test_remote_engine_speaks_the_same_models(served, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -135,3 +135,24 @@ def test_a_lost_update_is_detected_end_to_end() -> None:
     trainer.accepted("e1")
     engine.check_generate(trainer.expected)
     assert trainer.current()
+
+
+def test_asynchronous_waits_later_versions_may_arrive_and_changes_hold_for_served_requests() -> None:
+    ledger = _loaded("run/3")
+    assert ledger.may_arrive("run/4") and ledger.may_arrive("run/9")  # later versions of the held run
+    assert not ledger.may_arrive("run/3") and not ledger.may_arrive("run/2")  # now, or the past: 409 at once
+    assert not ledger.may_arrive("other/5") and not ledger.may_arrive(None)
+    assert not VersionLedger.fresh("e2").may_arrive("run/4")  # a fresh engine needs a full load, not a wait
+    # A change from run/3 that must let 2 requests at run/3 through first (two ranks' requests for one batch):
+    assert ledger.holds("run/3", 2)
+    ledger.admit_generate("run/3")
+    assert ledger.holds("run/3", 2)
+    ledger.admit_generate(None)  # expects any: served by run/3 as well
+    assert not ledger.holds("run/3", 2) and not ledger.holds("run/3", 0)
+    _refused(ledger.admit_generate, "run/4")  # not counted: refused
+    assert ledger.served == 2
+    assert not ledger.holds("run/2", 5)  # a change from another version does not wait: admit() judges it
+    assert ledger.admit("run/3", "run/4")
+    ledger.begin("run/4")
+    ledger.commit("run/4")
+    assert ledger.served == 0 and ledger.holds("run/4", 1)  # counts start again at the new version
