@@ -65,11 +65,6 @@ class AsyncRollouts:
                 "rollout.max_staleness >= 1 is not yet available with served engines (engine: remote); use the "
                 "in-process engines (hf, vllm), or max_staleness: 0"
             )
-        if module.sync_owner is not None:
-            raise ConfigError(
-                "rollout.max_staleness >= 1 with PolicySync: its per-update sync and verification do not yet go "
-                "through the asynchronous pipeline; remove the callback (the module sends each update itself)"
-            )
         if trainer.world_size > 1:
             raise ConfigError(
                 "rollout.max_staleness >= 1 on several training processes is not yet available; use one process, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -57,6 +58,15 @@ class EngineLink:
         if self.pipeline is not None:
             return self.pipeline.call(self.engine.place, device)
         return self.engine.place(device)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run an engine call after every earlier one: on the asynchronous worker (its Future), or now (a finished
+        Future; an error is raised here, as a direct call would)."""
+        if self.pipeline is not None:
+            return self.pipeline.submit(fn, *args, **kwargs)
+        done: Future = Future()
+        done.set_result(fn(*args, **kwargs))
+        return done
 
     @property
     def can_go_stale(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from concurrent.futures import Future
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -221,6 +222,11 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Bring the engine to the trainer's weights: the last merged payload, the changed tensors, or all."""
         if self.link is not None:
             self.link.sync(self.device, full=full, payload=self.link.last_payload)
+
+    def engine_call(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        """Run an engine call in order with every other (``EngineLink.submit``): on the asynchronous worker, or
+        now; a Future either way."""
+        return self.link.submit(fn, *args, **kwargs)
 
     def generate_rollout(
         self, prompts: list[list[int]], sampling: SamplingConfig, prompt_seeds: list[int] | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -81,7 +82,9 @@ class PolicyModuleView(Protocol):
     ``configure_model``), ``method`` (the :class:`~logra_pl.methods.UpdateMethod`: ``sketcher``,
     ``ships_factors``, ``makes_proposals``, ``keeps_sketches``, and for step controllers ``logit_tangent``,
     ``applied_updates``, ``applied``), ``step_context`` (the current step's :class:`StepContext`, or None),
-    ``rollout_settings``, ``microbatch_size``, ``policy_source`` and ``dtype_name``; and the operations below.
+    ``rollout_settings``, ``microbatch_size``, ``policy_source`` and ``dtype_name``; and the operations below
+    (``engine_call``: an engine call in order with every other one, on the asynchronous worker when rollouts
+    are sampled ahead; a Future).
     """
 
     policy: Any
@@ -103,6 +106,8 @@ class PolicyModuleView(Protocol):
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor: ...
 
     def sync_engine(self, full: bool = False) -> None: ...
+
+    def engine_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future: ...
 
     def attach_sync(self, owner: object) -> None: ...
 

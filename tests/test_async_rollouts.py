@@ -134,13 +134,35 @@ def test_resume_with_rollouts_in_flight_continues_bit_for_bit(tmp_path: Path) ->
         assert torch.equal(x, y), name
 
 
+def test_policy_sync_ships_and_verifies_through_the_pipeline(tmp_path: Path) -> None:
+    """PolicySync with ``max_staleness: 1``: every update reaches the engine in order (a verification after each
+    one finds the engine on the trainer's weights), and every update's bytes are logged once."""
+    sync, record = PolicySync(mode="factors", verify_every=1, tolerance=1e-4), Record()
+
+    class Checks(pl.Callback):
+        def __init__(self) -> None:
+            self.diffs: list[float] = []
+            self.logged, self.sent = 0.0, []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.diffs.append(sync.last_diff)
+            self.logged += pl_module.step_context.metrics["sync/payload_bytes"]
+            self.sent.append(sum(len(p.to_bytes()) for p in pl_module.step_context.payloads))
+
+    checks = Checks()
+    quick_trainer(tmp_path, 5, [sync, checks, record]).fit(_module(1), datamodule=_data())
+    assert len(checks.diffs) == 5 and max(checks.diffs) <= 1e-4 and sync.full_resyncs == 0
+    assert [s["staleness"] for s in record.steps] == [0, 1, 1, 1, 0]
+    # Update t's ship is logged at update t + 1 (the verification after update t waited for it); the last one
+    # at the end, or not at all when the worker had not applied it yet at update 5's log.
+    assert checks.logged in (sum(checks.sent[:4]), sum(checks.sent)) and min(checks.sent) > 0
+
+
 def test_settings_the_pipeline_cannot_run_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_staleness is 0"):
         RolloutSettings(max_stale_kl=1e-3)
     with pytest.raises(ConfigError, match="share_weights"):
         quick_trainer(tmp_path, 1).fit(_module(1, share_weights=True), datamodule=_data())
-    with pytest.raises(ConfigError, match="PolicySync"):
-        quick_trainer(tmp_path, 1, [PolicySync(mode="factors", verify_every=0)]).fit(_module(1), datamodule=_data())
     with pytest.raises(ConfigError, match="needs each update's KL"):
         quick_trainer(tmp_path, 1).fit(_module(1, 1e-3), datamodule=_data())
 

@@ -24,12 +24,21 @@ from logra_pl.rollout.base import SamplingConfig, cast_floats
 from logra_pl.step import PolicyModuleView
 
 
+def _timed(ship: Any) -> tuple[Any, float]:
+    """``ship()`` and its seconds."""
+    start = time.perf_counter()
+    return ship(), time.perf_counter() - start
+
+
 class PolicySync(pl.Callback):
     """Owns the engine's weight updates for a :class:`~logra_pl.module.LoGRAPolicyModule` run.
 
     Logged per update: ``sync/payload_bytes`` (bytes sent, over all engines), ``sync/full_bytes`` (what sending
     the changed matrices in bf16 to the same engines would take — the dense frameworks' cost, for comparison),
     ``sync/seconds``, and on verification ``sync/max_logprob_diff`` and ``sync/full_resyncs`` (running count).
+    With asynchronous rollouts (``rollout.max_staleness``) an update is sent in order with the engine's other
+    calls on the pipeline's worker; its bytes and seconds are logged at the first update after it was applied, and
+    a verification waits for every call before it (one pipeline bubble every ``verify_every`` updates).
 
     Arguments:
         mode: ``"factors"`` (LoGRA payloads; needs ``optimizer="logra"``) or ``"full"`` (changed tensors).
@@ -71,6 +80,7 @@ class PolicySync(pl.Callback):
             raise ValueError(f"unknown wire_dtype {wire_dtype!r}: use auto, float32, bfloat16 or float16")
         self.wire_dtype = wire_dtype
         self.probe: list[list[int]] | None = None
+        self._shipping: list[Any] = []  # futures of the updates sent and not yet logged
         self.full_resyncs = 0
         self.syncs = 0
         self.last_diff: float | None = None
@@ -107,15 +117,17 @@ class PolicySync(pl.Callback):
         if self.probe is None:
             self.probe = self.build_probe(pl_module, ctx.items)
         engine = pl_module.engine
-        start = time.perf_counter()
-        sent = 0.0
         if self.mode == "factors":
-            for payload in ctx.payloads:
-                sent += engine.apply_payload(payload).bytes
+            payloads = list(ctx.payloads)
+            ship = lambda: [engine.apply_payload(p) for p in payloads]  # noqa: E731
         else:
             tensors = cast_floats(pl_module.trained_tensors(), self.wire_dtype_for(engine))
-            sent += engine.load_weights(tensors).bytes
-        seconds = time.perf_counter() - start
+            if pl_module.rollout_settings.max_staleness:  # taken now: the worker applies them as training moves on
+                tensors = {k: v.detach().clone() for k, v in tensors.items()}
+            ship = lambda: [engine.load_weights(tensors)]  # noqa: E731
+        # In order with every other engine call: now, or after the requests already on the asynchronous worker.
+        self._shipping.append(pl_module.engine_call(_timed, ship))
+        sent, seconds = self._shipped()
         self.syncs += 1
         checks: dict[str, float] = {}
         if self.verify_every and (self.syncs == 1 or self.syncs % self.verify_every == 0):
@@ -135,6 +147,18 @@ class PolicySync(pl.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(checks, step=trainer.global_step)
         ctx.metrics.update(metrics | checks)
+
+    def _shipped(self) -> tuple[float, float]:
+        """Bytes and seconds of the ships that have finished since the last call (all of them in a synchronous run;
+        in an asynchronous one, the updates the worker has applied by now)."""
+        done = [f for f in self._shipping if f.done()]
+        self._shipping = [f for f in self._shipping if not f.done()]
+        sent = seconds = 0.0
+        for future in done:
+            reports, took = future.result()
+            sent += sum(r.bytes for r in reports)
+            seconds += took
+        return sent, seconds
 
     def wire_dtype_for(self, engine: Any) -> torch.dtype | None:
         """The dtype ``full`` mode sends in: the setting, or with ``auto`` the engine's stored dtype."""
