@@ -26,7 +26,7 @@ from typing import Any
 
 from logra_pl import compat
 from logra_pl.data.schema import prompt_key
-from logra_pl.errors import ConfigError
+from logra_pl.errors import ConfigError, StaleEngineError
 from logra_pl.rollout.base import Rollout
 from logra_pl.rollout.pipeline import RolloutPipeline
 from logra_pl.rollout.staleness import StaleKL, StalenessSchedule
@@ -49,6 +49,7 @@ class AsyncRollouts:
         self.epoch_start = 0
         self.finished = -1  # the last batch whose update was recorded and whose follow-up request was made
         self.last: tuple[int, float] = (0, 0.0)  # the last batch's staleness and stale KL
+        self.restart = 0  # the batch the pipeline last started afresh at (a served engine repaired): no older version
 
     # --------------------------------------------------------------------------------------------- setup
     @staticmethod
@@ -60,15 +61,11 @@ class AsyncRollouts:
                 "rollout.max_staleness >= 1 with rollout.share_weights: the engine generates with the trainer's own "
                 "weights, which the update changes while it generates; set share_weights: false (a private copy)"
             )
-        if module.link.can_go_stale:
-            raise ConfigError(
-                "rollout.max_staleness >= 1 is not yet available with served engines (engine: remote); use the "
-                "in-process engines (hf, vllm), or max_staleness: 0"
-            )
         if trainer.world_size > 1:
             raise ConfigError(
-                "rollout.max_staleness >= 1 on several training processes is not yet available; use one process, "
-                "or max_staleness: 0"
+                "rollout.max_staleness >= 1 on several training processes is not yet available (their requests at "
+                "older versions need the served engines' holds, not built on the trainer's side); use one "
+                "process, or max_staleness: 0"
             )
         loader = trainer.train_dataloader
         if not hasattr(loader, "batch_at"):
@@ -87,8 +84,8 @@ class AsyncRollouts:
         for b in range(batch, min(batch + self.schedule.max_staleness + 1, end)):
             if not pipe.has(b):
                 self._request(b, batch)
-        entry, rollout = pipe.take(batch)
-        version, expected = entry.version, self.schedule.version_of(batch, self.epoch_start)
+        entry, rollout = self._take(batch, end)
+        version, expected = entry.version, self.schedule.version_of(batch, max(self.epoch_start, self.restart))
         if version != expected:
             raise RuntimeError(f"batch {batch} was sampled by version {version}, the schedule says {expected}")
         if entry.keys != [prompt_key(it) for it in items]:
@@ -100,7 +97,7 @@ class AsyncRollouts:
         if not pipe.stale_kl.keeps(version, batch):
             pipe.dropped += 1
             self._request(batch, batch)
-            entry, rollout = pipe.take(batch)
+            entry, rollout = self._take(batch, end)
             version, stale_kl = entry.version, 0.0
         self.last = (batch - version, stale_kl)
         return rollout, batch - version
@@ -137,11 +134,29 @@ class AsyncRollouts:
             "async/engine_idle_s": pipe.engine_idle_s(),
         }
 
+    def _take(self, batch: int, end: int) -> tuple[Any, Rollout]:
+        """``pipeline.take``; a served engine that refused the request (it holds other weights: restarted, an update
+        lost) is repaired with the full weights and every requested batch is sampled again by the current weights
+        (the pipeline restarts at ``batch``), 3 tries at most, as the synchronous path does."""
+        link, pipe, last = self.module.link, self.pipeline, None
+        for _ in range(3):
+            try:
+                return pipe.take(batch)
+            except StaleEngineError as err:
+                last = err
+            pipe.discard()
+            pipe.call(lambda: None)  # the worker is idle: nothing is sampled while the engine is repaired
+            link.ensure_current(self.module.device)  # full weights (on the worker), counted in sync/engine_resyncs
+            self.restart = batch
+            for b in range(batch, min(batch + self.schedule.max_staleness + 1, end)):
+                self._request(b, batch)
+        raise StaleEngineError(f"engines stayed out of sync after 3 full resyncs (last: {last})")
+
     # ---------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Every requested batch's rollout (waiting for those in flight) and the KL ledger."""
         self.pipeline.drain()
-        return {"max_staleness": self.schedule.max_staleness, **self.pipeline.state_dict()}
+        return {"max_staleness": self.schedule.max_staleness, "restart": self.restart, **self.pipeline.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["max_staleness"]) != self.schedule.max_staleness:
@@ -150,6 +165,7 @@ class AsyncRollouts:
                 f"has {self.schedule.max_staleness}: resume with the checkpoint's setting"
             )
         self.pipeline.load_state_dict(state)
+        self.restart = int(state.get("restart", 0))
         trainer = self.module.trainer
         self.finished = compat.batch_position(trainer)[0] - 1 if trainer is not None else -1
 

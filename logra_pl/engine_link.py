@@ -111,17 +111,21 @@ class EngineLink:
         prompt_seeds: list[int] | None = None,
     ) -> Rollout:
         """``engine.generate``, made safe for engines that can go stale: repaired and repeated, 3 tries at most."""
-        engine = self.engine
-        if self.pipeline is not None:  # after the weight changes submitted before it
-            return self.pipeline.call(engine.generate, prompts, sampling, prompt_seeds=prompt_seeds)
-        if not self.can_go_stale:
+        engine, pipe = self.engine, self.pipeline
+
+        def generate() -> Rollout:  # after the weight changes submitted before it, on the worker if there is one
+            if pipe is not None:
+                return pipe.call(engine.generate, prompts, sampling, prompt_seeds=prompt_seeds)
             return engine.generate(prompts, sampling, prompt_seeds=prompt_seeds)
+
+        if not self.can_go_stale:
+            return generate()
         last: StaleEngineError | None = None
         for _ in range(3):
             self.ensure_current(device)
             rollout = None
             try:
-                rollout = engine.generate(prompts, sampling, prompt_seeds=prompt_seeds)
+                rollout = generate()
             except StaleEngineError as err:  # the engine marked itself stale; every rank hears of it below
                 last = err
             if not any_rank(self.trainer(), rollout is None):

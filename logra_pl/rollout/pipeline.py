@@ -12,6 +12,9 @@ rollout with its version (:meth:`state_dict`): after a kill, the resumed run tra
 updates. Waiting costs one pipeline bubble per checkpoint; rebuilding old weights by subtracting merged factors
 instead would not be exact in floating point, and keeping old weights costs a model copy per version.
 
+A served engine that refuses a request (409: it holds other weights) is not a failure: the error comes back in the
+request's future, and the trainer repairs the engine on its own thread (where its ranks can agree) and asks again.
+
 The worker runs engine calls only: no collectives (all ranks' agreements stay on the main thread) and nothing
 that touches the trainer's live weights (the arguments of a weight change are taken on the main thread when it
 is submitted).
@@ -27,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from logra_pl.errors import StaleEngineError
 from logra_pl.rollout.base import Rollout
 from logra_pl.rollout.staleness import StaleKL, StalenessSchedule
 
@@ -72,6 +76,8 @@ class RolloutPipeline:
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
+            except StaleEngineError:
+                raise  # the engine holds other weights: the trainer repairs it on its own thread and asks again
             except BaseException as err:
                 self.error = self.error or err
                 raise

@@ -391,6 +391,58 @@ def test_server_killed_and_restarted_mid_run(server: Server, tmp_path: Path) -> 
     assert server.starts == starts + 1
 
 
+def test_asynchronous_rollouts_on_a_served_engine_killed_and_restarted(server: Server, tmp_path: Path) -> None:
+    """``rollout.max_staleness: 1`` against ``logra-pl serve``: the engine is killed and restarted after 3 updates;
+    its refusal of a request sampled ahead is repaired with the full weights and the pipeline restarts there. Every
+    batch's sampling log-probs are those of the weights its version names (rebuilt with transformers)."""
+    import lightning.pytorch as pl
+
+    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+    from tests.conftest import chain_sum_data, quick_trainer
+
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    steps: list[dict] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            weights[len(steps)] = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            steps.append({"staleness": pl_module.step_context.staleness, "rollout": pl_module.step_context.rollout})
+
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16, update_ratio=1e-2),
+        engine=RemoteSettings(urls=[server.url], api_key_env=KEY_ENV, retry_for_s=240.0),
+        rollout=RolloutSettings(max_new_tokens=6, max_staleness=1),
+        microbatch_size=8,
+    )
+    done = threading.Event()
+    watcher = _kill_after(server, payloads=3, restart=True, done=done)
+    try:
+        quick_trainer(tmp_path, 7, [Record()]).fit(module, datamodule=chain_sum_data(train_size=64))
+    finally:
+        done.set()
+        watcher.join(timeout=300)
+    assert module.link.resyncs >= 1
+    staleness = [s["staleness"] for s in steps]
+    assert staleness[0] == 0 and 0 in staleness[1:] and set(staleness) == {0, 1}  # restarted mid-epoch
+    reference, _ = load_policy("tiny")
+    for b, step in enumerate(steps):
+        reference.load_state_dict(weights[b - step["staleness"]])
+        r = step["rollout"]
+        packed = pack_responses(r.prompt_ids, r.response_ids, 0)
+        with torch.no_grad():
+            expected = response_logprobs(reference, packed)
+        got = torch.zeros_like(expected)
+        for i, lp in enumerate(r.logprobs):
+            got[i, : len(lp)] = torch.tensor(lp)
+        assert float((got - expected).abs().max()) <= TOL, b
+    names = [f"{n}.weight" for n in module.sketcher.sketches()]
+    assert module.engine.weights_digest(names) == _digests(module.policy.state_dict(), names)
+    module.engine.close()
+
+
 def test_engine_stays_down_then_resume(server: Server, tmp_path: Path) -> None:
     done = threading.Event()
     watcher = _kill_after(server, payloads=4, restart=False, done=done)
