@@ -27,6 +27,7 @@ from typing import Any
 from logra_pl import compat
 from logra_pl.data.schema import prompt_key
 from logra_pl.errors import ConfigError, StaleEngineError
+from logra_pl.ranks import any_rank
 from logra_pl.rollout.base import Rollout
 from logra_pl.rollout.pipeline import RolloutPipeline
 from logra_pl.rollout.staleness import StaleKL, StalenessSchedule
@@ -61,18 +62,30 @@ class AsyncRollouts:
                 "rollout.max_staleness >= 1 with rollout.share_weights: the engine generates with the trainer's own "
                 "weights, which the update changes while it generates; set share_weights: false (a private copy)"
             )
-        if trainer.world_size > 1:
-            raise ConfigError(
-                "rollout.max_staleness >= 1 on several training processes is not yet available (their requests at "
-                "older versions need the served engines' holds, not built on the trainer's side); use one "
-                "process, or max_staleness: 0"
-            )
         loader = trainer.train_dataloader
         if not hasattr(loader, "batch_at"):
             raise ConfigError(
                 f"rollout.max_staleness >= 1 needs a training loader that names future batches (batch_at): "
                 f"{type(loader).__name__} does not; build it with logra_pl.data.loaders.prompt_loader"
             )
+
+    def connect(self, trainer: Any) -> None:
+        """Several ranks on shared (served) engines: rank 0 sends every weight change, each rank its own requests.
+        Each change then waits, on the worker, for a barrier of all ranks' workers (a gloo group of their own, so
+        no collective of the trainer's threads interleaves with it): every rank's requests at the old weights have
+        been answered. A request that overtakes the change it needs (its rank passed the barrier first) asks the
+        engine to wait for that version (``wait_s``, up to ``retry_for_s``)."""
+        link = self.module.link
+        if trainer.world_size < 2 or not link.can_go_stale:
+            return
+        import torch.distributed as dist
+
+        from logra_pl.rollout.protocol import MAX_WAIT_S
+
+        group = dist.new_group(backend="gloo")  # a collective of the main threads, once
+        link.before_change = lambda: dist.barrier(group=group)
+        settings = getattr(link.engine, "settings", None)
+        link.engine.version_wait_s = min(float(getattr(settings, "retry_for_s", MAX_WAIT_S)), MAX_WAIT_S)
 
     # ---------------------------------------------------------------------------------------------- step
     def rollout(self, items: list[dict[str, Any]]) -> tuple[Rollout, int]:
@@ -140,10 +153,13 @@ class AsyncRollouts:
         (the pipeline restarts at ``batch``), 3 tries at most, as the synchronous path does."""
         link, pipe, last = self.module.link, self.pipeline, None
         for _ in range(3):
+            taken = None
             try:
-                return pipe.take(batch)
+                taken = pipe.take(batch)
             except StaleEngineError as err:
                 last = err
+            if not any_rank(self.module.trainer, taken is None):  # every rank restarts, or none
+                return taken
             pipe.discard()
             pipe.call(lambda: None)  # the worker is idle: nothing is sampled while the engine is repaired
             link.ensure_current(self.module.device)  # full weights (on the worker), counted in sync/engine_resyncs

@@ -51,6 +51,7 @@ class EngineLink:
         self.logged_resyncs = 0  # the count the loggers last received
         self.last_payload: Payload | None = None  # what the last update merged (factor methods)
         self.pipeline: RolloutPipeline | None = None  # asynchronous rollouts: every engine call on its worker
+        self.before_change: Callable[[], None] | None = None  # run on the worker before each weight change
 
     def place(self, device: torch.device) -> bool:
         """``engine.place``: whether the engine moved (then it needs the full weights); on the worker when there
@@ -59,10 +60,18 @@ class EngineLink:
             return self.pipeline.call(self.engine.place, device)
         return self.engine.place(device)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, changes_weights: bool = False, **kwargs: Any) -> Future:
         """Run an engine call after every earlier one: on the asynchronous worker (its Future), or now (a finished
-        Future; an error is raised here, as a direct call would)."""
+        Future; an error is raised here, as a direct call would). ``changes_weights``: a weight change, which on
+        several ranks first waits (on the worker) until every rank's requests at the old weights are answered."""
         if self.pipeline is not None:
+            if changes_weights and self.before_change is not None:
+                before, call = self.before_change, fn
+
+                def fn(*a: Any, **k: Any) -> Any:
+                    before()
+                    return call(*a, **k)
+
             return self.pipeline.submit(fn, *args, **kwargs)
         done: Future = Future()
         done.set_result(fn(*args, **kwargs))
@@ -79,7 +88,7 @@ class EngineLink:
         if engine.shares_weights:
             return  # the engine generates with the trainer's weights: always current
         if self.pipeline is not None:  # after the requests before it; the tensors are taken now, on this thread
-            self.pipeline.submit(self._apply, *self._change(full, payload, copy=True))
+            self.submit(self._apply, *self._change(full, payload, copy=True), changes_weights=True)
             return
         if engine.place(device):
             full = True  # the engine moved: resend everything

@@ -189,6 +189,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         if k:
             AsyncRollouts.check(self, self.trainer)
             self.async_rollouts = AsyncRollouts(self, k, self.rollout_settings.max_stale_kl)
+            self.async_rollouts.connect(self.trainer)
             if self._async_state is not None:
                 self.async_rollouts.load_state_dict(self._async_state)
                 self._async_state = None
@@ -211,7 +212,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         if self.async_rollouts is not None:
             self.async_rollouts.pipeline.close()
             self.async_rollouts = None
-            self.link.pipeline = None
+            self.link.pipeline, self.link.before_change = None, None
 
     # ---------------------------------------------------------------------------------------- engine
     def attach_sync(self, owner: object) -> None:
@@ -223,10 +224,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         if self.link is not None:
             self.link.sync(self.device, full=full, payload=self.link.last_payload)
 
-    def engine_call(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+    def engine_call(self, fn: Any, *args: Any, changes_weights: bool = False, **kwargs: Any) -> Future:
         """Run an engine call in order with every other (``EngineLink.submit``): on the asynchronous worker, or
-        now; a Future either way."""
-        return self.link.submit(fn, *args, **kwargs)
+        now; a Future either way. ``changes_weights``: it changes the engine's weights (a sync)."""
+        return self.link.submit(fn, *args, changes_weights=changes_weights, **kwargs)
 
     def generate_rollout(
         self, prompts: list[list[int]], sampling: SamplingConfig, prompt_seeds: list[int] | None = None

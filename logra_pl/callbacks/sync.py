@@ -126,7 +126,7 @@ class PolicySync(pl.Callback):
                 tensors = {k: v.detach().clone() for k, v in tensors.items()}
             ship = lambda: [engine.load_weights(tensors)]  # noqa: E731
         # In order with every other engine call: now, or after the requests already on the asynchronous worker.
-        self._shipping.append(pl_module.engine_call(_timed, ship))
+        self._shipping.append(pl_module.engine_call(_timed, ship, changes_weights=True))
         sent, seconds = self._shipped()
         self.syncs += 1
         checks: dict[str, float] = {}

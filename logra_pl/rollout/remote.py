@@ -192,6 +192,9 @@ class RemoteEngine:
         self.rank = rank
         self.world_size = world_size
         self.versions = ExpectedVersions(run_id or uuid.uuid4().hex[:12])
+        # Asynchronous rollouts on several ranks: a request may overtake the weight change it needs (rank 0 sends
+        # changes), so it asks the engine to wait for that version this long (0: refuse at once, version 1).
+        self.version_wait_s = 0.0
         self.trainer_dtype = trainer_dtype
         self.api_key = os.environ.get(s.api_key_env) or None
         self.http = httpx.Client(timeout=httpx.Timeout(s.timeout_s, connect=min(10.0, s.timeout_s)))
@@ -373,6 +376,7 @@ class RemoteEngine:
                 seeds=seeds[lo * sampling.n : hi * sampling.n],
                 stop_token_ids=self.eos,
                 expect_version=self.versions.expected,
+                **({"wait_s": self.version_wait_s} if self.version_wait_s > 0 else {}),  # version-1 servers: unset
             )
             json = body.model_dump(exclude_unset=True)
             jobs.append(self.pool.submit(self.request, "POST", url, "/v1/generate", json=json))

@@ -352,6 +352,28 @@ def test_two_fsdp_ranks_on_a_served_engine(fits: dict[str, Path], server: Server
     engine.close()
 
 
+def test_asynchronous_rollouts_two_fsdp_ranks_equal_one(server: Server, tmp_path: Path) -> None:
+    """``rollout.max_staleness: 1`` with PolicySync on one served engine: 2 FSDP ranks (rank 0 sends the changes,
+    each rank its own requests, a barrier of the ranks' workers before each change) sample exactly the responses
+    of 1 rank, batch by batch, and both end with the engine on the trainer's weights."""
+    runs = {}
+    for name, extra in {"one": (), "two": ("--trainer.devices=2", "--trainer.strategy=logra_fsdp")}.items():
+        proc = _fit(tmp_path, name, server.url, "--model.rollout.max_staleness=1", *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = tmp_path / name / "version_0"
+    one, two = read_rollouts(runs["one"] / "rollouts"), read_rollouts(runs["two"] / "rollouts")
+    assert {r["rank"] for r in two} == {0, 1} and len(one) == len(two) == 5 * 16
+
+    def key(rows):
+        return sorted((r["update"], r["prompt_ids"], r["response_ids"]) for r in rows)
+
+    assert key(one) == key(two)
+    for run in runs.values():
+        scalars = _scalars(run)
+        assert [v for _, v in sorted(scalars["async/staleness"])] == [0.0, 1.0, 1.0, 1.0, 1.0]
+        assert scalars["sync/max_logprob_diff"][-1][1] <= TOL and scalars["sync/engine_resyncs"][-1][1] == 0
+
+
 def _kill_after(server: Server, payloads: int, restart: bool, done: threading.Event) -> threading.Thread:
     """Kill the server once it applied ``payloads`` more updates (from now); optionally start it again."""
     base = httpx.get(f"{server.url}/v1/health", timeout=10).json()["counts"]["payloads"]
