@@ -465,10 +465,14 @@ def test_asynchronous_rollouts_on_a_served_engine_killed_and_restarted(server: S
     module.engine.close()
 
 
-def test_engine_stays_down_then_resume(server: Server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_engine_stays_down_then_resume(server: Server, tmp_path: Path, staleness: int) -> None:
+    """The engine dies for good after 4 updates: the run stops within ``retry_for_s`` with the engine's URL (also
+    when the wait is on the asynchronous worker: no hang), and resumes from its checkpoint once the engine is back."""
     done = threading.Event()
     watcher = _kill_after(server, payloads=4, restart=False, done=done)
     flags = ("--trainer.max_steps=8", "--model.engine.init_args.retry_for_s=3", "--checkpoint.every_n_updates=2")
+    flags += (f"--model.rollout.max_staleness={staleness}",)
     proc = _fit(tmp_path, "down", server.url, *flags)
     done.set()
     watcher.join(timeout=120)
