@@ -45,16 +45,13 @@ def run_fit(out: Path) -> None:
     import torch
 
     from logra_pl.callbacks import PolicySync
-    from logra_pl.data import ReasoningGymDataModule
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
     from logra_pl.rollout.base import SamplingConfig, SyncReport
     from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
     from logra_pl.sketch import LoGRAConfig
+    from tests.conftest import chain_sum_data, quick_trainer
 
-    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
-    data = ReasoningGymDataModule(
-        {"chain_sum": {"config": small}}, train_size=128, eval_size=16, prompts_per_step=8, eval_batch_size=16
-    )
+    data = chain_sum_data(train_size=128, eval_size=16)
     module = LoGRAPolicyModule(
         policy="tiny",
         logra=LoGRAConfig(rank=16, update_ratio=2e-2),
@@ -100,17 +97,7 @@ def run_fit(out: Path) -> None:
             pl_module.policy.save_pretrained(out / "step5")
 
     sync = PolicySync(mode="factors", verify_every=1, tolerance=1e-4)
-    trainer = pl.Trainer(
-        max_steps=7,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        callbacks=[sync, Recorder()],
-        default_root_dir=out,
-    )
+    trainer = quick_trainer(out, 7, [sync, Recorder()])
     trainer.fit(module, datamodule=data)
     report["full_resyncs"] = sync.full_resyncs
     report["probe_lengths"] = [len(p) for p in sync.probe]
@@ -164,16 +151,13 @@ def run_hadamard(out: Path) -> None:
     import torch
 
     from logra_pl.callbacks import PolicySync
-    from logra_pl.data import ReasoningGymDataModule
     from logra_pl.models import TinyModelSpec, build_tiny_model
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
     from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
     from logra_pl.sketch import LoGRAConfig
+    from tests.conftest import chain_sum_data, quick_trainer
 
-    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
-    data = ReasoningGymDataModule(
-        {"chain_sum": {"config": small}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
-    )
+    data = chain_sum_data(train_size=64, eval_size=8)
     module = LoGRAPolicyModule(
         policy=str(build_tiny_model(TinyModelSpec(intermediate_size=384))),
         logra=LoGRAConfig(
@@ -218,17 +202,7 @@ def run_hadamard(out: Path) -> None:
             )
 
     sync = PolicySync(mode="factors", verify_every=1, tolerance=1e-4)
-    trainer = pl.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        callbacks=[sync, Recorder()],
-        default_root_dir=out,
-    )
+    trainer = quick_trainer(out, 4, [sync, Recorder()])
     trainer.fit(module, datamodule=data)
     report["full_resyncs"] = sync.full_resyncs
     (out / "report.json").write_text(json.dumps(report))
@@ -237,15 +211,12 @@ def run_hadamard(out: Path) -> None:
 def run_async(out: Path) -> None:
     import lightning.pytorch as pl
 
-    from logra_pl.data import ReasoningGymDataModule
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
     from logra_pl.rollout.vllm import VLLMEngine, VLLMSettings
     from logra_pl.sketch import LoGRAConfig
+    from tests.conftest import chain_sum_data, quick_trainer
 
-    small = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
-    data = ReasoningGymDataModule(
-        {"chain_sum": {"config": small}}, train_size=32, eval_size=8, prompts_per_step=8, eval_batch_size=8
-    )
+    data = chain_sum_data(train_size=32, eval_size=8)
     module = LoGRAPolicyModule(
         policy="tiny",
         logra=LoGRAConfig(rank=16, update_ratio=2e-2),
@@ -268,17 +239,7 @@ def run_async(out: Path) -> None:
             step = {"staleness": ctx.staleness, "prompts": r.prompt_ids, "responses": r.response_ids}
             report["steps"].append(step | {"logprobs": r.logprobs})
 
-    trainer = pl.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        callbacks=[Recorder()],
-        default_root_dir=out,
-    )
+    trainer = quick_trainer(out, 6, [Recorder()])
     trainer.fit(module, datamodule=data)
     (out / "report.json").write_text(json.dumps(report))
 
