@@ -46,7 +46,7 @@ class AsyncRollouts:
     def __init__(self, module: Any, max_staleness: int, max_stale_kl: float | None) -> None:
         self.module = module
         self.schedule = StalenessSchedule(max_staleness)
-        self.pipeline = RolloutPipeline(self.schedule, StaleKL(max_stale_kl, window=max(1, max_staleness)))
+        self.pipeline = RolloutPipeline(StaleKL(max_stale_kl, window=max(1, max_staleness)))
         self.epoch_start = 0
         self.finished = -1  # the last batch whose update was recorded and whose follow-up request was made
         self.last: tuple[int, float] = (0, 0.0)  # the last batch's staleness and stale KL
@@ -94,7 +94,7 @@ class AsyncRollouts:
         batch, in_epoch = compat.batch_position(trainer)
         self.epoch_start = batch - in_epoch
         end = self.epoch_start + int(trainer.num_training_batches)
-        for b in range(batch, min(batch + self.schedule.max_staleness + 1, end)):
+        for b in self.schedule.prefill(batch, end):  # an epoch's start (or a resume): whatever is not requested yet
             if not pipe.has(b):
                 self._request(b, batch)
         entry, rollout = self._take(batch, end)
@@ -164,7 +164,7 @@ class AsyncRollouts:
             pipe.call(lambda: None)  # the worker is idle: nothing is sampled while the engine is repaired
             link.ensure_current(self.module.device)  # full weights (on the worker), counted in sync/engine_resyncs
             self.restart = batch
-            for b in range(batch, min(batch + self.schedule.max_staleness + 1, end)):
+            for b in self.schedule.prefill(batch, end):
                 self._request(b, batch)
         raise StaleEngineError(f"engines stayed out of sync after 3 full resyncs (last: {last})")
 

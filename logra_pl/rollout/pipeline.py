@@ -32,7 +32,7 @@ import torch
 
 from logra_pl.errors import StaleEngineError
 from logra_pl.rollout.base import Rollout
-from logra_pl.rollout.staleness import StaleKL, StalenessSchedule
+from logra_pl.rollout.staleness import StaleKL
 
 T = TypeVar("T")
 
@@ -50,12 +50,10 @@ class RolloutPipeline:
     """Batches requested ahead, by version, and the ordered worker that samples them.
 
     Arguments:
-        schedule: which version samples which batch (``max_staleness``).
-        stale_kl: the KL ledger and its bound (``max_stale_kl``).
+        stale_kl: the KL ledger and its bound (``max_stale_kl``), saved with the rollouts.
     """
 
-    def __init__(self, schedule: StalenessSchedule, stale_kl: StaleKL) -> None:
-        self.schedule = schedule
+    def __init__(self, stale_kl: StaleKL) -> None:
         self.stale_kl = stale_kl
         threads = torch.get_num_threads()  # the worker computes with the trainer's thread count: the same bits
         self._pool = ThreadPoolExecutor(1, "logra-rollout", initializer=torch.set_num_threads, initargs=(threads,))
@@ -132,7 +130,7 @@ class RolloutPipeline:
         self.call(lambda: None)  # and for the weight changes submitted after them
 
     def discard(self) -> None:
-        """Forget every requested batch (after the worker finished them): a validation or fit end, an error."""
+        """Forget every requested batch, cancelling those not started (a repair, the end of fit)."""
         for entry in self.batches.values():
             if isinstance(entry.result, Future):
                 entry.result.cancel()

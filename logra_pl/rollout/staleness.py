@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from logra_pl.errors import ConfigError
+from logra_pl.errors import check_int, check_range
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,7 @@ class StalenessSchedule:
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ConfigError(
-                f"max_staleness={self.max_staleness!r}: use an integer >= 0 (0 is synchronous; 1 overlaps the next "
-                "update's rollout with this update's training)"
-            )
+        check_int("max_staleness", self.max_staleness, 0)
 
     def version_of(self, batch: int, epoch_start: int) -> int:
         """The weights version that samples ``batch``: ``max(epoch_start, batch − k)``."""
@@ -56,9 +52,10 @@ class StalenessSchedule:
         """Updates between the batch's sampling weights and the weights it trains: ``min(batch − e, k)``."""
         return batch - self.version_of(batch, epoch_start)
 
-    def prefill(self, epoch_start: int, epoch_end: int) -> range:
-        """The batches requested at an epoch's first update (``epoch_end``: one past its last update)."""
-        return range(epoch_start, min(epoch_start + self.max_staleness + 1, epoch_end))
+    def prefill(self, start: int, epoch_end: int) -> range:
+        """The batches requested when the pipeline starts at batch ``start`` (an epoch's first batch, or a restart
+        after a repair), all sampled by version ``start`` (``epoch_end``: one past the epoch's last batch)."""
+        return range(start, min(start + self.max_staleness + 1, epoch_end))
 
     def request_after(self, update: int, epoch_end: int) -> int | None:
         """The batch requested once ``update`` has merged (None past the epoch's end)."""
@@ -80,8 +77,8 @@ class StaleKL:
     kl: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_stale_kl is not None and not (math.isfinite(self.max_stale_kl) and self.max_stale_kl > 0):
-            raise ConfigError(f"max_stale_kl={self.max_stale_kl!r}: use a KL > 0 (nats per token), or null for none")
+        if self.max_stale_kl is not None:
+            check_range("max_stale_kl", self.max_stale_kl, 0.0, low_open=True, hint="nats per token, or null for none")
         if self.window < 1:
             raise ValueError(f"window={self.window}: keep at least one update")
 
