@@ -312,16 +312,40 @@ class RunSpec:
         return out / self.cell / f"seed{self.seed}"
 
 
+# Keys added to the configs after runs were committed, with the value that changes nothing (the code's default, at
+# which a run is bit for bit the run before the key existed): a config that holds one of them at that value hashes
+# as it did without it, so a new option does not rerun finished runs. Any other value is a new setting and reruns.
+ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
+    "model.rollout": {"max_staleness": 0, "max_stale_kl": None},  # asynchronous rollouts (51221aa)
+}
+
+
+def _without_added_defaults(config: Any) -> Any:
+    """``config`` (a parsed YAML file) without the :data:`ADDED_AT_DEFAULT` keys that hold their default."""
+    if not isinstance(config, dict):
+        return config
+    config = json.loads(json.dumps(config))  # a deep copy; never edit the caller's mapping
+    for dotted, defaults in ADDED_AT_DEFAULT.items():
+        section: Any = config
+        for part in dotted.split("."):
+            section = section.get(part) if isinstance(section, dict) else None
+        if isinstance(section, dict):
+            for name, value in defaults.items():
+                if name in section and section[name] == value:
+                    del section[name]
+    return config
+
+
 def settings_key(args: Sequence[str]) -> str:
     """What a finished run is matched on: its arguments (``ablate._settings_key``) and the parsed content of every
     YAML file they name, so that editing an overlay (logra_levers.yaml, once the levers are chosen) reruns the runs
-    it changes, while a comment edit does not."""
+    it changes, while a comment edit, or a key added later at its default (:data:`ADDED_AT_DEFAULT`), does not."""
     files = sorted(
         {a.split("=", 1)[-1] for a in args if a.endswith(".yaml")}
         | {b for a, b in itertools.pairwise(args) if a == "--config"}
     )
     content = [
-        f"{f}:{json.dumps(yaml.safe_load((ROOT / f).read_text()), sort_keys=True)}"
+        f"{f}:{json.dumps(_without_added_defaults(yaml.safe_load((ROOT / f).read_text())), sort_keys=True)}"
         for f in files
         if (ROOT / f).is_file()
     ]

@@ -243,6 +243,37 @@ def test_settings_key_follows_the_overlays_content(tmp_path: Path, monkeypatch: 
     assert parity.settings_key(args) != key
 
 
+def test_a_key_added_at_its_default_keeps_the_key_any_other_value_changes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config key added after runs were committed (asynchronous rollouts' ``max_staleness: 0``) hashes as if absent
+    while it holds the value that changes nothing, so finished runs are reused; at another value they rerun."""
+    monkeypatch.setattr(parity, "ROOT", tmp_path)
+    base = tmp_path / "base.yaml"
+    base.write_text("model:\n  rollout:\n    temperature: 1.0\n")
+    args = ["fit", "--config", "base.yaml"]
+    before = parity.settings_key(args)
+    base.write_text("model:\n  rollout:\n    temperature: 1.0\n    max_staleness: 0\n    max_stale_kl: null\n")
+    assert parity.settings_key(args) == before
+    base.write_text("model:\n  rollout:\n    temperature: 1.0\n    max_staleness: 1\n")
+    assert parity.settings_key(args) != before
+    base.write_text("model:\n  rollout:\n    temperature: 1.0\n    max_stale_kl: 0.01\n")
+    assert parity.settings_key(args) != before
+
+
+def test_committed_results_match_this_checkouts_settings() -> None:
+    """Every committed parity run's ``result.json`` is found by the harness on this checkout (its key is the one the
+    harness computes now), so ``--grid parity`` resumes instead of rerunning finished runs after a config change."""
+    found = sorted((ROOT / "results" / "parity").glob("*/*/*/seed*/result.json"))
+    assert found, "no committed parity results"
+    stale = []
+    for path in found:
+        result = json.loads(path.read_text())
+        if parity.settings_key(result["args"]) != result["key"]:
+            stale.append(str(path.relative_to(ROOT)))
+    assert not stale, f"settings keys no longer match: {stale[:5]} ({len(stale)} in all)"
+
+
 def test_reuse_rules_for_failed_runs_and_runs_without_kl(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     adamw, paper = plan.spec("tune", "adamw", 3e-4, 0), plan.spec("tune", "paper_logra", 1.0, 0)
@@ -299,3 +330,8 @@ def test_results_record_paths_relative_to_the_checkout() -> None:
     assert ablate._settings_key(args) == ablate._settings_key(ablate.recorded_args(args))
     for done in (ablate.ROOT / "results").rglob("result.json"):
         assert str(ablate.ROOT) not in done.read_text(), done
+        # whichever checkout wrote it: every path a run was given is relative (a run made in another checkout
+        # than the one it wrote into once kept an absolute save_dir)
+        for arg in json.loads(done.read_text()).get("args", []):
+            if arg.startswith("--trainer.logger.init_args.save_dir="):
+                assert arg.split("=", 1)[1].startswith("./"), (done, arg)
