@@ -42,6 +42,8 @@ class StepContext:
     loss_stats: dict[str, list[float]] = field(default_factory=dict)  # loss statistics: [numerator, denominator]
     staleness: int = 0  # updates between the weights that sampled the rollout and the trainer's (asynchronous)
     update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
+    shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
+    shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
 
     @property
     def eos_terminated(self) -> torch.Tensor:
