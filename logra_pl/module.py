@@ -34,7 +34,7 @@ from logra_pl.methods import UpdateMethod
 from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
-from logra_pl.ranks import all_reduce_sum, any_rank
+from logra_pl.ranks import all_reduce_max, all_reduce_sum, any_rank
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
@@ -281,15 +281,25 @@ class LoGRAPolicyModule(pl.LightningModule):
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(compat.trainer_of(self), t, self.device)
 
-    def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> list[list[int]]:
-        return microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
+    def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> tuple[list[list[int]], int]:
+        """The microbatches of ``rows``, as many on every rank: a rank with fewer (token budgets cut ranks' rows
+        differently) repeats its first row in padding microbatches at the end, whose loss counts zero. Sharded
+        parameters are gathered once per forward on every rank (FSDP), so unequal forward counts would hang. Returns
+        the microbatches and how many of them at the end are padding."""
+        groups = microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
+        agreed = all_reduce_max(compat.trainer_of(self), len(groups), self.device)
+        padding = agreed - len(groups)
+        return groups + [groups[0][:1]] * padding, padding
 
     @torch.no_grad()
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The trainer's log-probs of the packed responses, microbatched, without grad."""
         trim, rows = self.max_tokens_per_microbatch is not None, list(range(packed.input_ids.shape[0]))
-        parts = [select_rows(packed, mb, trim).to(self.device) for mb in self._microbatches(rows, packed)]
-        return torch.cat([response_logprobs(self.policy, p, temperature) for p in parts]).cpu()
+        groups, padding = self._microbatches(rows, packed)
+        parts = [
+            response_logprobs(self.policy, select_rows(packed, mb, trim).to(self.device), temperature) for mb in groups
+        ]
+        return torch.cat(parts[: len(parts) - padding]).cpu()
 
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
@@ -385,9 +395,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         t0 = time.perf_counter()
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
         tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
-        groups, trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
+        (groups, padding), trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
         total = backward_over(
-            self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim
+            self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim, padding
         )
         t1 = time.perf_counter()
         result = self.method.step(self.optimizers(), self.lr_schedulers(), self._all_reduce_sum)

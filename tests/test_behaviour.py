@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 # runs (they use none of the new options) and why it exists. Everything else must be as recorded.
 ADDED_SCALARS = {
     "memory/state/sketch_moments": "issue 23: bytes of LoGRA's sketch-space first moment (logra.beta1 > 0)",
+    "train/padded_microbatches": "issue 25: zero-loss microbatches that equal the ranks' forward counts (0: one rank)",
 }
 ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
     "beta1": 0.0,
