@@ -44,7 +44,7 @@ def test_overlong_penalty_is_dapo_eq13(buffer: int) -> None:
 
 
 def test_overlong_settings_are_checked() -> None:
-    with pytest.raises(ConfigError, match="overlong_buffer=40 is longer than rollout.max_new_tokens=32"):
+    with pytest.raises(ConfigError, match=r"overlong_buffer=40 is longer than rollout\.max_new_tokens=32"):
         RolloutSettings(max_new_tokens=32, overlong_buffer=40)
     with pytest.raises(ConfigError, match="responses_per_prompt is 1"):
         RolloutSettings(dynamic_sampling=True)
