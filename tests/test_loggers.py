@@ -1,0 +1,245 @@
+"""W&B (offline) and MLflow (file store) through ``logra-pl fit``: a run killed with SIGKILL after a checkpoint and
+resumed with ``--ckpt_path last`` is one run in the store, with the same id, in which every step appears once with
+the values of an uninterrupted run.
+
+The stores are read back here with the backends' own formats: MLflow through ``MlflowClient`` on the file store;
+W&B's offline transaction log (``run-<id>.wandb``) with a reader written in this file (wandb ships none in Python):
+its LevelDB-log framing, checksums and ``wandb.proto`` records, replayed as ``wandb sync`` replays a run's segments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from logra_pl import run_stores, store_formats
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
+STEPS = 5  # logged at steps 0..4
+# A checkpoint at update 3 (the resumed run logs from step 3); the kill comes after update 5, when the stopped run
+# has logged steps 0..3 (and part of 4): steps 3.. are logged twice unless the resume removes them.
+FAST = [
+    "--trainer.val_check_interval=100",
+    "--trainer.enable_progress_bar=false",
+    "--model.warm_start.steps=20",
+    "--data.train_size=256",
+    "--data.eval_size=32",
+    "--data.prompts_per_step=16",
+    "--model.microbatch_size=8",
+    "--checkpoint.every_n_updates=3",
+    f"--trainer.max_steps={STEPS}",
+]
+FIRST_RESUMED_STEP = 3
+ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+# wandb-core flushes its log every second (the CLI's default): the kill waits for two flushes.
+KILL = ["--trainer.callbacks+=tests.helpers.kill.KillAt", "--trainer.callbacks.update=5", "--trainer.callbacks.wait_s=2.5"]
+
+
+def _wandb(folder: Path) -> dict[str, Any]:
+    return {
+        "class_path": "lightning.pytorch.loggers.WandbLogger",
+        "init_args": {"save_dir": str(folder), "project": "tiny_cpu", "offline": True},
+    }
+
+
+def _mlflow(folder: Path) -> dict[str, Any]:
+    return {
+        "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+        "init_args": {"experiment_name": "tiny_cpu", "tracking_uri": f"file:{folder / 'mlruns'}"},
+    }
+
+
+def _fit(folder: Path, loggers: list[dict[str, Any]], *extra: str) -> subprocess.CompletedProcess[str]:
+    """``logra-pl fit`` in a child process (so it can be killed for real), logging to ``loggers``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    overlay = folder / "loggers.yaml"
+    overlay.write_text(yaml.safe_dump({"trainer": {"logger": loggers}}))
+    args = [sys.executable, "-m", "logra_pl.cli", "fit", f"--config={CONFIG}", f"--config={overlay}", *FAST, *extra]
+    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
+    env.pop("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", None)  # the CLI's default is what is tested
+    return subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+
+
+# ------------------------------------------------------------------------------------------- W&B's offline log
+def _wandb_log(path: Path) -> list[Any]:
+    """The records of a ``.wandb`` file: header ``:W&B`` + magic 0xBEE1 + version 0, then 32 KiB blocks of chunks
+    (CRC-32 of type + payload, length, type: 1 full, 2 first, 3 middle, 4 last). A torn tail ends the log."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:7] == b":W&B\xe1\xbe\x00", data[:7]
+    records, pending, offset = [], b"", 7
+    while offset + 7 <= len(data):
+        if 32768 - offset % 32768 < 7:
+            offset += 32768 - offset % 32768
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[offset : offset + 7])
+        body = data[offset + 7 : offset + 7 + length]
+        if kind == 0 or len(body) < length or zlib.crc32(bytes([kind]) + body) != checksum:
+            break
+        offset += 7 + length
+        pending = body if kind in (1, 2) else pending + body
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+    return records
+
+
+def _wandb_run(wandb_dir: Path) -> tuple[set[str], list[dict[str, Any]]]:
+    """The run ids in ``wandb_dir`` and the history ``wandb sync`` would upload: each segment (one per ``fit``) in
+    start order, a rewind (``resume_from``: a branch point on the run itself) keeping rows up to its ``_step``."""
+    segments = []
+    for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
+        records = _wandb_log(path)
+        (run,) = [r.run for r in records if r.HasField("run")][:1]
+        rows = [
+            {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+            | {"_step": r.history.step.num}
+            for r in records
+            if r.HasField("history")
+        ]
+        rewind = run.branch_point.value if run.branch_point.run == run.run_id else None
+        segments.append((run.start_time.ToNanoseconds(), run.run_id, rewind, rows))
+    history: list[dict[str, Any]] = []
+    for _, _, rewind, rows in sorted(segments, key=lambda s: s[0]):
+        history = [row for row in history if rewind is None or row["_step"] <= rewind] + rows
+    return {s[1] for s in segments}, history
+
+
+def _by_step(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(int(row["trainer/global_step"]), row[key]) for row in history if key in row]
+
+
+# ------------------------------------------------------------------------------------------------------ MLflow
+def _mlflow_runs(folder: Path) -> tuple[Any, list[Any]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"file:{folder / 'mlruns'}")
+    experiment = client.get_experiment_by_name("tiny_cpu")
+    return client, client.search_runs([experiment.experiment_id])
+
+
+def _mlflow_history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, float]]]:
+    """The reference: 5 updates without interruption, logged to W&B and MLflow at once (each store's
+    ``train/reward_mean`` by step)."""
+    folder = tmp_path_factory.mktemp("straight")
+    done = _fit(folder, [_wandb(folder), _mlflow(folder)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, history = _wandb_run(folder / "wandb")
+    client, (run,) = _mlflow_runs(folder)
+    reference = {
+        "wandb": _by_step(history, "train/reward_mean"),
+        "mlflow": _mlflow_history(client, run.info.run_id, "train/reward_mean"),
+    }
+    assert reference["wandb"] == reference["mlflow"]  # the two stores hold the same values
+    assert [step for step, _ in reference["wandb"]] == list(range(STEPS))
+    return reference
+
+
+@pytest.mark.slow
+def test_wandb_offline_kill9_then_resume_is_one_run_with_each_step_once(tmp_path: Path, straight: dict) -> None:
+    killed = _fit(tmp_path, [_wandb(tmp_path)], *KILL)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    (ckpt,) = (tmp_path / "tiny_cpu").glob("*/checkpoints/last.ckpt")
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["global_step"] == FIRST_RESUMED_STEP
+    (record,) = saved["logra_pl"]["loggers"]
+    assert record["kind"] == "wandb" and record["run_id"] == ckpt.parents[1].name and record["offline"]
+    ids, before = _wandb_run(tmp_path / "wandb")
+    logged = [step for step, _ in _by_step(before, "train/reward_mean")]
+    assert logged == list(range(FIRST_RESUMED_STEP + 1))  # the stopped run got past the checkpoint: step 3 is logged
+
+    resumed = _fit(tmp_path, [_wandb(tmp_path)], "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"W&B: continuing run {record['run_id']} at step {FIRST_RESUMED_STEP}" in resumed.stderr
+    ids, history = _wandb_run(tmp_path / "wandb")
+    assert ids == {record["run_id"]}  # one run: both segments carry the checkpoint's run id
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
+    assert _by_step(history, "train/reward_mean") == straight["wandb"]  # each step once, the uninterrupted values
+    steps = [row["trainer/global_step"] for row in history if "trainer/global_step" in row]
+    assert steps == sorted(set(steps)) == list(range(STEPS))  # no row of any metric repeats a step
+
+
+@pytest.mark.slow
+def test_mlflow_file_store_kill9_then_resume_is_one_run_with_each_step_once(tmp_path: Path, straight: dict) -> None:
+    killed = _fit(tmp_path, [_mlflow(tmp_path)], *KILL)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    (ckpt,) = (tmp_path / "mlruns").glob("*/*/checkpoints/last.ckpt")
+    saved = torch.load(ckpt, weights_only=False)
+    (record,) = saved["logra_pl"]["loggers"]
+    assert record["kind"] == "mlflow" and record["run_id"] == ckpt.parents[1].name
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client, (run,) = _mlflow_runs(tmp_path)
+    logged = [step for step, _ in _mlflow_history(client, run.info.run_id, "train/reward_mean")]
+    assert logged == list(range(FIRST_RESUMED_STEP + 1))  # step 3 was logged after the checkpoint
+
+    resumed = _fit(tmp_path, [_mlflow(tmp_path)], "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"MLflow: continuing run {record['run_id']} at step {FIRST_RESUMED_STEP}" in resumed.stderr
+    client, runs = _mlflow_runs(tmp_path)
+    assert [r.info.run_id for r in runs] == [record["run_id"]]  # one run, the checkpoint's
+    assert _mlflow_history(client, record["run_id"], "train/reward_mean") == straight["mlflow"]
+    for key in runs[0].data.metrics:  # no metric holds a step twice
+        steps = [step for step, _ in _mlflow_history(client, record["run_id"], key)]
+        assert len(steps) == len(set(steps)), key
+    assert client.get_run(record["run_id"]).info.status == "FINISHED"
+
+
+# ------------------------------------------------------------------------------------------------ fast checks
+def test_wandb_reader_reads_what_wandb_writes_and_stops_at_a_torn_tail(tmp_path: Path) -> None:
+    """logra-pl's reader (store_formats) against a log wandb-core wrote, and against the same log cut mid-record."""
+    import wandb
+
+    run = wandb.init(project="p", dir=tmp_path, mode="offline", id="r1", settings=wandb.Settings(silent=True))
+    for step in range(40):
+        run.log({"x": step * 0.5, "trainer/global_step": step})
+    run.finish()
+    wandb.teardown()  # finish() returns before wandb-core has closed the log; teardown waits for it
+    (path,) = tmp_path.glob("wandb/offline-run-*-r1/run-r1.wandb")
+    segment = store_formats.read_wandb_segment(path)
+    assert segment.run_id == "r1" and segment.rewind_to is None
+    assert [(row["_step"], row["x"]) for row in segment.rows] == [(s, s * 0.5) for s in range(40)]
+    assert len(_wandb_log(path)) == len(list(store_formats.wandb_records(path)))  # the test's reader agrees
+    torn = tmp_path / "torn.wandb"
+    data = path.read_bytes()
+    torn.write_bytes(data[: len(data) // 2])
+    rows = store_formats.read_wandb_segment(torn).rows
+    assert 0 < len(rows) < 40 and [row["_step"] for row in rows] == list(range(len(rows)))
+
+
+def test_mlflow_points_at_and_after_a_step_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"file:{tmp_path}")
+    experiment = client.create_experiment("e")
+    run = client.create_run(experiment).info.run_id
+    client.log_batch(run, metrics=[Metric("a/b", float(s), 0, s) for s in range(6)])
+    client.log_batch(run, metrics=[Metric("late", 1.0, 0, 5)])  # first logged after the cut: disappears
+    removed = store_formats.drop_mlflow_metric_steps(tmp_path / experiment / run, 4)
+    assert removed == 3
+    assert [(m.step, m.value) for m in client.get_metric_history(run, "a/b")] == [(s, float(s)) for s in range(4)]
+    assert set(client.get_run(run).data.metrics) == {"a/b"} and client.get_run(run).data.metrics["a/b"] == 3.0
+
+
+def test_resume_point_knows_the_last_logged_step() -> None:
+    assert run_stores.ResumePoint(3, Path("x")).last_logged_step == 2
+    assert run_stores.ResumePoint(120, Path("x"), log_every_n_steps=50).last_logged_step == 99
+    assert run_stores.ResumePoint(10, Path("x"), log_every_n_steps=50).last_logged_step == -1
