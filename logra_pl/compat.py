@@ -50,6 +50,8 @@ PRIVATE_NAMES: tuple[tuple[str, str | None, str], ...] = (
     ("lightning.pytorch.loggers", "MLFlowLogger", "_run_id"),  # instance attribute
     ("lightning.pytorch.loggers", "MLFlowLogger", "_tracking_uri"),  # instance attribute
     ("lightning.pytorch.loggers", "MLFlowLogger", "_initialized"),  # instance attribute
+    ("lightning.fabric.utilities.logger", None, "_convert_params"),
+    ("lightning.fabric.utilities.logger", None, "_flatten_dict"),
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop", "_batches_that_stepped"),  # instance
     ("lightning.pytorch.core.module", "LightningModule", "_trainer"),  # instance attribute
     ("lightning.pytorch.core.optimizer", "LightningOptimizer", "_optimizer"),  # instance attribute
@@ -182,6 +184,15 @@ def set_mlflow_run_id(logger: Any, run_id: str) -> None:
     if logger._initialized:
         raise RuntimeError("set_mlflow_run_id: the MLflow run has already started")
     logger._run_id = run_id
+
+
+def mlflow_param_values(params: Any) -> dict[str, str]:
+    """Hyper-parameters as MLFlowLogger writes them as MLflow params: converted and flattened with ``/`` by
+    Lightning's private helpers (``_convert_params``, ``_flatten_dict`` of ``lightning.fabric.utilities.logger``,
+    2.6.6), each value ``str()``-ed and cut to 250 characters (``MLFlowLogger.log_hyperparams``)."""
+    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+
+    return {key: str(value)[:250] for key, value in _flatten_dict(_convert_params(params)).items()}
 
 
 # ------------------------------------------------------------------------------------------------------ loops

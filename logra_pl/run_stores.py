@@ -276,11 +276,14 @@ class MLflowStore(RunStore):
         run_id, uri = str(saved["run_id"]), str(saved["tracking_uri"])
         chosen = compat.mlflow_run_id(self.logger)
         if chosen is not None and chosen != run_id:
-            return [_elsewhere("MLflow", f"run {run_id}", f"run {chosen} (trainer.logger.init_args.run_id)", first_step)]
+            return [
+                _elsewhere("MLflow", f"run {run_id}", f"run {chosen} (trainer.logger.init_args.run_id)", first_step)
+            ]
         now = compat.mlflow_tracking_uri(self.logger)
         if _same_uri(now, uri) is False:
             return [_elsewhere("MLflow", f"run {run_id} in {uri}", now, first_step)]
         compat.set_mlflow_run_id(self.logger, run_id)
+        self._keep_first_params(run_id, first_step)
         root = file_store_root(uri)
         if root is None:
             return [
@@ -294,6 +297,32 @@ class MLflowStore(RunStore):
             f"MLflow: continuing run {run_id} at step {first_step} ({removed} metric point(s) the stopped run logged "
             f"at steps >= {first_step} removed from {run_dir})"
         ]
+
+    def _keep_first_params(self, run_id: str, first_step: int) -> None:
+        """MLflow params cannot change (``log_param`` of another value raises), but a resume may change settings that
+        are logged as params (``model.rollout.max_new_tokens``...). The resumed logger's ``log_hyperparams`` logs the
+        new and unchanged params and writes each changed one as the tag ``logra_pl.resumed/step_<N>/<key>`` (its
+        value from step N on); the param keeps the value the run started with."""
+        logger, log_params = self.logger, self.logger.log_hyperparams
+
+        def log_hyperparams(params: Any) -> None:
+            client = logger.experiment
+            before = client.get_run(run_id).data.params
+            values = compat.mlflow_param_values(params)
+            changed = {key: value for key, value in values.items() if before.get(key, value) != value}
+            log_params({key: value for key, value in values.items() if key not in changed})
+            for key, value in changed.items():
+                client.set_tag(run_id, f"logra_pl.resumed/step_{first_step}/{key}", value)
+            if changed:
+                log.warning(
+                    "MLflow: params cannot change; run %s keeps the values it started with, and the resumed values "
+                    "are the tags logra_pl.resumed/step_%d/<key>: %s",
+                    run_id,
+                    first_step,
+                    ", ".join(f"{key} {before[key]} → {value}" for key, value in changed.items()),
+                )
+
+        logger.log_hyperparams = log_hyperparams
 
     def where(self) -> str | None:
         return f"logs:        MLflow run {self.logger.run_id}   (mlflow ui --backend-store-uri {self.tracking_uri})"
@@ -357,7 +386,9 @@ def other_runs_note(saved: list[Mapping[str, Any]], kinds_now: set[str], first_s
     if not gone:
         return None
     where = ", ".join(f"{_LABELS.get(e['kind'], e['kind'])} run {e.get('run_id')}" for e in gone)
-    return f"steps 0..{first_step - 1} of this run were logged to {where}; this run's loggers start at step {first_step}"
+    return (
+        f"steps 0..{first_step - 1} of this run were logged to {where}; this run's loggers start at step {first_step}"
+    )
 
 
 def allow_file_store(uri: str) -> None:

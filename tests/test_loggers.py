@@ -18,6 +18,7 @@ import sys
 import zlib
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -44,7 +45,11 @@ FAST = [
 FIRST_RESUMED_STEP = 3
 ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
 # wandb-core flushes its log every second (the CLI's default): the kill waits for two flushes.
-KILL = ["--trainer.callbacks+=tests.helpers.kill.KillAt", "--trainer.callbacks.update=5", "--trainer.callbacks.wait_s=2.5"]
+KILL = [
+    "--trainer.callbacks+=tests.helpers.kill.KillAt",
+    "--trainer.callbacks.update=5",
+    "--trainer.callbacks.wait_s=2.5",
+]
 
 
 def _wandb(folder: Path) -> dict[str, Any]:
@@ -123,15 +128,18 @@ def _by_step(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]
 
 # ------------------------------------------------------------------------------------------------------ MLflow
 def _mlflow_runs(folder: Path) -> tuple[Any, list[Any]]:
+    """A client of the file store in ``folder/mlruns`` and the runs of its ``tiny_cpu`` experiment."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"file:{folder / 'mlruns'}")
-    experiment = client.get_experiment_by_name("tiny_cpu")
-    return client, client.search_runs([experiment.experiment_id])
+    with mock.patch.dict(os.environ, {"MLFLOW_ALLOW_FILE_STORE": "true"}):  # MLflow >= 3.7 asks for the opt-in
+        client = MlflowClient(f"file:{folder / 'mlruns'}")
+        experiment = client.get_experiment_by_name("tiny_cpu")
+        return client, client.search_runs([experiment.experiment_id])
 
 
 def _mlflow_history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    with mock.patch.dict(os.environ, {"MLFLOW_ALLOW_FILE_STORE": "true"}):
+        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 @pytest.fixture(scope="module")
@@ -153,52 +161,49 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[i
 
 
 @pytest.mark.slow
-def test_wandb_offline_kill9_then_resume_is_one_run_with_each_step_once(tmp_path: Path, straight: dict) -> None:
-    killed = _fit(tmp_path, [_wandb(tmp_path)], *KILL)
+def test_kill9_then_resume_last_continues_the_wandb_and_mlflow_runs_with_each_step_once(
+    tmp_path: Path, straight: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run logging to W&B (offline) and MLflow (file store) at once, killed after update 5 (checkpoint at 3),
+    then resumed: each store holds one run, the checkpoint's, with steps 0..4 once and the uninterrupted values."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the MLflow store too
+    loggers = [_wandb(tmp_path), _mlflow(tmp_path)]
+    killed = _fit(tmp_path, loggers, *KILL)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    (ckpt,) = (tmp_path / "tiny_cpu").glob("*/checkpoints/last.ckpt")
+    (ckpt,) = (tmp_path / "tiny_cpu").glob("*/checkpoints/last.ckpt")  # the first logger's (W&B's) run folder
     saved = torch.load(ckpt, weights_only=False)
     assert saved["global_step"] == FIRST_RESUMED_STEP
-    (record,) = saved["logra_pl"]["loggers"]
-    assert record["kind"] == "wandb" and record["run_id"] == ckpt.parents[1].name and record["offline"]
-    ids, before = _wandb_run(tmp_path / "wandb")
-    logged = [step for step, _ in _by_step(before, "train/reward_mean")]
-    assert logged == list(range(FIRST_RESUMED_STEP + 1))  # the stopped run got past the checkpoint: step 3 is logged
+    wandb_run, mlflow_run = saved["logra_pl"]["loggers"]
+    assert wandb_run["kind"] == "wandb" and wandb_run["run_id"] == ckpt.parents[1].name and wandb_run["offline"]
+    assert mlflow_run["kind"] == "mlflow"
+    # The stopped run got past the checkpoint: step 3 is in both stores before the resume.
+    _, before = _wandb_run(tmp_path / "wandb")
+    assert [step for step, _ in _by_step(before, "train/reward_mean")] == list(range(FIRST_RESUMED_STEP + 1))
+    client, (run,) = _mlflow_runs(tmp_path)
+    assert run.info.run_id == mlflow_run["run_id"]
+    logged = [step for step, _ in _mlflow_history(client, run.info.run_id, "train/reward_mean")]
+    assert logged == list(range(FIRST_RESUMED_STEP + 1))
 
-    resumed = _fit(tmp_path, [_wandb(tmp_path)], "--ckpt_path=last")
+    resumed = _fit(tmp_path, loggers, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"W&B: continuing run {record['run_id']} at step {FIRST_RESUMED_STEP}" in resumed.stderr
+    for label, record in (("W&B", wandb_run), ("MLflow", mlflow_run)):
+        assert f"{label}: continuing run {record['run_id']} at step {FIRST_RESUMED_STEP}" in resumed.stderr
+
+    # W&B: both segments (one per fit) carry the checkpoint's run id; replayed, each step once.
     ids, history = _wandb_run(tmp_path / "wandb")
-    assert ids == {record["run_id"]}  # one run: both segments carry the checkpoint's run id
-    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
+    assert ids == {wandb_run["run_id"]} and len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
     assert _by_step(history, "train/reward_mean") == straight["wandb"]  # each step once, the uninterrupted values
     steps = [row["trainer/global_step"] for row in history if "trainer/global_step" in row]
-    assert steps == sorted(set(steps)) == list(range(STEPS))  # no row of any metric repeats a step
+    assert steps == list(range(STEPS))  # no row of any metric repeats a step
 
-
-@pytest.mark.slow
-def test_mlflow_file_store_kill9_then_resume_is_one_run_with_each_step_once(tmp_path: Path, straight: dict) -> None:
-    killed = _fit(tmp_path, [_mlflow(tmp_path)], *KILL)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    (ckpt,) = (tmp_path / "mlruns").glob("*/*/checkpoints/last.ckpt")
-    saved = torch.load(ckpt, weights_only=False)
-    (record,) = saved["logra_pl"]["loggers"]
-    assert record["kind"] == "mlflow" and record["run_id"] == ckpt.parents[1].name
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    client, (run,) = _mlflow_runs(tmp_path)
-    logged = [step for step, _ in _mlflow_history(client, run.info.run_id, "train/reward_mean")]
-    assert logged == list(range(FIRST_RESUMED_STEP + 1))  # step 3 was logged after the checkpoint
-
-    resumed = _fit(tmp_path, [_mlflow(tmp_path)], "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"MLflow: continuing run {record['run_id']} at step {FIRST_RESUMED_STEP}" in resumed.stderr
+    # MLflow: one run, the checkpoint's, finished; no metric holds a step twice.
     client, runs = _mlflow_runs(tmp_path)
-    assert [r.info.run_id for r in runs] == [record["run_id"]]  # one run, the checkpoint's
-    assert _mlflow_history(client, record["run_id"], "train/reward_mean") == straight["mlflow"]
-    for key in runs[0].data.metrics:  # no metric holds a step twice
-        steps = [step for step, _ in _mlflow_history(client, record["run_id"], key)]
+    assert [r.info.run_id for r in runs] == [mlflow_run["run_id"]]
+    assert _mlflow_history(client, mlflow_run["run_id"], "train/reward_mean") == straight["mlflow"]
+    for key in runs[0].data.metrics:
+        steps = [step for step, _ in _mlflow_history(client, mlflow_run["run_id"], key)]
         assert len(steps) == len(set(steps)), key
-    assert client.get_run(record["run_id"]).info.status == "FINISHED"
+    assert runs[0].info.status == "FINISHED"
 
 
 # ------------------------------------------------------------------------------------------------ fast checks
@@ -243,3 +248,99 @@ def test_resume_point_knows_the_last_logged_step() -> None:
     assert run_stores.ResumePoint(3, Path("x")).last_logged_step == 2
     assert run_stores.ResumePoint(120, Path("x"), log_every_n_steps=50).last_logged_step == 99
     assert run_stores.ResumePoint(10, Path("x"), log_every_n_steps=50).last_logged_step == -1
+
+
+def test_mlflow_store_continues_the_run_drops_later_points_and_keeps_first_params(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lightning's MLFlowLogger, without a Trainer: a run that logged steps 0..5 is resumed at step 3 with a changed
+    setting; the resumed logger writes into the same run, steps 3.. once, and the changed param becomes a tag."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    first = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    first.log_hyperparams({"rollout": {"max_new_tokens": 8}, "seed": 0})
+    for step in range(6):
+        first.log_metrics({"train/reward_mean": step / 10}, step=step)
+    record = run_stores.store_for(first).record()
+    assert record["kind"] == "mlflow" and record["run_id"] == first.run_id
+
+    second = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    notes = run_stores.store_for(second).resume(record, run_stores.ResumePoint(3, tmp_path / "last.ckpt"))
+    assert notes == [
+        f"MLflow: continuing run {first.run_id} at step 3 (3 metric point(s) the stopped run logged at steps >= 3 "
+        f"removed from {tmp_path / 'mlruns' / record['experiment_id'] / first.run_id})"
+    ]
+    caplog.set_level("WARNING", logger="logra_pl")
+    second.log_hyperparams({"rollout": {"max_new_tokens": 6}, "seed": 0})  # MLflow alone would raise here
+    for step in range(3, 5):
+        second.log_metrics({"train/reward_mean": step / 100}, step=step)
+    assert second.run_id == first.run_id
+    history = sorted((m.step, m.value) for m in second.experiment.get_metric_history(first.run_id, "train/reward_mean"))
+    assert history == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.03), (4, 0.04)]
+    run = second.experiment.get_run(first.run_id)
+    assert run.data.params == {"rollout/max_new_tokens": "8", "seed": "0"}
+    assert run.data.tags["logra_pl.resumed/step_3/rollout/max_new_tokens"] == "6"
+    assert "rollout/max_new_tokens 8 → 6" in caplog.text
+
+
+def test_mlflow_store_with_another_run_id_or_store_starts_a_new_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    record = {"kind": "mlflow", "run_id": "abc", "experiment_id": "1", "tracking_uri": f"file:{tmp_path / 'a'}"}
+    other = MLFlowLogger(experiment_name="e", tracking_uri=f"file:{tmp_path / 'b'}")
+    (note,) = run_stores.store_for(other).resume(record, run_stores.ResumePoint(7, tmp_path / "last.ckpt"))
+    assert note.startswith(f"MLflow: the checkpoint's steps 0..6 are in run abc in file:{tmp_path / 'a'}")
+    assert other.run_id != "abc"
+
+
+def test_wandb_store_rewinds_to_the_last_row_before_the_resumed_step(tmp_path: Path) -> None:
+    """Lightning's WandbLogger, offline, without a Trainer: steps 0..5 logged, resumed at step 3 → the new segment
+    rewinds to the row of step 2, and the run as `wandb sync` replays it holds each step once."""
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    first = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+    for step in range(6):
+        first.log_metrics({"train/reward_mean": step / 10}, step=step)
+    record = run_stores.store_for(first).record()
+    wandb.finish()
+    wandb.teardown()  # finish() returns before wandb-core has closed the log
+    assert record["kind"] == "wandb" and record["offline"] and record["project"] == "p"
+
+    second = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+    (note,) = run_stores.store_for(second).resume(record, run_stores.ResumePoint(3, tmp_path / "last.ckpt"))
+    assert note == (
+        f"W&B: continuing run {record['run_id']} at step 3, rewound to its history row _step=2 (3 row(s) the stopped "
+        "run logged after the checkpoint are dropped by `wandb sync`)"
+    )
+    for step in range(3, 5):
+        second.log_metrics({"train/reward_mean": step / 100}, step=step)
+    assert second.experiment.id == record["run_id"]
+    wandb.finish()
+    wandb.teardown()
+    ids, history = _wandb_run(tmp_path / "wandb")
+    assert ids == {record["run_id"]}
+    assert _by_step(history, "train/reward_mean") == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.03), (4, 0.04)]
+
+
+def test_wandb_store_names_the_steps_a_kill_lost(tmp_path: Path) -> None:
+    """A log that ends before the checkpoint's last step (wandb-core had not flushed it): the resume says which."""
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    first = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+    for step in range(2):
+        first.log_metrics({"train/reward_mean": 0.5}, step=step)
+    record = run_stores.store_for(first).record()
+    wandb.finish()
+    wandb.teardown()
+    second = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+    notes = run_stores.store_for(second).resume(record, run_stores.ResumePoint(5, tmp_path / "last.ckpt"))
+    assert notes[1].startswith(f"W&B: steps 2..4 are missing from run {record['run_id']}")
+    assert run_stores.compat.wandb_init_args(second)["resume_from"] == f"{record['run_id']}?_step=1"
