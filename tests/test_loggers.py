@@ -188,6 +188,12 @@ def test_kill9_then_resume_last_continues_the_wandb_and_mlflow_runs_with_each_st
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for label, record in (("W&B", wandb_run), ("MLflow", mlflow_run)):
         assert f"{label}: continuing run {record['run_id']} at step {FIRST_RESUMED_STEP}" in resumed.stderr
+    # The end-of-run lines say where each run is and how to look at it.
+    wandb_dir = (tmp_path / "wandb").resolve()
+    assert f"W&B offline run {wandb_run['run_id']} in {wandb_dir}   (upload: wandb sync {wandb_dir})" in resumed.stderr
+    assert f"MLflow run {mlflow_run['run_id']}   (mlflow ui --backend-store-uri file:{tmp_path / 'mlruns'})" in (
+        resumed.stderr
+    )
 
     # W&B: both segments (one per fit) carry the checkpoint's run id; replayed, each step once.
     ids, history = _wandb_run(tmp_path / "wandb")
@@ -344,3 +350,45 @@ def test_wandb_store_names_the_steps_a_kill_lost(tmp_path: Path) -> None:
     notes = run_stores.store_for(second).resume(record, run_stores.ResumePoint(5, tmp_path / "last.ckpt"))
     assert notes[1].startswith(f"W&B: steps 2..4 are missing from run {record['run_id']}")
     assert run_stores.compat.wandb_init_args(second)["resume_from"] == f"{record['run_id']}?_step=1"
+
+
+def test_checkpoint_folders_of_each_logger_are_found_before_it_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--ckpt_path last`` searches each logger's run family: W&B ``<save_dir>/<project>``, MLflow
+    ``<store>/<experiment id>``, TensorBoard ``<save_dir>/<name>``; ``*/checkpoints/last*.ckpt`` under each."""
+    from mlflow.tracking import MlflowClient
+
+    from logra_pl.resume import find_last_checkpoint
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the CLI allows a file store a config names
+    wandb_entry = {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": str(tmp_path)}}
+    wandb_entry["init_args"]["project"] = "p"
+    assert run_stores.family_roots(wandb_entry, tmp_path) == [tmp_path / "p"]
+    uri = f"file:{tmp_path / 'mlruns'}"
+    mlflow_entry = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {"tracking_uri": uri}}
+    assert run_stores.family_roots(mlflow_entry, tmp_path) == []  # no experiment yet: nothing to resume
+    assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"
+    experiment = MlflowClient(uri).create_experiment("lightning_logs")
+    (root,) = run_stores.family_roots(mlflow_entry, tmp_path)
+    assert root == tmp_path / "mlruns" / experiment
+    ckpt = root / "0123abcd" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"x")
+    assert find_last_checkpoint([tmp_path / "p", root]) == ckpt
+    tb_entry = {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "r", "name": "n"},
+    }
+    assert run_stores.family_roots(tb_entry, tmp_path) == [Path("r") / "n"]
+
+
+def test_a_resume_with_other_loggers_says_where_the_earlier_steps_are(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    note = run_stores.other_runs_note([{"kind": "wandb", "run_id": "abc"}], {"mlflow"}, 7)
+    assert note == "steps 0..6 of this run were logged to W&B run abc; this run's loggers start at step 7"
+    assert run_stores.other_runs_note([{"kind": "wandb", "run_id": "abc"}], {"wandb"}, 7) is None
+    (note,) = run_stores.store_for(CSVLogger(tmp_path)).resume(None, run_stores.ResumePoint(7, tmp_path / "x.ckpt"))
+    assert note.startswith("CSVLogger: logra-pl continues TensorBoard, W&B and MLflow runs on resume; this logger")
+    assert "starts a new run at step 7" in note
