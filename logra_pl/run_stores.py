@@ -110,8 +110,15 @@ class RunStore:
     # --------------------------------------------------------------------------------------------- a run
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps about this logger's run (plain data)."""
-        version = self.logger.version
-        return {"kind": self.kind, "class_path": _class_path(self.logger), "run_id": _plain_id(version)}
+        return {"kind": self.kind, "class_path": _class_path(self.logger), "run_id": _plain_id(self.run_id())}
+
+    def run_id(self) -> Any:
+        """The logger's run or version (``version``); None when the logger fails to say it (a third-party one
+        may): the checkpoint is still written, and a resume then starts a new run of that logger."""
+        try:
+            return self.logger.version
+        except Exception:  # a logger of any kind: nothing it raises may stop the checkpoint being written
+            return None
 
     def resume(self, saved: Mapping[str, Any] | None, point: ResumePoint) -> list[str]:
         """Make the logger continue the checkpoint's run ``saved`` (its :meth:`record`, None when the checkpoint

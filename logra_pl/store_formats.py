@@ -5,9 +5,9 @@ offers all of it through its API, so two things here read or edit their files di
 which version it was checked (``tests/test_loggers.py`` runs both against the real packages):
 
 - **W&B** keeps an offline run (and, for recovery, an online one) as a *transaction log*: ``run-<id>.wandb`` in a
-  ``<offline-run|run>-<time>-<id>`` folder of the ``wandb/`` directory, one folder per ``wandb.init``. wandb >= 0.19
+  ``<offline-run|run>-<time>-<id>`` folder of the ``wandb/`` directory, one folder per ``wandb.init``. wandb 0.31
   ships no Python reader of it (its readers and writers live in the Go ``wandb-core``); a resumed run must know
-  which history rows of its earlier segments are still wanted, so :func:`read_wandb_log` reads the file.
+  which history rows of its earlier segments are still wanted, so :func:`wandb_records` reads the file.
 - **MLflow**'s file store (``file:`` tracking URIs) has no API to delete metric points (``MlflowClient`` can delete
   runs, tags and experiments, never history); :func:`drop_mlflow_metric_steps` rewrites the run's metric files.
 
