@@ -207,9 +207,9 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
 
     def _continue_runs(self) -> None:
         """Each logger continues the checkpoint's run from the first resumed step, dropping what the stopped run
-        logged after the checkpoint (:mod:`logra_pl.run_stores`); what it could not do is said once."""
-        if not self.trainer.is_global_zero:
-            return
+        logged after the checkpoint (:mod:`logra_pl.run_stores`); what it could not do is said once. Stores that
+        read or change files act on rank 0 only (the other ranks' loggers log nothing)."""
+        zero = self.trainer.is_global_zero
         saved = (self.resume_checkpoint or {}).get("loggers") or []
         first_step = compat.checkpoint_first_log_step(self.resume_checkpoint or {})
         if first_step is None:  # a checkpoint without loop state: it was saved after its last logged step
@@ -218,10 +218,11 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
         stores = [run_stores.store_for(logger) for logger in self.trainer.loggers]
         notes = []
         for store in stores:
-            notes += store.resume(run_stores.saved_run(saved, store.kind), point)
+            if zero or store.on_every_rank:
+                notes += store.resume(run_stores.saved_run(saved, store.kind), point)
         other = run_stores.other_runs_note(saved, {store.kind for store in stores}, first_step)
         notes += [other] if other else []
-        for note in notes:
+        for note in notes if zero else []:
             log.warning(note)
 
     def after_fit(self) -> None:

@@ -150,7 +150,8 @@ def continue_wandb_run(logger: Any, run_id: str, rewind_to: int | None) -> None:
     """Make a WandbLogger that has not started its run continue run ``run_id``.
 
     ``rewind_to``: W&B's rewind, ``resume_from="<run_id>?_step=<rewind_to>"`` (history after that row dropped);
-    None: Lightning's own ``resume="allow"`` (nothing to drop). ``wandb.init`` refuses ``resume`` together with
+    None: W&B's plain resume, the ``resume`` mode given (``"must"``) or Lightning's ``"allow"`` (nothing dropped).
+    ``wandb.init`` refuses ``resume`` together with
     ``resume_from``, so Lightning's ``resume="allow"`` is cleared for a rewind. ``_id`` (2.6.6) is what the logger
     reports as its version before the run starts.
     """
@@ -160,7 +161,7 @@ def continue_wandb_run(logger: Any, run_id: str, rewind_to: int | None) -> None:
     args["id"] = run_id
     logger._id = run_id
     if rewind_to is None:
-        args["resume"] = "allow"
+        args["resume"] = args.get("resume") or "allow"
         args.pop("resume_from", None)
     else:
         args["resume"] = None

@@ -24,6 +24,10 @@ survives a ``kill -9``. A resume with another kind of logger than the checkpoint
 at the first resumed step; the CLI says where the earlier steps are. What each backend's files look like is in
 :mod:`logra_pl.store_formats`.
 
+W&B's rewind is applied by W&B's server (at ``wandb.init`` online, at ``wandb sync`` offline) and is a preview
+feature there; ``trainer.logger.init_args.resume: must`` opts out (W&B's plain resume, the later steps then logged
+twice, as the CLI says).
+
 W&B writes its logs from a helper process (wandb-core) that flushes them on a timer and dies with the training
 process, so a ``kill -9`` loses what was logged in the last interval. The CLI sets the interval
 (``WANDB__TRANSACTION_LOG_FLUSH_INTERVAL``, wandb's ``x_transaction_log_flush_interval``, 15 s by default) to
@@ -82,6 +86,7 @@ class RunStore:
     kind: ClassVar[str] = "other"
     label: ClassVar[str] = "this logger"
     logger_class: ClassVar[str | None] = None  # the Lightning class handled (its subclasses too)
+    on_every_rank: ClassVar[bool] = False  # resume() runs on every rank (in-memory changes only), else on rank 0
 
     def __init__(self, logger: Any) -> None:
         self.logger = logger
@@ -142,6 +147,7 @@ class TensorBoardStore(RunStore):
     kind = "tensorboard"
     label = "TensorBoard"
     logger_class = "lightning.pytorch.loggers.TensorBoardLogger"
+    on_every_rank = True  # every rank's logger must agree on the version folder
 
     def resume(self, saved: Mapping[str, Any] | None, point: ResumePoint) -> list[str]:
         from logra_pl.resume import version_of
@@ -204,6 +210,12 @@ class WandbStore(RunStore):
             return [_elsewhere("W&B", f"run {run_id}", f"run {chosen} (trainer.logger.init_args.id)", first_step)]
         if project != self.logger.name:
             return [_elsewhere("W&B", f"run {run_id} of project {project}", f"project {self.logger.name}", first_step)]
+        if compat.wandb_init_args(self.logger).get("resume") == "must":  # the user's choice: W&B's plain resume
+            compat.continue_wandb_run(self.logger, run_id, rewind_to=None)
+            return [
+                f"W&B: continuing run {run_id} at step {first_step} without a rewind (trainer.logger.init_args.resume: "
+                f"must): the rows the stopped run logged from step {first_step} on stay, so those steps appear twice"
+            ]
         folders = [Path(saved["wandb_dir"])] if saved.get("wandb_dir") else []
         folder = next((f for f in [*folders, self.wandb_dir()] if f.is_dir()), self.wandb_dir())
         rows = store_formats.wandb_history(store_formats.wandb_segments(folder, run_id))
@@ -220,6 +232,8 @@ class WandbStore(RunStore):
                 f"W&B: continuing run {run_id} at step {first_step}, rewound to its history row _step={rewind_to} "
                 f"({dropped} row(s) the stopped run logged after the checkpoint are dropped"
                 + (" by `wandb sync`)" if saved.get("offline") else ")")
+                + "; rewinding is a preview feature of W&B's servers: if yours refuses it, resume with "
+                "--trainer.logger.init_args.resume must (no rewind: those steps then appear twice)"
             )
         last = max((_global_step(row) for row in before), default=None)
         if point.last_logged_step >= 0 and (last is None or last < point.last_logged_step):
@@ -287,7 +301,7 @@ class MLflowStore(RunStore):
                 _elsewhere("MLflow", f"run {run_id}", f"run {chosen} (trainer.logger.init_args.run_id)", first_step)
             ]
         now = compat.mlflow_tracking_uri(self.logger)
-        if _same_uri(now, uri) is False:
+        if not _same_uri(now, uri):
             return [_elsewhere("MLflow", f"run {run_id} in {uri}", now, first_step)]
         compat.set_mlflow_run_id(self.logger, run_id)
         self._keep_first_params(run_id, first_step)

@@ -321,9 +321,9 @@ def test_wandb_store_rewinds_to_the_last_row_before_the_resumed_step(tmp_path: P
 
     second = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
     (note,) = run_stores.store_for(second).resume(record, run_stores.ResumePoint(3, tmp_path / "last.ckpt"))
-    assert note == (
+    assert note.startswith(
         f"W&B: continuing run {record['run_id']} at step 3, rewound to its history row _step=2 (3 row(s) the stopped "
-        "run logged after the checkpoint are dropped by `wandb sync`)"
+        "run logged after the checkpoint are dropped by `wandb sync`); rewinding is a preview feature"
     )
     for step in range(3, 5):
         second.log_metrics({"train/reward_mean": step / 100}, step=step)
@@ -392,3 +392,20 @@ def test_a_resume_with_other_loggers_says_where_the_earlier_steps_are(tmp_path: 
     (note,) = run_stores.store_for(CSVLogger(tmp_path)).resume(None, run_stores.ResumePoint(7, tmp_path / "x.ckpt"))
     assert note.startswith("CSVLogger: logra-pl continues TensorBoard, W&B and MLflow runs on resume; this logger")
     assert "starts a new run at step 7" in note
+
+
+def test_wandb_store_leaves_the_rows_when_the_user_asks_for_wandbs_plain_resume(tmp_path: Path) -> None:
+    """``trainer.logger.init_args.resume: must`` opts out of the rewind (a W&B server without it): said, not hidden."""
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    first = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+    first.log_metrics({"train/reward_mean": 0.5}, step=0)
+    record = run_stores.store_for(first).record()
+    wandb.finish()
+    wandb.teardown()
+    second = WandbLogger(save_dir=str(tmp_path), project="p", offline=True, resume="must")
+    (note,) = run_stores.store_for(second).resume(record, run_stores.ResumePoint(2, tmp_path / "last.ckpt"))
+    assert "without a rewind" in note and "so those steps appear twice" in note
+    args = run_stores.compat.wandb_init_args(second)
+    assert (args["id"], args["resume"], "resume_from" in args) == (record["run_id"], "must", False)
