@@ -195,6 +195,8 @@ def test_kill9_then_resume_last_continues_the_wandb_and_mlflow_runs_with_each_st
         resumed.stderr
     )
 
+    assert (ckpt.parents[1] / "hf" / "final" / "config.json").is_file()  # exported into the run's folder
+
     # W&B: both segments (one per fit) carry the checkpoint's run id; replayed, each step once.
     ids, history = _wandb_run(tmp_path / "wandb")
     assert ids == {wandb_run["run_id"]} and len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
