@@ -78,7 +78,7 @@ class HFExport(pl.Callback):
             return Path(self.dirpath)
         first = trainer.loggers[0] if trainer.loggers else None
         checkpoints = getattr(trainer.checkpoint_callback, "dirpath", None)
-        if first is not None and not hasattr(first, "log_dir") and checkpoints:
+        if first is not None and not getattr(first, "log_dir", None) and checkpoints:  # Logger.log_dir: None
             return Path(checkpoints).parent / "hf"
         return Path(trainer.log_dir or trainer.default_root_dir) / "hf"
 
