@@ -1,9 +1,10 @@
 """What a policy module keeps in a checkpoint beyond weights and optimizer state, and the checks a resume makes.
 
 ``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts, the
-guard's rejection counts, the module's settings and the CLI's resolved config. A checkpoint written under
-structurally different settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
-(:mod:`logra_pl.resume`).
+guard's rejection counts, the module's settings, the CLI's resolved config and — with a KL penalty — the reference
+policy's source and digest (not its weights: it is rebuilt on resume and must match, :mod:`logra_pl.reference`). A
+checkpoint written under structurally different settings (another method, LoGRA rank, loss, data…) is refused with
+the list of differences (:mod:`logra_pl.resume`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ CHECKPOINT_FORMAT = "logra-pl/module/v2"
 
 def module_state(module: Any) -> dict[str, Any]:
     """The module's own state, for ``checkpoint["logra_pl"]``."""
-    return {
+    state = {
         "format": CHECKPOINT_FORMAT,
         "optimizer": module.method.name,
         "baseline": module.baseline.state_dict(),
@@ -28,6 +29,10 @@ def module_state(module: Any) -> dict[str, Any]:
         "settings": resume.plain(module.hparams),
         "run_config": module.run_config,  # the CLI's resolved config (None outside the CLI)
     }
+    reference = getattr(module, "reference_policy", None)
+    if reference is not None:
+        state["reference"] = reference.state_dict()
+    return state
 
 
 def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
@@ -47,3 +52,6 @@ def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
         if "scoring" in state:
             module.scorer.load_state_dict(state["scoring"])
         module.rejections.load_state_dict(state)
+    reference = getattr(module, "reference_policy", None)
+    if reference is not None and "reference" in state:
+        reference.check(state["reference"], hint)
