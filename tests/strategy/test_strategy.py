@@ -150,6 +150,37 @@ def test_persistent_state_halves(runs) -> None:
         assert abs(predicted - measured) <= 0.05 * measured, (ranks, predicted, measured)
 
 
+@pytest.fixture(scope="module")
+def menu_runs(tmp_path_factory, tiny_model_dir) -> dict:
+    """Sequence-mean aggregation, mask_truncated and a KL penalty (reference kept with the policy) on 1 and 2 ranks."""
+    tmp = tmp_path_factory.mktemp("menu")
+    return {"one": _run(tmp, 1, 3, "menu_one", "--loss-menu"), "two": _run(tmp, 2, 3, "menu_two", "--loss-menu")}
+
+
+def test_loss_normalisers_and_the_sharded_reference_are_the_same_on_two_ranks(menu_runs) -> None:
+    """The sequence count of seq_mean_token_mean and the loss-token count under mask_truncated are all-reduced, so two
+    ranks train exactly the one-rank run; the reference policy is sharded over the ranks (half per rank) and the
+    same policy on both."""
+    one, two = menu_runs["one"], menu_runs["two"]
+    assert one["rows"] == two["rows"]
+    for key, value in one["policy"].items():
+        assert float((value - two["policy"][key]).abs().max()) <= 1e-6, key
+    initial = _initial()
+    assert any(not torch.equal(v, initial[k]) for k, v in one["policy"].items())  # it trained (not a vacuous match)
+    ref1, ref2 = one["reference"], two["reference"]
+    assert ref1["sharded"] and ref2["sharded"] and ref1["digest"] == ref2["digest"]
+    assert abs(ref2["nbytes"] / ref1["nbytes"] - 0.5) <= 0.05, (ref1["nbytes"], ref2["nbytes"])
+    assert ref1["kl_reference"] > 0 and ref2["kl_reference"] > 0
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    """The tiny policy's weights before training (what the menu runs started from)."""
+    from logra_pl.models.load import load_policy
+
+    model, _ = load_policy("tiny")
+    return dict(model.state_dict())
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
         LoGRAStrategy(tensor_parallel_size=2)
