@@ -25,7 +25,7 @@ from logra_pl.checkpointing import enable_activation_checkpointing
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
 from logra_pl.engine_link import EngineLink
-from logra_pl.errors import PolicyDivergedError, check_int
+from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
 from logra_pl.logprobs import PackedResponses, response_logprobs, response_logprobs_and_entropy
 from logra_pl.lora import LoRAConfig
@@ -34,12 +34,13 @@ from logra_pl.methods import UpdateMethod
 from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
-from logra_pl.ranks import all_reduce_sum
+from logra_pl.ranks import all_reduce_sum, any_rank
 from logra_pl.reference import ReferencePolicy
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
+from logra_pl.shaping import Drawn, RefillStream, dynamic_batch, overlong_penalty
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.memory import MemoryReport
@@ -145,6 +146,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.step_context: StepContext | None = None
         self.async_rollouts: AsyncRollouts | None = None  # rollout.max_staleness >= 1, from on_train_start
         self._async_state: dict[str, Any] | None = None  # a checkpoint's pipeline, until on_train_start
+        self.refill: RefillStream | None = None  # rollout.dynamic_sampling's further prompts, from on_train_start
+        self._refill_state: dict[str, int] | None = None  # a checkpoint's refill position, until on_train_start
         self.validation = ValidationMetrics(self.rollout_settings.pass_at(), self.rollout_settings.val_responses)
 
     def set_launch(self, run_config: dict[str, Any] | None, resume_from: str | None, resume_checked: bool) -> None:
@@ -203,6 +206,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         """The engine samples from weights equal to the trainer's (after any checkpoint restore); with
         ``rollout.max_staleness`` ≥ 1 the asynchronous pipeline starts (with a checkpoint's unused rollouts)."""
         self.sync_engine(full=True)
+        if self.rollout_settings.dynamic_sampling:
+            self.refill = self._refill_stream()
         k = self.rollout_settings.max_staleness
         if k:
             AsyncRollouts.check(self, self.trainer)
@@ -212,6 +217,24 @@ class LoGRAPolicyModule(pl.LightningModule):
                 self.async_rollouts.load_state_dict(self._async_state)
                 self._async_state = None
             self.link.pipeline = self.async_rollouts.pipeline
+
+    def _refill_stream(self) -> RefillStream:
+        """Dynamic sampling's stream of further prompts over the training loader's dataset (a checkpoint's position
+        restored)."""
+        trainer, loader = self.trainer, self.trainer.train_dataloader
+        dataset, per_rank = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+        if dataset is None or not per_rank or not hasattr(dataset, "__getitem__"):
+            raise ConfigError(
+                "rollout.dynamic_sampling samples further prompts from the training loader's dataset, but this loader "
+                "has no indexable dataset with a batch size (use the project's data modules, whose loaders do, or turn "
+                "dynamic_sampling off)"
+            )
+        sampler = getattr(loader, "sampler", None)
+        stream = RefillStream(dataset, trainer.world_size, trainer.global_rank, per_rank, getattr(sampler, "seed", 0))
+        if self._refill_state is not None:
+            stream.load_state_dict(self._refill_state)
+            self._refill_state = None
+        return stream
 
     def on_validation_start(self) -> None:
         """Validation samples from the engine too: it must hold the current weights. Per-task pass@1 when the
@@ -305,27 +328,53 @@ class LoGRAPolicyModule(pl.LightningModule):
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
-        staleness = 0
+        staleness, shaping = 0, {}
         try:
             if self.async_rollouts is not None:  # sampled ahead by the worker (or again, when too stale)
                 rollout, staleness = self.async_rollouts.rollout(items)
+                rewards = self.score(rollout, items)
             else:
-                sampling = rs.training_sampling(self._sampling_seed("train"))
-                # One seed per prompt (from its question): a prompt's responses do not depend on batch or ranks.
-                seeds = [self._sampling_seed("train", prompt_key(it)) for it in items]
-                rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
+                drawn = self._draw(items, "train")
+                if rs.dynamic_sampling:  # only prompts whose responses' raw rewards differ (DAPO)
+                    rounds = rs.max_sampling_rounds
+                    picked = dynamic_batch(drawn, self._draw_refill, len(items), rounds, self._any_short)
+                    drawn, shaping = picked.batch, picked.metrics()
+                items, rollout, rewards = drawn.items, drawn.rollout, drawn.rewards
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
-        rewards = self.score(rollout, items)
-        advantages = self.baseline.advantages(rewards, self._all_reduce_sum, groups=rollout.prompt_index)
+        shaped = rewards
+        if rs.overlong_buffer:  # DAPO's soft overlong punishment: on the advantages' reward, never on the raw one
+            lengths = torch.tensor([len(r) for r in rollout.response_ids])
+            penalty = overlong_penalty(lengths, rs.max_new_tokens, rs.overlong_buffer, rs.overlong_penalty)
+            shaped = rewards + penalty
+            shaping["shaping/overlong_penalty"] = float(penalty.mean())
+            shaping["shaping/overlong_rate"] = float((penalty < 0).double().mean())
+        advantages = self.baseline.advantages(shaped, self._all_reduce_sum, groups=rollout.prompt_index)
         t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
         reference = self.reference_logprobs if self.reference_policy is not None else None
         ctx = assemble_step(
             self.global_step, items, rollout, rewards, advantages, pad, self.trainer_scores, t_logp, reference
         )
         ctx.loss_mask = self.loss_config.token_mask(ctx.packed.response_mask, rollout.truncated)
-        ctx.staleness = staleness
+        ctx.staleness, ctx.shaping, ctx.shaped_rewards = staleness, shaping, shaped
         return ctx
+
+    def _any_short(self, short: bool) -> bool:
+        """Is any rank's dynamic batch still short (one all-reduce; every rank then draws the next round or none)?"""
+        return any_rank(compat.trainer_of(self), short)
+
+    def _draw(self, items: list[dict[str, Any]], split: str) -> Drawn:
+        """Sample and score ``items`` with the training settings; one seed per prompt (from its question and
+        ``split``): a prompt's responses do not depend on batch or ranks."""
+        sampling = self.rollout_settings.training_sampling(self._sampling_seed(split))
+        seeds = [self._sampling_seed(split, prompt_key(it)) for it in items]
+        rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
+        return Drawn(items, rollout, self.score(rollout, items))
+
+    def _draw_refill(self, round_index: int) -> Drawn:
+        """Dynamic sampling's round ``round_index`` (≥ 1): the next prompts of the refill stream, sampled and
+        scored (their seeds keyed by the round, so a prompt drawn again samples other responses)."""
+        return self._draw(self.refill.next_items(), f"train/refill{round_index}")
 
     # ---------------------------------------------------------------------------------------- training
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
@@ -336,7 +385,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         plan = self.loss_config.plan(len(ctx.rollout), self._sampling_seed("ppo"))  # one update, or PPO's several
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
-        metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
+        metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer) | ctx.shaping
         if self.async_rollouts is not None:
             metrics |= self.async_rollouts.metrics()
         metrics["guard/rejected_updates"] = float(self.rejections.total)
@@ -419,6 +468,8 @@ class LoGRAPolicyModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The module's own state (the rest is in the optimizer state) and the run's settings, for honest resumes."""
         checkpoint["logra_pl"] = module_state(self)
+        if self.refill is not None:  # where dynamic sampling's further prompts continue
+            checkpoint["logra_pl"]["refill"] = self.refill.state_dict()
         if self.async_rollouts is not None:  # wait for the requests in flight: their rollouts are saved too
             self.async_rollouts.finish()
             checkpoint["logra_pl"]["async"] = self.async_rollouts.state_dict()
@@ -428,6 +479,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         state, so a resume under another method gets a message, not a ``KeyError``); restore the module's state."""
         restore_module_state(self, checkpoint)
         self._async_state = (checkpoint.get("logra_pl") or {}).get("async")
+        self._refill_state = (checkpoint.get("logra_pl") or {}).get("refill")
 
     # ------------------------------------------------------------------------------------------ console
     def configure_callbacks(self) -> list[pl.Callback]:

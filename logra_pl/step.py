@@ -45,6 +45,8 @@ class StepContext:
     loss_stats: dict[str, list[float]] = field(default_factory=dict)  # loss statistics: [numerator, denominator]
     staleness: int = 0  # updates between the weights that sampled the rollout and the trainer's (asynchronous)
     update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
+    shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
+    shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
     entropy: torch.Tensor | None = None  # (N, R) policy entropy before the update, zero where padded
     logp_reference: torch.Tensor | None = None  # (N, R) reference-policy log-probs (a KL penalty is on)
     loss_mask: torch.Tensor | None = None  # (N, R) the tokens the loss counts; None: packed.response_mask
