@@ -317,6 +317,15 @@ class RunSpec:
 # as it did without it, so a new option does not rerun finished runs. Any other value is a new setting and reruns.
 ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "model.rollout": {"max_staleness": 0, "max_stale_kl": None},  # asynchronous rollouts (51221aa)
+    "model.loss.init_args": {  # the settings every loss shares (issue 25: aggregation, mask_truncated, KL penalty)
+        "aggregation": "token_mean",
+        "aggregation_length": None,
+        "mask_truncated": False,
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "reference_device": "cpu",
+        "reference_dtype": None,
+    },
 }
 
 

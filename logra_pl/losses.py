@@ -216,6 +216,23 @@ class UpdateTotals:
     max_new_tokens: int
 
 
+@dataclass(frozen=True)
+class SharedSettings:
+    """The settings every loss shares, as :class:`Loss` keeps them (``loss.shared``); see :class:`Loss` for each.
+
+    Kept apart from a loss's own attributes, so that a loss of your own with an attribute of the same name (its own
+    ``kl_coef``, say) never turns these on: only :meth:`Loss._shared` sets them.
+    """
+
+    aggregation: str = "token_mean"
+    aggregation_length: int | None = None
+    mask_truncated: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    reference_device: str = "cpu"
+    reference_dtype: str | None = None
+
+
 def aggregation_scale(
     mode: str, lengths: torch.Tensor, totals: UpdateTotals, constant: int | None = None
 ) -> torch.Tensor | None:
@@ -368,8 +385,10 @@ class Loss(_Configured, ABC):
             ``train/<name>``; default none.
         weights(lengths): the per-response weights passed to ``__call__``; default from ``length_reference``.
 
-    The settings every loss shares, implemented here once (a subclass takes them as keyword-only arguments, as the
-    built-in losses do, or keeps these class defaults):
+    The settings every loss shares, implemented here once and kept in ``shared`` (:class:`SharedSettings`): a
+    subclass offers them by taking them as keyword-only arguments and passing them to :meth:`_shared`, as the
+    built-in losses do; one that does not has the defaults (token mean, no masking, no penalty), whatever
+    attributes of its own it has:
         aggregation: how token terms become the update's loss (:func:`aggregation_scale`): ``token_mean``,
             ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm`` (Dr.GRPO) — :meth:`row_scale`.
         aggregation_length: Dr.GRPO's constant ``C``; None: the rollout's ``max_new_tokens``.
@@ -388,13 +407,7 @@ class Loss(_Configured, ABC):
 
     reference: ClassVar[Reference] = "rollout"
     length_reference: float | None = None
-    aggregation: Aggregation = "token_mean"
-    aggregation_length: int | None = None
-    mask_truncated: bool = False
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    reference_device: ReferenceDevice = "cpu"
-    reference_dtype: str | None = None
+    shared: SharedSettings = SharedSettings()  # the defaults until _shared() sets this loss's own
 
     def _shared(
         self,
@@ -406,7 +419,9 @@ class Loss(_Configured, ABC):
         reference_device: ReferenceDevice,
         reference_dtype: str | None,
     ) -> None:
-        """Check and keep the settings every loss shares (called by the built-in losses' ``__init__``)."""
+        """Check and keep the settings every loss shares (called by the built-in losses' ``__init__``; call it from
+        yours to offer them): in ``self.shared``, which the base class reads, and under their own names, which
+        ``to_config`` and ``repr`` read back."""
         check_choice("loss.aggregation", aggregation, AGGREGATIONS)
         if aggregation_length is not None:
             check_int("loss.aggregation_length", aggregation_length, 1)
@@ -422,6 +437,9 @@ class Loss(_Configured, ABC):
         check_choice("loss.reference_device", reference_device, REFERENCE_DEVICES)
         if reference_dtype is not None:
             check_choice("loss.reference_dtype", reference_dtype, REFERENCE_DTYPES)
+        self.shared = SharedSettings(
+            aggregation, aggregation_length, mask_truncated, kl_coef, kl_estimator, reference_device, reference_dtype
+        )
         self.aggregation = aggregation
         self.aggregation_length = aggregation_length
         self.mask_truncated = mask_truncated
@@ -457,17 +475,17 @@ class Loss(_Configured, ABC):
     def token_mask(self, response_mask: torch.Tensor, truncated: Sequence[bool]) -> torch.Tensor:
         """The tokens the loss counts: every valid response token, less truncated responses with
         ``mask_truncated`` (TRL's ``mask_truncated_completions``, DAPO's overlong filtering)."""
-        return truncation_mask(response_mask, truncated) if self.mask_truncated else response_mask
+        return truncation_mask(response_mask, truncated) if self.shared.mask_truncated else response_mask
 
     def row_scale(self, lengths: torch.Tensor, totals: UpdateTotals) -> torch.Tensor | None:
         """Factor of each response's weight that makes ``Σ (w·term) / totals.tokens`` this loss's aggregation
         (:func:`aggregation_scale`); ``lengths`` are the responses' loss tokens. None: token mean (no factor)."""
-        return aggregation_scale(self.aggregation, lengths, totals, self.aggregation_length)
+        return aggregation_scale(self.shared.aggregation, lengths, totals, self.shared.aggregation_length)
 
     @property
     def needs_reference_policy(self) -> bool:
         """Whether the module must keep the initial policy as ``π_ref`` (a KL penalty is on)."""
-        return self.kl_coef > 0
+        return self.shared.kl_coef > 0
 
     def penalty(
         self,
@@ -478,13 +496,14 @@ class Loss(_Configured, ABC):
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The KL-to-reference term of one microbatch, aggregated as the loss (:func:`kl_penalty`)."""
-        return kl_penalty(logp, ref_policy_logp, mask, num_tokens, weights, self.kl_coef, self.kl_estimator)
+        shared = self.shared
+        return kl_penalty(logp, ref_policy_logp, mask, num_tokens, weights, shared.kl_coef, shared.kl_estimator)
 
     def penalty_stats(
         self, logp: torch.Tensor, ref_policy_logp: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, tuple[float, float]]:
         """``kl_reference``: the estimator's token mean (numerator, tokens), logged as ``train/kl_reference``."""
-        k = kl_estimate(logp.detach(), ref_policy_logp, self.kl_estimator)
+        k = kl_estimate(logp.detach(), ref_policy_logp, self.shared.kl_estimator)
         return {"kl_reference": (float((k * mask).sum()), float(mask.sum()))}
 
 
@@ -1101,6 +1120,7 @@ def check_loss(loss: Any, setting: str = "model.loss") -> None:
         raise ConfigError(f"{setting} {name} is a class, not an instance (in YAML: class_path + init_args)")
     methods = ("plan", "stats", "weights", "token_mask", "row_scale", "penalty", "penalty_stats")
     missing = [m for m in methods if not callable(getattr(loss, m, None))]
+    missing += [a for a in ("shared", "needs_reference_policy") if not hasattr(loss, a)]
     if not callable(loss):
         missing.insert(0, "__call__")
     if missing:

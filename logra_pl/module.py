@@ -193,9 +193,9 @@ class LoGRAPolicyModule(pl.LightningModule):
             source = rank_zero_first(
                 trainer, lambda: training_source(self.policy_source, self.warm_start, None, datamodule)
             )
-        loss = self.loss_config
-        dtype = loss.reference_dtype or self.dtype_name
-        return ReferencePolicy.load(source, dtype, loss.reference_device, self.attn_implementation)
+        shared = self.loss_config.shared
+        dtype = shared.reference_dtype or self.dtype_name
+        return ReferencePolicy.load(source, dtype, shared.reference_device, self.attn_implementation)
 
     def configure_optimizers(self) -> Any:
         """The update method's optimizer (and schedule) for the target matrices."""

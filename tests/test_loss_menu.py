@@ -422,6 +422,25 @@ def test_symmetric_and_asymmetric_spellings_round_trip() -> None:
     )
 
 
+def test_a_loss_of_your_own_keeps_its_own_kl_coef() -> None:
+    """The shared settings live in ``loss.shared``, set only by ``_shared``: a loss of your own with an attribute
+    named ``kl_coef`` (docs/extending.md's ReinforceK2) gets no reference policy and no second penalty."""
+    from logra_pl.losses import Loss, SharedSettings
+
+    class OwnK2(Loss):
+        def __init__(self, kl_coef: float = 0.5) -> None:
+            self.kl_coef = kl_coef
+
+        def __call__(self, logp, ref_logp, advantages, mask, num_tokens, weights=None):
+            return ((0.5 * self.kl_coef * (logp - ref_logp) ** 2) * mask).sum() / num_tokens
+
+    own = build_loss(OwnK2())
+    assert own.shared == SharedSettings() and not own.needs_reference_policy
+    assert own.row_scale(torch.tensor([3, 1]), UpdateTotals(4, 2, 8)) is None  # token mean
+    offered = ReinforceTIS(kl_coef=0.5, aggregation="seq_mean_token_mean")
+    assert offered.shared.kl_coef == 0.5 and offered.needs_reference_policy
+
+
 # ---------------------------------------------------------------------------------- the reference policy
 def test_reference_policy_is_frozen_digested_and_streamed(tiny_model_dir) -> None:
     from logra_pl.reference import ReferencePolicy, weights_digest
