@@ -497,6 +497,7 @@ def test_plan_counts_the_reference_per_rank() -> None:
         plan(config, ranks=2, reference="cpu")
 
 
+@pytest.mark.slow
 def test_a_kl_run_keeps_the_reference_counts_it_and_resumes_only_onto_the_same_one(tmp_path, rl_run) -> None:
     """ReinforceTIS + k3 penalty after a warm start: the reference is the warm-started policy (not the checkpoint's
     weights), its bytes are counted, the checkpoint keeps its digest, a resume rebuilds it from the warm start's
@@ -566,6 +567,7 @@ KL = ["--model.loss.init_args.kl_coef=0.05", "--model.loss.init_args.reference_d
 @pytest.mark.parametrize(
     ("overlay", "extra", "cls"),
     [("gspo", [], GSPO), ("cispo", KL, CISPO), ("dapo_clip_higher", [], PPOClip), ("dr_grpo", [], PPOClip)],
+    ids=["gspo", "cispo+kl_penalty", "dapo_clip_higher", "dr_grpo"],
 )
 def test_twenty_updates_of_each_loss_through_the_cli(tmp_path, monkeypatch, overlay, extra, cls) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

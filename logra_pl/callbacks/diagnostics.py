@@ -164,11 +164,11 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
                 logp = response_logprobs(pl_module.policy, mb, probe["temperature"])
                 reference = probe["logp_rollout"][part].to(device) if loss_fn.reference == "rollout" else logp.detach()
                 advantages = probe["advantages"][part].to(device)
-                weights = loss_fn.weights(mb.lengths)
+                row_weights = loss_fn.weights(mb.lengths)
                 scale = loss_fn.row_scale(mb.lengths, totals)
                 if scale is not None:
-                    weights = weights * scale.to(device=weights.device, dtype=weights.dtype)
-                loss = loss_fn(logp, reference, advantages, mb.response_mask, num_tokens, weights)
+                    row_weights = row_weights * scale.to(device=row_weights.device, dtype=row_weights.dtype)
+                loss = loss_fn(logp, reference, advantages, mb.response_mask, num_tokens, row_weights)
             torch.autograd.backward(loss, inputs=list(weights.values()))
         grads = {n: w.grad for n, w in weights.items() if w.grad is not None}
     return grads

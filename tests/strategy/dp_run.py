@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument(
         "--loss-menu",
         action="store_true",
-        help="sequence-mean aggregation, mask_truncated and a k3 KL penalty to a reference kept with the policy",
+        help="sequence-mean aggregation and a k3 KL penalty to a reference kept with the policy (sharded)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def main() -> None:
         logra=LoGRAConfig(rank=16, update_ratio=1e-3),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
-        loss=ReinforceTIS(aggregation="seq_mean_token_mean", mask_truncated=True, kl_coef=0.05, reference_device="same")
+        loss=ReinforceTIS(aggregation="seq_mean_token_mean", kl_coef=0.05, reference_device="same")
         if args.loss_menu
         else None,
     )
