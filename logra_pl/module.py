@@ -56,6 +56,12 @@ quiet_noise()
 __all__ = ["LoGRAPolicyModule", "LossConfig", "RolloutSettings", "ScoringSettings", "StepContext", "item_task"]
 
 
+def _trains(trainer: Any) -> bool:
+    """Whether ``trainer`` is fitting (or absent: a module set up by hand); validation needs no reference policy."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return fn is None or fn == "fit"
+
+
 class LoGRAPolicyModule(pl.LightningModule):
     """RL post-training of a causal LM with LoGRA (or a baseline update method).
 
@@ -175,7 +181,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             lambda: self.method.check_fits(self.policy_source, self.targets),
         )
         self.policy, self.tokenizer, eos = load_training_policy(source, self.dtype_name, self.attn_implementation)
-        if self.loss_config.needs_reference_policy:
+        if self.loss_config.needs_reference_policy and _trains(trainer):
             self.reference_policy = self._load_reference(trainer, source, dm)
         args = (self.policy, self.tokenizer, eos, self.rollout_settings, self.dtype_name, list(self.targets))
         request = engine_request(trainer, source, *args)

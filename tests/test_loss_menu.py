@@ -463,6 +463,23 @@ def test_reference_policy_is_frozen_digested_and_streamed(tiny_model_dir) -> Non
         ref.check(half.state_dict())
 
 
+def test_validation_loads_no_reference(tmp_path) -> None:
+    """``logra-pl validate`` of a KL config evaluates the policy; the reference policy is for training only."""
+    from conftest import chain_sum_data, quick_trainer
+
+    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+    from logra_pl.sketch import LoGRAConfig
+
+    module = LoGRAPolicyModule(
+        policy="tiny",
+        logra=LoGRAConfig(rank=16),
+        rollout=RolloutSettings(max_new_tokens=2),
+        loss=ReinforceTIS(kl_coef=0.1),
+    )
+    quick_trainer(tmp_path, 1).validate(module, datamodule=chain_sum_data(eval_size=4))
+    assert module.policy is not None and module.reference_policy is None
+
+
 def test_fsdp_refuses_a_reference_kept_in_every_process() -> None:
     from types import SimpleNamespace
 
