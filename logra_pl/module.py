@@ -145,6 +145,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.set_launch(run_config=None, resume_from=None, resume_checked=False)  # outside the CLI
         self.policy: torch.nn.Module | None = None
         self.reference_policy: ReferencePolicy | None = None  # π_ref of a KL penalty (not a submodule: never saved)
+        self.policy_folder: str | None = None  # where the policy was loaded from (the warm start's folder, or none)
         self.tokenizer: Any = None
         self.engine: Any = None
         self.link: EngineLink | None = None
@@ -170,19 +171,24 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """Load the policy (after the optional warm start) and give the rollout engine its own copy."""
-        if self.policy is not None:
-            return
+        """Load the policy (after the optional warm start) and give the rollout engine its own copy; for training
+        with a KL penalty, load the reference policy too (also when an earlier ``validate`` loaded the policy)."""
         trainer = compat.trainer_of(self)
         dm = getattr(trainer, "datamodule", None)
+        if self.policy is None:
+            self._load_policy(trainer, dm)
+        if self.reference_policy is None and self.loss_config.needs_reference_policy and _trains(trainer):
+            self.reference_policy = self._load_reference(trainer, self.policy_folder, dm)
+
+    def _load_policy(self, trainer: Any, dm: Any) -> None:
+        """The policy from its source (warm-started unless resuming), the engine's copy, the method's preparation."""
         source = rank_zero_first(
             trainer,
             lambda: training_source(self.policy_source, self.warm_start, self.resume_from, dm),
             lambda: self.method.check_fits(self.policy_source, self.targets),
         )
         self.policy, self.tokenizer, eos = load_training_policy(source, self.dtype_name, self.attn_implementation)
-        if self.loss_config.needs_reference_policy and _trains(trainer):
-            self.reference_policy = self._load_reference(trainer, source, dm)
+        self.policy_folder = source
         args = (self.policy, self.tokenizer, eos, self.rollout_settings, self.dtype_name, list(self.targets))
         request = engine_request(trainer, source, *args)
         self.engine = build_engine(self.engine_spec, request)

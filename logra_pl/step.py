@@ -160,7 +160,6 @@ def step_metrics(
         "train/advantage_std": float(ctx.advantages.std()) if len(ctx.advantages) > 1 else 0.0,
         "train/response_length": float(ctx.packed.lengths.float().mean()),
         "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
-        "train/entropy": mean_entropy(ctx),
         "train/loss": sum(r[0] for r in results) / len(results),
         "train/update_norm": results[-1][3],
         "time/rollout_s": rollout_s,
@@ -172,13 +171,13 @@ def step_metrics(
         "verifier/timeouts": float(scorer.timeouts),
         "verifier/long_answers": float(scorer.long_answers),
     }
+    if ctx.entropy is not None:
+        metrics["train/entropy"] = mean_entropy(ctx)
     return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}
 
 
 def mean_entropy(ctx: StepContext) -> float:
-    """The policy's mean entropy per response token of this step (before its update); 0 without entropies."""
-    if ctx.entropy is None:
-        return 0.0
+    """The policy's mean entropy per response token of this step (before its update)."""
     mask = ctx.packed.response_mask
     return float((ctx.entropy * mask).sum() / mask.sum().clamp(min=1))
 

@@ -464,7 +464,8 @@ def test_reference_policy_is_frozen_digested_and_streamed(tiny_model_dir) -> Non
 
 
 def test_validation_loads_no_reference(tmp_path) -> None:
-    """``logra-pl validate`` of a KL config evaluates the policy; the reference policy is for training only."""
+    """``logra-pl validate`` of a KL config evaluates the policy; the reference policy is for training only, and a
+    fit after a validate loads it then."""
     from conftest import chain_sum_data, quick_trainer
 
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
@@ -478,6 +479,9 @@ def test_validation_loads_no_reference(tmp_path) -> None:
     )
     quick_trainer(tmp_path, 1).validate(module, datamodule=chain_sum_data(eval_size=4))
     assert module.policy is not None and module.reference_policy is None
+    quick_trainer(tmp_path, 1).fit(module, datamodule=chain_sum_data(eval_size=4))  # then training: it is loaded
+    assert module.reference_policy is not None and module.reference_policy.source == module.policy_folder
+    assert module.step_context.loss_stats["kl_reference"][1] > 0
 
 
 def test_fsdp_refuses_a_reference_kept_in_every_process() -> None:
