@@ -43,17 +43,20 @@ def backward_over(
     backward: Callable[[torch.Tensor], None],
     device: torch.device,
     trim: bool = False,
+    padding: int = 0,
 ) -> float:
     """Forward, loss and ``backward`` for each microbatch of ``groups`` (rows of ``ctx``); the loss statistics are
     added to ``ctx.loss_stats``. Returns the summed loss. REINFORCE+TIS weighs tokens by π/π_rollout (capped), the
-    PPO family by π/π_old with π_old the pre-update trainer (``loss_fn.reference``)."""
+    PPO family by π/π_old with π_old the pre-update trainer (``loss_fn.reference``). The last ``padding`` microbatches
+    only keep the ranks' forward counts equal: their loss (penalty included) is multiplied by zero, so they add exact
+    zeros to the gradients (sketches) and nothing to the statistics."""
     reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
     num_tokens = max(totals.tokens, 1)
     penalised = loss_fn.needs_reference_policy
     if penalised and ctx.logp_reference is None:
         raise RuntimeError("the loss has a KL penalty (kl_coef > 0) but the step has no reference log-probs")
     total = 0.0
-    for mb in groups:
+    for i, mb in enumerate(groups):
         packed = select_rows(ctx.packed, mb, trim).to(device)
         mask = ctx.loss_mask[mb].to(device)
         logp = response_logprobs(policy, packed, ctx.temperature)
@@ -63,10 +66,15 @@ def backward_over(
         if scale is not None:
             weights = weights * scale.to(device=weights.device, dtype=weights.dtype)
         loss = loss_fn(logp, ref, adv, mask, num_tokens, weights)
-        stats = loss_fn.stats(logp.detach(), ref, mask)
         if penalised:
             ref_policy = ctx.logp_reference[mb].to(device)
             loss = loss + loss_fn.penalty(logp, ref_policy, mask, num_tokens, weights)
+        if i >= len(groups) - padding:
+            ctx.padded_microbatches += 1
+            backward(loss * 0.0)
+            continue
+        stats = loss_fn.stats(logp.detach(), ref, mask)
+        if penalised:
             stats |= loss_fn.penalty_stats(logp, ref_policy, mask)
         backward(loss)
         total += float(loss.detach())

@@ -34,7 +34,7 @@ from logra_pl.methods import UpdateMethod
 from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
-from logra_pl.ranks import all_reduce_sum, any_rank
+from logra_pl.ranks import all_reduce_max, all_reduce_sum, any_rank
 from logra_pl.reference import ReferencePolicy
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rollout.base import Rollout, SamplingConfig
@@ -311,31 +311,45 @@ class LoGRAPolicyModule(pl.LightningModule):
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(compat.trainer_of(self), t, self.device)
 
-    def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> list[list[int]]:
-        return microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
+    def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> tuple[list[list[int]], int]:
+        """The microbatches of ``rows``, as many on every rank: a rank with fewer (token budgets cut ranks' rows
+        differently) repeats its first row in padding microbatches at the end, whose loss counts zero. Sharded
+        parameters are gathered once per forward on every rank (FSDP), so unequal forward counts would hang. Returns
+        the microbatches and how many of them at the end are padding."""
+        groups = microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
+        agreed = all_reduce_max(compat.trainer_of(self), len(groups), self.device)
+        padding = agreed - len(groups)
+        return groups + [groups[0][:1]] * padding, padding
 
-    def _parts(self, packed: PackedResponses) -> list[PackedResponses]:
-        """The packed batch in the microbatches of every scoring pass (rows × tokens within the budget)."""
+    def _parts(self, packed: PackedResponses) -> tuple[list[PackedResponses], int]:
+        """The packed batch in the microbatches of every scoring pass (rows × tokens within the budget), as many on
+        every rank (:meth:`_microbatches`), and how many at the end are padding (their outputs are dropped)."""
         trim, rows = self.max_tokens_per_microbatch is not None, list(range(packed.input_ids.shape[0]))
-        return [select_rows(packed, mb, trim) for mb in self._microbatches(rows, packed)]
+        groups, padding = self._microbatches(rows, packed)
+        return [select_rows(packed, mb, trim) for mb in groups], padding
 
     @torch.no_grad()
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The trainer's log-probs of the packed responses, microbatched, without grad."""
-        parts = [p.to(self.device) for p in self._parts(packed)]
-        return torch.cat([response_logprobs(self.policy, p, temperature) for p in parts]).cpu()
+        parts, padding = self._parts(packed)
+        scored = [response_logprobs(self.policy, p.to(self.device), temperature) for p in parts]
+        return torch.cat(scored[: len(scored) - padding]).cpu()
 
     @torch.no_grad()
     def trainer_scores(self, packed: PackedResponses, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The trainer's log-probs and entropy at each response position, from one pass without grad."""
-        parts = [p.to(self.device) for p in self._parts(packed)]
-        scored = [response_logprobs_and_entropy(self.policy, p, temperature) for p in parts]
+        parts, padding = self._parts(packed)
+        scored = [response_logprobs_and_entropy(self.policy, p.to(self.device), temperature) for p in parts]
+        scored = scored[: len(scored) - padding]
         return torch.cat([s[0] for s in scored]).cpu(), torch.cat([s[1] for s in scored]).cpu()
 
     def reference_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
-        """The reference policy's log-probs of the packed responses (once per rollout, without grad)."""
+        """The reference policy's log-probs of the packed responses (once per rollout, without grad; a sharded
+        reference runs the padding microbatches too, as the policy does)."""
         self.reference_policy.place(self.device)
-        return self.reference_policy.logprobs(self._parts(packed), temperature)
+        parts, padding = self._parts(packed)
+        scored = [self.reference_policy.logprobs(p, temperature) for p in parts]
+        return torch.cat(scored[: len(scored) - padding])
 
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
@@ -436,9 +450,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         # The loss tokens and sequences of the whole update, over all ranks: microbatch and rank losses add up to the
         # update's loss under every aggregation.
         totals = update_totals(ctx, rows, self.rollout_settings.max_new_tokens, self._all_reduce_sum)
-        groups, trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
+        (groups, padding), trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
         total = backward_over(
-            self.policy, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim
+            self.policy, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim, padding
         )
         t1 = time.perf_counter()
         result = self.method.step(self.optimizers(), self.lr_schedulers(), self._all_reduce_sum)

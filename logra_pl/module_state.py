@@ -1,17 +1,18 @@
 """What a policy module keeps in a checkpoint beyond weights and optimizer state, and the checks a resume makes.
 
 ``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts, the
-guard's rejection counts, the module's settings, the CLI's resolved config and — with a KL penalty — the reference
-policy's source and digest (not its weights: it is rebuilt on resume and must match, :mod:`logra_pl.reference`). A
-checkpoint written under structurally different settings (another method, LoGRA rank, loss, data…) is refused with
-the list of differences (:mod:`logra_pl.resume`).
+guard's rejection counts, the module's settings, the CLI's resolved config, each logger's run (its id: what a
+resume continues, :mod:`logra_pl.run_stores`) and — with a KL penalty — the reference policy's source and digest
+(not its weights: it is rebuilt on resume and must match, :mod:`logra_pl.reference`). A checkpoint written under
+structurally different settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
+(:mod:`logra_pl.resume`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from logra_pl import compat, methods, resume
+from logra_pl import compat, methods, resume, run_stores
 from logra_pl.errors import ResumeMismatchError
 
 CHECKPOINT_FORMAT = "logra-pl/module/v2"
@@ -28,6 +29,7 @@ def module_state(module: Any) -> dict[str, Any]:
         **module.rejections.state_dict(),
         "settings": resume.plain(module.hparams),
         "run_config": module.run_config,  # the CLI's resolved config (None outside the CLI)
+        "loggers": run_stores.records(compat.trainer_of(module)),  # each logger's run, for --ckpt_path last
     }
     reference = getattr(module, "reference_policy", None)
     if reference is not None:

@@ -25,7 +25,6 @@ same policy or does not run.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -111,11 +110,9 @@ class ReferencePolicy:
 
     # --------------------------------------------------------------------------------------------- scoring
     @torch.no_grad()
-    def logprobs(self, parts: Iterable[PackedResponses], temperature: float) -> torch.Tensor:
-        """``log π_ref`` of each response token of each part (microbatches of one packed batch), concatenated on
-        the CPU: ``(B, R)``, zero where padded."""
-        device = self.device
-        return torch.cat([response_logprobs(self.model, p.to(device), temperature).float().cpu() for p in parts])
+    def logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
+        """``log π_ref`` of each response token of one microbatch, on the CPU: ``(B, R)``, zero where padded."""
+        return response_logprobs(self.model, packed.to(self.device), temperature).float().cpu()
 
     # -------------------------------------------------------------------------------------------- resumes
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ class StepContext:
     update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
     shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
     shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
+    padded_microbatches: int = 0  # zero-loss microbatches that kept this rank's forward count equal to the others'
     entropy: torch.Tensor | None = None  # (N, R) policy entropy before the update, zero where padded
     logp_reference: torch.Tensor | None = None  # (N, R) reference-policy log-probs (a KL penalty is on)
     loss_mask: torch.Tensor | None = None  # (N, R) the tokens the loss counts; None: packed.response_mask
@@ -162,6 +163,7 @@ def step_metrics(
         "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
         "train/loss": sum(r[0] for r in results) / len(results),
         "train/update_norm": results[-1][3],
+        "train/padded_microbatches": float(ctx.padded_microbatches),
         "time/rollout_s": rollout_s,
         "time/train_s": sum(r[1] for r in results),
         "time/update_s": sum(r[2] for r in results),

@@ -35,6 +35,10 @@ def _entropy(values: list[float]) -> bool:
 # runs (they use none of the new options) and why it exists. Everything else must be as recorded.
 ADDED_SCALARS: dict[str, tuple[str, Callable[[list[float]], bool]]] = {
     "memory/state/sketch_moments": ("issue 23: bytes of LoGRA's sketch-space first moment (logra.beta1 > 0)", _zero),
+    "train/padded_microbatches": (
+        "issue 25: zero-loss microbatches that equal the ranks' forward counts (0: one rank)",
+        _zero,
+    ),
     "memory/state/reference_policy": ("issue 25: bytes of a KL penalty's reference policy (loss.kl_coef > 0)", _zero),
     # Computed from the pre-update log-prob pass that already runs: a new reading, no change to what is trained.
     "train/entropy": ("issue 25: the policy's mean token entropy over the step's responses", _entropy),

@@ -453,11 +453,11 @@ def test_reference_policy_is_frozen_digested_and_streamed(tiny_model_dir) -> Non
     assert ref.digest != half.digest
     rollout = _rollout(2)
     packed = pack_responses(rollout.prompt_ids, rollout.response_ids, 0)
-    plain = ref.logprobs([packed], 1.0)
+    plain = ref.logprobs(packed, 1.0)
     streamed = ReferencePolicy.load(str(tiny_model_dir), "float32", "cpu")
     streamed.stream(torch.device("cpu"))  # accelerate's offload hooks; on an accelerator the same, to its device
     assert all(p.device.type == "meta" for p in streamed.model.parameters())  # the weights live in the hook's copy
-    torch.testing.assert_close(streamed.logprobs([packed], 1.0), plain, rtol=0, atol=0)
+    torch.testing.assert_close(streamed.logprobs(packed, 1.0), plain, rtol=0, atol=0)
     ref.check(ref.state_dict())
     with pytest.raises(ResumeMismatchError, match=r"reference policy rebuilt from .* is not the one this run started"):
         ref.check(half.state_dict())

@@ -76,9 +76,11 @@ class Record(pl.Callback):
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, str, list[int]]] = []
+        self.padded = 0  # zero-loss microbatches this rank ran to match the others' forward count
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         ctx = pl_module.step_context
+        self.padded += ctx.padded_microbatches
         for i, resp in zip(ctx.rollout.prompt_index, ctx.rollout.response_ids, strict=True):
             self.rows.append((ctx.update_index, ctx.items[i]["question"], resp))
 
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--hf-export", default=None, help="HFExport every 3 updates and at the end to this folder")
     parser.add_argument("--snapshot-at", type=int, default=None, help="also record the state after this update")
     parser.add_argument("--kl-control", action="store_true", help="PredictedKLControl (constant budget, calibrating)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="model.max_tokens_per_microbatch")
     parser.add_argument(
         "--loss-menu",
         action="store_true",
@@ -112,6 +115,7 @@ def main() -> None:
         logra=LoGRAConfig(rank=16, update_ratio=1e-3),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
+        max_tokens_per_microbatch=args.max_tokens,
         loss=ReinforceTIS(aggregation="seq_mean_token_mean", kl_coef=0.05, reference_device="same")
         if args.loss_menu
         else None,
@@ -148,14 +152,16 @@ def main() -> None:
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_resume)
     state = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    rows = [None] * trainer.world_size
+    rows, padded = [None] * trainer.world_size, [None] * trainer.world_size
     torch.distributed.all_gather_object(rows, record.rows)
+    torch.distributed.all_gather_object(padded, record.padded)
     if trainer.global_rank == 0:
         torch.save(
             {
                 "policy": state,
                 "logra": module.sketcher.state_dict() if module.sketcher is not None else None,
                 "rows": sorted(r for part in rows for r in part),
+                "padded": padded,
                 "engine": module.engine.model.state_dict(),
                 "stats": trainer.strategy.stats,
                 "layer_forwards": counter.calls,

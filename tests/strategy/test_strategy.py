@@ -44,6 +44,8 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
         "one_resumed6": _run(tmp, 1, 6, "one_resumed6", "--ckpt-resume", str(ckpt1 / "step=3.ckpt")),
         "adamw": _run(tmp, 2, 2, "adamw", "--optimizer", "adamw", "--kl-control"),
         "adamw_one": _run(tmp, 1, 2, "adamw_one", "--optimizer", "adamw", "--kl-control"),
+        "budget_two": _run(tmp, 2, 2, "budget_two", "--max-tokens", "70"),
+        "budget_one": _run(tmp, 1, 2, "budget_one", "--max-tokens", "70"),
         "dist6": _run(tmp, 2, 6, "dist6", "--ckpt-dir", str(dckpt), "--distributed-ckpt"),
         "dist_resumed6": _run(
             tmp, 2, 6, "dist_resumed6", "--ckpt-resume", str(dckpt / "step=3.ckpt"), "--distributed-ckpt"
@@ -69,6 +71,17 @@ def test_two_processes_equal_one(runs) -> None:
     assert changed  # and the run did train the sketched matrices (guard against a vacuous equality)
     # Every rank's engine holds the trainer's (gathered) weights.
     assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
+
+
+def test_token_budgets_that_cut_ranks_differently_pad_to_equal_forward_counts(runs) -> None:
+    """``max_tokens_per_microbatch`` groups each rank's own rows, so ranks can need different microbatch counts; FSDP
+    gathers each layer on every rank per forward, so the ranks agree on the largest count and a rank with fewer runs
+    zero-loss padding microbatches. Without that the run hangs; with it, 2 ranks still equal 1."""
+    one, two = runs["budget_one"], runs["budget_two"]
+    assert sum(two["padded"]) > 0 and one["padded"] == [0]  # the unequal case happened (and one rank never pads)
+    assert one["rows"] == two["rows"]
+    for key, value in one["policy"].items():
+        assert float((value - two["policy"][key]).abs().max()) <= 1e-6, key
 
 
 def test_sketch_allreduce_bytes(runs) -> None:
@@ -152,17 +165,20 @@ def test_persistent_state_halves(runs) -> None:
 
 @pytest.fixture(scope="module")
 def menu_runs(tmp_path_factory, tiny_model_dir) -> dict:
-    """Sequence-mean aggregation and a KL penalty (reference kept with the policy) on 1 and 2 ranks. (The random
+    """Sequence-mean aggregation and a KL penalty (reference kept with the policy) on 1 and 2 ranks, with a token
+    budget per microbatch that makes one rank pad (tests the reference's padded forwards). (The random
     tiny policy of these runs rarely ends a response with EOS, so mask_truncated would mask almost everything; its
     normalisers' rank invariance is tested in-process: tests/test_loss_menu.py.)"""
     tmp = tmp_path_factory.mktemp("menu")
-    return {"one": _run(tmp, 1, 3, "menu_one", "--loss-menu"), "two": _run(tmp, 2, 3, "menu_two", "--loss-menu")}
+    budget = ("--loss-menu", "--max-tokens", "70")  # token budgets that pad one rank: the reference pads with it
+    return {"one": _run(tmp, 1, 3, "menu_one", *budget), "two": _run(tmp, 2, 3, "menu_two", *budget)}
 
 
 def test_loss_normalisers_and_the_sharded_reference_are_the_same_on_two_ranks(menu_runs) -> None:
     """The sequence and token counts of seq_mean_token_mean are all-reduced, so two ranks train the one-rank run
     (up to float order); the reference policy is sharded over the ranks (half per rank) and the same on both."""
     one, two = menu_runs["one"], menu_runs["two"]
+    assert sum(two["padded"]) > 0  # a rank ran padding microbatches: the sharded reference's forwards too, no hang
     assert one["rows"] == two["rows"]
     for key, value in one["policy"].items():
         assert float((value - two["policy"][key]).abs().max()) <= 1e-6, key
