@@ -181,6 +181,19 @@ def test_loss_overlay_builds_its_loss_with_every_argument_written_out(overlay: s
     assert list(written) == list(loss.init_args()), "the overlay must list every argument, in the class's order"
 
 
+def test_a_loss_class_changed_in_a_file_keeps_same_named_arguments_one_named_on_the_command_line_does_not(
+    tmp_path: Path,
+) -> None:
+    """Why the loss overlays write every argument out (docs/algorithm.md §8, GSPO): a later file's new class_path
+    keeps the base's `aggregation: token_mean`; `--model.loss GSPO` builds GSPO's own defaults."""
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("model:\n  loss:\n    class_path: logra_pl.losses.GSPO\n    init_args:\n      eps_low: 0.001\n")
+    kept = LoGRACLI(args=_args(BASE, partial), run=False).model.loss_config
+    assert type(kept).__name__ == "GSPO" and kept.eps_low == 0.001 and kept.shared.aggregation == "token_mean"
+    named = LoGRACLI(args=[*_args(BASE), "--model.loss=GSPO"], run=False).model.loss_config
+    assert named.shared.aggregation == "seq_mean_token_mean" and named.eps_low == 3e-4
+
+
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_overlay_on_base_resolves_to_full_config(overlay: str) -> None:
     composed = _resolved(BASE, CONFIGS / "overlays" / f"{overlay}.yaml")
