@@ -518,6 +518,16 @@ def test_plan_counts_the_reference_per_rank() -> None:
         plan(config, ranks=2, reference="cpu")
 
 
+def test_plan_command_prints_the_reference(capsys) -> None:
+    from logra_pl.cli import main as cli_main
+
+    cli_main(["plan", "--model", "tiny", "--reference", "cpu", "--reference-dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert "KL reference on cpu in bfloat16" in out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("reference_policy")]
+    assert all(float(v) > 0 for v in line.split()[1:])
+
+
 @pytest.mark.slow
 def test_a_kl_run_keeps_the_reference_counts_it_and_resumes_only_onto_the_same_one(tmp_path, rl_run) -> None:
     """ReinforceTIS + k3 penalty after a warm start: the reference is the warm-started policy (not the checkpoint's
