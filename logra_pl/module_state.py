@@ -1,8 +1,9 @@
 """What a policy module keeps in a checkpoint beyond weights and optimizer state, and the checks a resume makes.
 
 ``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts, the
-guard's rejection counts, the module's settings, the CLI's resolved config and each logger's run (its id: what a
-resume continues, :mod:`logra_pl.run_stores`). A checkpoint written under
+guard's rejection counts, the module's settings, the CLI's resolved config, each logger's run (its id: what a
+resume continues, :mod:`logra_pl.run_stores`) and — with a KL penalty — the reference policy's source and digest
+(not its weights: it is rebuilt on resume and must match, :mod:`logra_pl.reference`). A checkpoint written under
 structurally different settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
 (:mod:`logra_pl.resume`).
 """
@@ -19,7 +20,7 @@ CHECKPOINT_FORMAT = "logra-pl/module/v2"
 
 def module_state(module: Any) -> dict[str, Any]:
     """The module's own state, for ``checkpoint["logra_pl"]``."""
-    return {
+    state = {
         "format": CHECKPOINT_FORMAT,
         "optimizer": module.method.name,
         "baseline": module.baseline.state_dict(),
@@ -30,6 +31,10 @@ def module_state(module: Any) -> dict[str, Any]:
         "run_config": module.run_config,  # the CLI's resolved config (None outside the CLI)
         "loggers": run_stores.records(compat.trainer_of(module)),  # each logger's run, for --ckpt_path last
     }
+    reference = getattr(module, "reference_policy", None)
+    if reference is not None:
+        state["reference"] = reference.state_dict()
+    return state
 
 
 def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
@@ -49,3 +54,6 @@ def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
         if "scoring" in state:
             module.scorer.load_state_dict(state["scoring"])
         module.rejections.load_state_dict(state)
+    reference = getattr(module, "reference_policy", None)
+    if reference is not None and "reference" in state:
+        reference.check(state["reference"], hint)

@@ -25,7 +25,10 @@ class StepContext:
     """What one training step produced, for callbacks (KL control, mismatch, sync) to read.
 
     ``logp_rollout``/``logp_trainer``/``packed.response_mask`` are ``(N, R)`` over the ``N`` responses;
-    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update.
+    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update. ``entropy`` is the
+    policy's entropy at each response position from that same pass (None when the caller gave only log-probs),
+    ``logp_reference`` the reference policy's log-probs (None without a KL penalty), and ``loss_mask`` the tokens
+    the loss counts (the response mask, less truncated responses under ``loss.mask_truncated``).
     """
 
     update_index: int
@@ -45,6 +48,13 @@ class StepContext:
     shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
     shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
     padded_microbatches: int = 0  # zero-loss microbatches that kept this rank's forward count equal to the others'
+    entropy: torch.Tensor | None = None  # (N, R) policy entropy before the update, zero where padded
+    logp_reference: torch.Tensor | None = None  # (N, R) reference-policy log-probs (a KL penalty is on)
+    loss_mask: torch.Tensor | None = None  # (N, R) the tokens the loss counts; None: packed.response_mask
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.packed.response_mask
 
     @property
     def eos_terminated(self) -> torch.Tensor:
@@ -59,15 +69,23 @@ def assemble_step(
     rewards: torch.Tensor,
     advantages: torch.Tensor,
     pad_id: int,
-    trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor],
+    trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     temperature: float,
+    reference_logprobs: Callable[[PackedResponses, float], torch.Tensor] | None = None,
 ) -> StepContext:
     """A step's context from its rollout, rewards and advantages: the responses packed for the trainer, the rollout
-    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``)."""
+    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``: the
+    log-probs, or ``(log-probs, entropy)`` from the same pass) and, with ``reference_logprobs``, the reference
+    policy's."""
     packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id)
-    logp_trainer = trainer_logprobs(packed, temperature)
+    scored = trainer_logprobs(packed, temperature)
+    logp_trainer, entropy = scored if isinstance(scored, tuple) else (scored, None)
     logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)
-    return StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
+    ctx = StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
+    ctx.entropy = entropy
+    if reference_logprobs is not None:
+        ctx.logp_reference = reference_logprobs(packed, temperature)
+    return ctx
 
 
 def sampling_seed(seed: int, split: str, update: int, key: str = "") -> int:
@@ -133,8 +151,9 @@ def step_metrics(
     baseline: Any,
     scorer: Any,
 ) -> dict[str, float]:
-    """The per-update scalars of one step: reward and advantages, response lengths, loss and update size, times,
-    verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s, update_norm)`` per update."""
+    """The per-update scalars of one step: reward and advantages, response lengths, the policy's entropy, loss and
+    update size, times, verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s,
+    update_norm)`` per update."""
     metrics = {
         "train/reward_mean": float(ctx.rewards.mean()),
         "train/baseline": baseline.value,
@@ -154,7 +173,15 @@ def step_metrics(
         "verifier/timeouts": float(scorer.timeouts),
         "verifier/long_answers": float(scorer.long_answers),
     }
+    if ctx.entropy is not None:
+        metrics["train/entropy"] = mean_entropy(ctx)
     return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}
+
+
+def mean_entropy(ctx: StepContext) -> float:
+    """The policy's mean entropy per response token of this step (before its update)."""
+    mask = ctx.packed.response_mask
+    return float((ctx.entropy * mask).sum() / mask.sum().clamp(min=1))
 
 
 def view_of(pl_module: Any) -> PolicyModuleView | None:
