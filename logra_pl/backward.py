@@ -1,8 +1,9 @@
 """One update's backward passes: the loss over its rows, microbatch by microbatch, into the gradients (or sketches).
 
 The loss of each microbatch is summed over its tokens and divided by the token count of the whole update over all
-ranks, so microbatch and rank losses add up to the token mean (algorithm.md §8). No Lightning here: the caller
-passes its backward (``manual_backward``) and the microbatch plan.
+ranks, so microbatch and rank losses add up to the token mean (algorithm.md §8). A response without a reward (its
+verifier call failed) has no tokens in the loss (``StepContext.loss_mask``, algorithm.md §10). No Lightning here:
+the caller passes its backward (``manual_backward``) and the microbatch plan.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ def backward_over(
     π/π_old with π_old the pre-update trainer (``loss_fn.reference``)."""
     reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
     total = 0.0
+    loss_mask = ctx.loss_mask  # the response tokens, without the responses that have no reward
     for mb in groups:
         packed = select_rows(ctx.packed, mb, trim).to(device)
         logp = response_logprobs(policy, packed, ctx.temperature)
-        adv, ref = ctx.advantages[mb].to(device), reference[mb].to(device)
-        loss = loss_fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), loss_fn.weights(packed.lengths))
+        adv, ref, mask = ctx.advantages[mb].to(device), reference[mb].to(device), loss_mask[mb].to(device)
+        loss = loss_fn(logp, ref, adv, mask, max(num_tokens, 1), loss_fn.weights(packed.lengths))
         backward(loss)
         total += float(loss.detach())
-        for name, (num, den) in loss_fn.stats(logp.detach(), ref, packed.response_mask).items():
+        for name, (num, den) in loss_fn.stats(logp.detach(), ref, mask).items():
             acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
             acc[0] += num
             acc[1] += den

@@ -36,12 +36,13 @@ from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
 from logra_pl.ranks import all_reduce_sum
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
+from logra_pl.rewards.failures import FailurePolicy, Scores, verifier_label
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
-from logra_pl.step import StepContext, assemble_step, sampling_seed, step_metrics
+from logra_pl.step import StepContext, assemble_step, sampling_seed, score_tensors, scored_advantages, step_metrics
 from logra_pl.validation import ValidationMetrics, item_task
 from logra_pl.warm_start import WarmStart
 
@@ -81,8 +82,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             ``logra-pl serve`` engines; YAML ``{class_path: ..., init_args: {...}}``), a short name ``hf | vllm |
             remote`` (default settings), a registered name, or a spec class's or builder's dotted path.
         guard: the divergence guard: oversized or non-finite updates never reach the weights.
-        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
-        verifier: the reward, any ``__call__(response, item) -> float``; default ``ReasoningGymVerifier``.
+        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap; what counts as
+            correct; when a failing verifier stops the run.
+        verifier: the reward, any ``__call__(response, item) -> float`` (:class:`~logra_pl.rewards.Verifier`:
+            optionally ``correct``, ``score_batch``); default ``ReasoningGymVerifier``.
     """
 
     def __init__(
@@ -129,7 +132,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         verifier = verifier or ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
         check_verifier(verifier)
         self.verifier = verifier
-        self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
+        sc = self.scoring
+        self.scorer = BoundedVerifier(self.verifier, sc.timeout_s, sc.workers, sc.correct_threshold)
+        self.failures = FailurePolicy(sc.max_failure_rate, sc.max_failed_updates)
         self.guard = guard or DivergenceGuard()
         self.rejections = RejectionCount(self.guard.max_consecutive)
         self.set_launch(run_config=None, resume_from=None, resume_checked=False)  # outside the CLI
@@ -248,9 +253,22 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Chat-template each item's ``messages`` and tokenize."""
         return encode_prompts(self.tokenizer, items)
 
-    def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> torch.Tensor:
-        """Verifier reward of every response, ``(N,)`` float64 — each call bounded by ``scoring.timeout_s``."""
-        return self.scorer.score_rollout(self.tokenizer, rollout, items)
+    def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> Scores:
+        """Verifier reward, correctness and failure of every response (each call bounded by ``scoring.timeout_s``;
+        scoring stops once the batch is certain to fail: ``FailurePolicy.cut``)."""
+        return self.scorer.score_rollout(self.tokenizer, rollout, items, self.failures.cut(len(rollout)))
+
+    def check_scores(self, scores: Scores, validation_batch: int | None = None) -> None:
+        """Count the responses without a reward over all ranks; one console line when there are any; stop a run whose
+        verifier keeps failing (:class:`~logra_pl.rewards.failures.FailurePolicy`), before anything trains on it."""
+        counts = self._all_reduce_sum(torch.tensor([float(scores.failed), float(len(scores))], dtype=torch.float64))
+        failed, total = int(counts[0]), int(counts[1])
+        ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
+        args = (scores, failed, total, verifier_label(self.verifier), ckpt, self.trainer.is_global_zero)
+        if validation_batch is None:
+            self.failures.record(self.global_step + 1, *args)
+        else:
+            self.failures.check_validation(validation_batch, *args)
 
     def _sampling_seed(self, split: str, key: str = "") -> int:
         return sampling_seed(self.seed, split, self.global_step, key)
@@ -282,10 +300,15 @@ class LoGRAPolicyModule(pl.LightningModule):
                 rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
-        rewards = self.score(rollout, items)
-        advantages = self.baseline.advantages(rewards, self._all_reduce_sum, groups=rollout.prompt_index)
+        scores = self.score(rollout, items)
+        self.check_scores(scores)  # a failed response is never trained on; a broken verifier stops the run here
+        rewards, scored, correct = score_tensors(scores)
+        groups = list(rollout.prompt_index)
+        advantages = scored_advantages(self.baseline, rewards, scored, correct, groups, self._all_reduce_sum)
         t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
-        ctx = assemble_step(self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp)
+        ctx = assemble_step(
+            self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp, scored, correct
+        )
         ctx.staleness = staleness
         return ctx
 
@@ -335,7 +358,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Microbatched loss/backward over ``rows``, then one update through the method and the engine sync."""
         t0 = time.perf_counter()
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
-        tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
+        tokens = int(self._all_reduce_sum(ctx.loss_mask[rows].sum().double().reshape(1)).item())
         groups, trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
         total = backward_over(
             self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim
@@ -359,11 +382,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         rs = self.rollout_settings
         sampling = rs.validation_sampling(self._sampling_seed(f"val{batch_idx}"))
         rollout = self.generate_rollout(self.encode_prompts(batch), sampling)
-        rewards = self.score(rollout, batch)
+        scores = self.score(rollout, batch)
+        self.check_scores(scores, validation_batch=batch_idx)
+        rewards, scored, correct = score_tensors(scores)
         texts = []
         if batch_idx == 0:
             texts = self.tokenizer.batch_decode(rollout.response_ids[: 4 * rs.val_responses], skip_special_tokens=True)
-        self.validation.update(batch, rewards, texts, self.device)
+        self.validation.update(batch, rewards, texts, self.device, correct=correct, scored=scored)
         self.log("val/reward_mean", self.validation.reward, on_step=False, on_epoch=True, batch_size=len(rewards))
 
     def on_validation_epoch_end(self) -> None:

@@ -7,6 +7,8 @@ implements it; a module of your own that does can run the same callbacks).
 from __future__ import annotations
 
 import hashlib
+import inspect
+import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,11 +44,28 @@ class StepContext:
     loss_stats: dict[str, list[float]] = field(default_factory=dict)  # loss statistics: [numerator, denominator]
     staleness: int = 0  # updates between the weights that sampled the rollout and the trainer's (asynchronous)
     update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
+    scored: torch.Tensor | None = None  # (N,) bool: the response has a reward (None: all have); rewards are NaN else
+    correct: torch.Tensor | None = None  # (N,) bool: the verifier calls the response correct (None: not recorded)
 
     @property
     def eos_terminated(self) -> torch.Tensor:
         """``(N,)`` bool: responses that ended with EOS (not truncated)."""
         return torch.tensor([not t for t in self.rollout.truncated])
+
+    @property
+    def all_scored(self) -> bool:
+        """Every response has a reward."""
+        return self.scored is None or bool(self.scored.all())
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``(N, R)``: the tokens the loss sums over — ``packed.response_mask`` with the rows of responses without a
+        reward zeroed (a failed verifier call is never trained on: algorithm.md §10). Those rows also leave the
+        update's token count."""
+        mask = self.packed.response_mask
+        if self.all_scored:
+            return mask
+        return mask * self.scored.to(mask.dtype).unsqueeze(1)
 
 
 def assemble_step(
@@ -58,13 +77,76 @@ def assemble_step(
     pad_id: int,
     trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor],
     temperature: float,
+    scored: torch.Tensor | None = None,
+    correct: torch.Tensor | None = None,
 ) -> StepContext:
     """A step's context from its rollout, rewards and advantages: the responses packed for the trainer, the rollout
-    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``)."""
+    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``);
+    ``scored``/``correct`` as :class:`StepContext` keeps them."""
     packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id)
     logp_trainer = trainer_logprobs(packed, temperature)
     logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)
-    return StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
+    ctx = StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
+    ctx.scored, ctx.correct = scored, correct
+    return ctx
+
+
+def score_tensors(scores: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's :class:`~logra_pl.rewards.failures.Scores` as tensors: rewards ``(N,)`` float64 (NaN where there is
+    none), scored and correct ``(N,)`` bool."""
+    rewards = torch.tensor(scores.rewards, dtype=torch.float64)
+    return rewards, torch.tensor(scores.scored, dtype=torch.bool), torch.tensor(scores.correct, dtype=torch.bool)
+
+
+def scored_advantages(
+    baseline: Any,
+    rewards: torch.Tensor,
+    scored: torch.Tensor,
+    correct: torch.Tensor,
+    groups: list[int],
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The advantages of a batch in which some responses may have no reward: the baseline sees only the scored ones
+    (its statistics, group means and running value leave the others out) and the others get advantage 0.
+
+    Arguments:
+        baseline: the :class:`~logra_pl.losses.AdvantageBaseline`.
+        rewards: ``(N,)`` float64, NaN where ``scored`` is False.
+        scored: ``(N,)`` bool.
+        correct: ``(N,)`` bool, the verifier's correctness (the baselines' outcome).
+        groups: each response's prompt.
+        all_reduce_sum: the ranks' sum (every rank calls the baseline once, with no rows when none scored).
+
+    A group baseline needs others to compare with: a scored response whose prompt has no other scored response gets
+    advantage 0 and stays out of the baseline (a group mean of itself is 0 anyway; leave-one-out has none).
+    """
+    keep = scored.clone()
+    if baseline.needs_groups and not bool(scored.all()):
+        g = torch.as_tensor(groups, dtype=torch.long)
+        per_group = torch.zeros(int(g.max()) + 1 if g.numel() else 0, dtype=torch.long).index_add_(0, g, scored.long())
+        keep &= per_group[g] >= 2
+    if bool(keep.all()):
+        return _call_baseline(baseline, rewards, correct, groups, all_reduce_sum)
+    rows = keep.nonzero().flatten()
+    advantages = torch.zeros(len(rewards), dtype=torch.float64)
+    chosen = _call_baseline(baseline, rewards[rows], correct[rows], [groups[i] for i in rows.tolist()], all_reduce_sum)
+    advantages[rows] = chosen.to(torch.float64)
+    return advantages
+
+
+def _call_baseline(
+    baseline: Any,
+    rewards: torch.Tensor,
+    correct: torch.Tensor,
+    groups: list[int],
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``baseline.advantages``, given the correctness when it takes it (a baseline written before it existed does
+    not: it then sees rewards and groups only)."""
+    params = inspect.signature(baseline.advantages).parameters
+    if "correct" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return baseline.advantages(rewards, all_reduce_sum, groups=groups, correct=correct)
+    return baseline.advantages(rewards, all_reduce_sum, groups=groups)
 
 
 def sampling_seed(seed: int, split: str, update: int, key: str = "") -> int:
@@ -131,12 +213,17 @@ def step_metrics(
     scorer: Any,
 ) -> dict[str, float]:
     """The per-update scalars of one step: reward and advantages, response lengths, loss and update size, times,
-    verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s, update_norm)`` per update."""
+    verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s, update_norm)`` per update.
+    Reward and advantage means are over the scored responses (NaN reward mean when none scored); the ``verifier/*``
+    counts are run totals (``errors``, ``timeouts``, ``nan``, ``long_answers``), ``verifier/failure_rate`` this
+    update's share of responses without a reward."""
+    rows = ctx.scored if not ctx.all_scored else slice(None)  # a response without a reward is left out of the means
+    rewards, advantages = ctx.rewards[rows], ctx.advantages[rows]
     metrics = {
-        "train/reward_mean": float(ctx.rewards.mean()),
+        "train/reward_mean": float(rewards.mean()) if len(rewards) else math.nan,
         "train/baseline": baseline.value,
-        "train/advantage_mean": float(ctx.advantages.mean()),
-        "train/advantage_std": float(ctx.advantages.std()) if len(ctx.advantages) > 1 else 0.0,
+        "train/advantage_mean": float(advantages.mean()) if len(advantages) else 0.0,
+        "train/advantage_std": float(advantages.std()) if len(advantages) > 1 else 0.0,
         "train/response_length": float(ctx.packed.lengths.float().mean()),
         "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
         "train/loss": sum(r[0] for r in results) / len(results),
@@ -148,7 +235,9 @@ def step_metrics(
         "time/step_s": step_s,
         "verifier/errors": float(scorer.errors),
         "verifier/timeouts": float(scorer.timeouts),
+        "verifier/nan": float(scorer.nan),
         "verifier/long_answers": float(scorer.long_answers),
+        "verifier/failure_rate": 0.0 if ctx.all_scored else 1.0 - float(ctx.scored.double().mean()),
     }
     return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}
 
