@@ -80,7 +80,7 @@ def _score_in_worker(response: str, item: Mapping[str, Any]) -> _Outcome:
     verifier = _worker_verifier
     if verifier is None:
         raise RuntimeError("no verifier installed in this worker process")
-    return _score_call(verifier, response, item)
+    return _score_call(verifier, response, item, count=True)
 
 
 # What one call sends back: (reward, correct or None, errors added, long answers added, components or None, failure
@@ -89,18 +89,19 @@ def _score_in_worker(response: str, item: Mapping[str, Any]) -> _Outcome:
 _Outcome = tuple[float, bool | None, int, int, dict[str, float] | None, tuple[str, str, str] | None]
 
 
-def _failed(kind: str, message: str, trace: str = "", added: tuple[int, int] = (0, 0)) -> _Outcome:
-    """The outcome of a call that gave no reward (``added``: the verifier's own counters moved meanwhile)."""
-    return math.nan, None, added[0], added[1], None, (kind, message, trace)
+def _failed(kind: str, message: str, trace: str = "") -> _Outcome:
+    """The outcome of a call that gave no reward."""
+    return math.nan, None, 0, 0, None, (kind, message, trace)
 
 
 _UNSCORED = _failed("unscored", "not scored: the batch was already certain to fail")
 
 
-def _score_call(verifier: Any, response: str, item: Mapping[str, Any]) -> _Outcome:
+def _score_call(verifier: Any, response: str, item: Mapping[str, Any], count: bool) -> _Outcome:
     """Call ``verifier(response, item)``, then its ``components`` and ``correct`` when it has them; a raise or a
     non-finite reward is returned as a failure. A :class:`~logra_pl.errors.LoGRAError` (a verifier that cannot work
-    at all: a missing model, a bad setting) is raised: it stops the run at once."""
+    at all: a missing model, a bad setting) is raised: it stops the run at once. ``count``: report how much the
+    verifier's own counters moved (a worker's copy; in the calling process they moved on the verifier itself)."""
     before = read_counter(verifier, "errors"), read_counter(verifier, "long_answers")
     reward, correct, parts, failure = math.nan, None, None, None
     try:
@@ -116,6 +117,8 @@ def _score_call(verifier: Any, response: str, item: Mapping[str, Any]) -> _Outco
         found = exception_failure(err, "", skip_file=__file__)
         reward, parts, correct, failure = math.nan, None, None, ("errors", found.message, found.traceback)
     after = read_counter(verifier, "errors"), read_counter(verifier, "long_answers")
+    if not count:
+        return reward, correct, 0, 0, parts, failure
     return reward, correct, after[0] - before[0], after[1] - before[1], parts, failure
 
 
@@ -398,14 +401,13 @@ class BoundedVerifier:
         return Scores(rewards, correct, failures, dict(self.last_components))
 
     def _here(self, response: str, item: Mapping[str, Any]) -> _Outcome:
-        return _score_call(self.verifier, response, item)
+        return _score_call(self.verifier, response, item, count=False)
 
     def _score_batch(
         self, batch: Callable[..., Any], responses: Sequence[str], items: Sequence[Mapping[str, Any]]
     ) -> list[_Outcome]:
         """One ``score_batch`` call in this process. An element that is an exception fails its response (a
         ``TimeoutError`` as a timeout); a raise fails every response of the batch."""
-        before = read_counter(self.verifier, "errors"), read_counter(self.verifier, "long_answers")
         n = len(responses)
         try:
             values = list(batch(list(responses), list(items)))
@@ -419,13 +421,8 @@ class BoundedVerifier:
             failure_all: tuple[str, str, str] | None = ("errors", found.message, found.traceback)
         else:
             failure_all = None
-        after = read_counter(self.verifier, "errors"), read_counter(self.verifier, "long_answers")
-        outcomes: list[_Outcome] = []
-        for k, (value, response, item) in enumerate(zip(values, responses, items, strict=True)):
-            # The verifier's own counters moved during the batch call: credit that once, to the first outcome.
-            added = (after[0] - before[0], after[1] - before[1]) if k == 0 else (0, 0)
-            outcomes.append(self._batch_outcome(value, response, item, failure_all, added))
-        return outcomes
+        # (The verifier's own counters moved on the verifier itself: nothing to add.)
+        return [self._batch_outcome(v, r, i, failure_all) for v, r, i in zip(values, responses, items, strict=True)]
 
     def _batch_outcome(
         self,
@@ -433,26 +430,25 @@ class BoundedVerifier:
         response: str,
         item: Mapping[str, Any],
         failure_all: tuple[str, str, str] | None,
-        added: tuple[int, int],
     ) -> _Outcome:
         if failure_all is not None:
-            return _failed(*failure_all, added=added)
+            return _failed(*failure_all)
         if isinstance(value, BaseException):
             found = exception_failure(value, "", skip_file=__file__)
             kind = "timeouts" if isinstance(value, TimeoutError) else "errors"
-            return _failed(kind, found.message, found.traceback, added)
+            return _failed(kind, found.message, found.traceback)
         try:
             reward = float(value)
             if not math.isfinite(reward):
-                return _failed("nan", f"returned {reward}", added=added)
+                return _failed("nan", f"returned {reward}")
             parts = _components(self.verifier, response, item)
             correct = ask_correct(self.verifier, response, item, reward)
         except LoGRAError:
             raise
         except Exception as err:
             found = exception_failure(err, "", skip_file=__file__)
-            return _failed("errors", found.message, found.traceback, added)
-        return reward, correct, *added, parts, None
+            return _failed("errors", found.message, found.traceback)
+        return reward, correct, 0, 0, parts, None
 
     def _score_in_pool(
         self, responses: Sequence[str], items: Sequence[Mapping[str, Any]], stop_at: int | None
