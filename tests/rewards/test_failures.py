@@ -46,9 +46,9 @@ def test_cut_is_the_first_count_at_the_share() -> None:
     assert FailurePolicy(max_failure_rate=0.3).cut(10) == 3  # 0.3·10 is 3.0000000000000004 in floats
     assert FailurePolicy(max_failure_rate=1.0).cut(5) == 5
     assert FailurePolicy(max_failure_rate=0.5).fails(4, 8) and not FailurePolicy(max_failure_rate=0.5).fails(3, 8)
-    with pytest.raises(ConfigError, match="scoring.max_failure_rate"):
+    with pytest.raises(ConfigError, match=r"scoring\.max_failure_rate"):
         FailurePolicy(max_failure_rate=0.0)
-    with pytest.raises(ConfigError, match="scoring.max_failed_updates"):
+    with pytest.raises(ConfigError, match=r"scoring\.max_failed_updates"):
         FailurePolicy(max_failed_updates=0)
 
 
@@ -211,8 +211,9 @@ def test_a_failed_response_adds_nothing_to_the_update(qwen2_factory) -> None:
 
 
 class _Scorer:
-    errors, timeouts, nan, long_answers = 1, 2, 3, 0
-    last_components: dict[str, float] = {}
+    def __init__(self) -> None:
+        self.errors, self.timeouts, self.nan, self.long_answers = 1, 2, 3, 0
+        self.last_components: dict[str, float] = {}
 
 
 def test_step_metrics_average_the_scored_responses_only() -> None:
