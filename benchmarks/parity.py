@@ -317,6 +317,8 @@ class RunSpec:
 # as it did without it, so a new option does not rerun finished runs. Any other value is a new setting and reruns.
 ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "model.rollout": {"max_staleness": 0, "max_stale_kl": None},  # asynchronous rollouts (51221aa)
+    # correctness and the verifier failure policy (issue 25)
+    "model.scoring": {"correct_threshold": 1.0, "max_failure_rate": 0.5, "max_failed_updates": 2},
 }
 
 
