@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 # runs (they use none of the new options) and why it exists. Everything else must be as recorded.
 ADDED_SCALARS = {
     "memory/state/sketch_moments": "issue 23: bytes of LoGRA's sketch-space first moment (logra.beta1 > 0)",
+    "verifier/nan": "issue 25: verifier calls that returned a non-finite reward (run total)",
+    "verifier/failure_rate": "issue 25: the update's share of responses without a reward",
 }
 ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
     "beta1": 0.0,
@@ -33,6 +35,10 @@ ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options
     "lr_min_ratio": 1.0,
     "moments": {},
     "moment_age": 0,
+    # issue 25: the runner's count of non-finite rewards and the failure policy's failing updates
+    "nan": 0,
+    "failed_updates": 0,
+    "failed_in_a_row": 0,
 }
 
 
