@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import pytest
 import reasoning_gym
@@ -351,3 +353,17 @@ def test_forgotten_pool_does_not_block_interpreter_exit() -> None:
     assert result.returncode == 0, result.stderr
     assert "exiting" in result.stdout
     assert time.perf_counter() - start < 60
+
+
+def test_the_batch_verifier_of_the_guide_runs() -> None:
+    """docs/extending.md's batch example, executed as written: one score_batch call, its own correctness."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", guide, re.DOTALL) if "class LengthScore" in block)
+    namespace: dict = {}
+    exec(code, namespace)
+    verifier = namespace["LengthScore"]()
+    items = [{"answer": "4"}, {"answer": "4"}, {"answer": "9"}]
+    scores = BoundedVerifier(verifier, timeout_s=TIMEOUT_S).run(["so 4", "", "nine"], items)
+    assert scores.rewards[0] == 4.0 and scores.rewards[2] == 4.0
+    assert [f.kind if f else None for f in scores.failures] == [None, "errors", None]
+    assert scores.correct == [True, False, False]  # its own verdict, not reward >= 1
