@@ -316,7 +316,14 @@ class RunSpec:
 # which a run is bit for bit the run before the key existed): a config that holds one of them at that value hashes
 # as it did without it, so a new option does not rerun finished runs. Any other value is a new setting and reruns.
 ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
-    "model.rollout": {"max_staleness": 0, "max_stale_kl": None},  # asynchronous rollouts (51221aa)
+    "model.rollout": {
+        "max_staleness": 0,  # asynchronous rollouts (51221aa)
+        "max_stale_kl": None,
+        "dynamic_sampling": False,  # batch shaping (issue 25)
+        "max_sampling_rounds": 3,
+        "overlong_buffer": 0,
+        "overlong_penalty": 1.0,
+    },
     # correctness and the verifier failure policy (issue 25)
     "model.scoring": {"correct_threshold": 1.0, "max_failure_rate": 0.5, "max_failed_updates": 2},
 }

@@ -25,7 +25,7 @@ from logra_pl.checkpointing import enable_activation_checkpointing
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
 from logra_pl.engine_link import EngineLink
-from logra_pl.errors import PolicyDivergedError, check_int
+from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
 from logra_pl.logprobs import PackedResponses, response_logprobs
 from logra_pl.lora import LoRAConfig
@@ -34,12 +34,13 @@ from logra_pl.methods import UpdateMethod
 from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
-from logra_pl.ranks import all_reduce_sum
+from logra_pl.ranks import all_reduce_max, all_reduce_sum, any_rank
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
-from logra_pl.rewards.failures import FailurePolicy, Scores, verifier_label
+from logra_pl.rewards.failures import FailurePolicy, Scores, merge_scores, verifier_label
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
+from logra_pl.shaping import Drawn, RefillStream, dynamic_batch, overlong_penalty
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.step import StepContext, assemble_step, sampling_seed, score_tensors, scored_advantages, step_metrics
@@ -135,6 +136,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         sc = self.scoring
         self.scorer = BoundedVerifier(self.verifier, sc.timeout_s, sc.workers, sc.correct_threshold)
         self.failures = FailurePolicy(sc.max_failure_rate, sc.max_failed_updates)
+        self._update_scores: list[Scores] = []  # every response scored for the current update, all rounds
         self.guard = guard or DivergenceGuard()
         self.rejections = RejectionCount(self.guard.max_consecutive)
         self.set_launch(run_config=None, resume_from=None, resume_checked=False)  # outside the CLI
@@ -146,6 +148,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.step_context: StepContext | None = None
         self.async_rollouts: AsyncRollouts | None = None  # rollout.max_staleness >= 1, from on_train_start
         self._async_state: dict[str, Any] | None = None  # a checkpoint's pipeline, until on_train_start
+        self.refill: RefillStream | None = None  # rollout.dynamic_sampling's further prompts, from on_train_start
+        self._refill_state: dict[str, int] | None = None  # a checkpoint's refill position, until on_train_start
         self.validation = ValidationMetrics(self.rollout_settings.pass_at(), self.rollout_settings.val_responses)
 
     def set_launch(self, run_config: dict[str, Any] | None, resume_from: str | None, resume_checked: bool) -> None:
@@ -190,6 +194,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         """The engine samples from weights equal to the trainer's (after any checkpoint restore); with
         ``rollout.max_staleness`` ≥ 1 the asynchronous pipeline starts (with a checkpoint's unused rollouts)."""
         self.sync_engine(full=True)
+        if self.rollout_settings.dynamic_sampling:
+            self.refill = self._refill_stream()
         k = self.rollout_settings.max_staleness
         if k:
             AsyncRollouts.check(self, self.trainer)
@@ -199,6 +205,24 @@ class LoGRAPolicyModule(pl.LightningModule):
                 self.async_rollouts.load_state_dict(self._async_state)
                 self._async_state = None
             self.link.pipeline = self.async_rollouts.pipeline
+
+    def _refill_stream(self) -> RefillStream:
+        """Dynamic sampling's stream of further prompts over the training loader's dataset (a checkpoint's position
+        restored)."""
+        trainer, loader = self.trainer, self.trainer.train_dataloader
+        dataset, per_rank = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+        if dataset is None or not per_rank or not hasattr(dataset, "__getitem__"):
+            raise ConfigError(
+                "rollout.dynamic_sampling samples further prompts from the training loader's dataset, but this loader "
+                "has no indexable dataset with a batch size (use the project's data modules, whose loaders do, or turn "
+                "dynamic_sampling off)"
+            )
+        sampler = getattr(loader, "sampler", None)
+        stream = RefillStream(dataset, trainer.world_size, trainer.global_rank, per_rank, getattr(sampler, "seed", 0))
+        if self._refill_state is not None:
+            stream.load_state_dict(self._refill_state)
+            self._refill_state = None
+        return stream
 
     def on_validation_start(self) -> None:
         """Validation samples from the engine too: it must hold the current weights. Per-task pass@1 when the
@@ -258,9 +282,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         scoring stops once the batch is certain to fail: ``FailurePolicy.cut``)."""
         return self.scorer.score_rollout(self.tokenizer, rollout, items, self.failures.cut(len(rollout)))
 
-    def check_scores(self, scores: Scores, validation_batch: int | None = None) -> None:
+    def check_scores(self, scores: Scores, validation_batch: int | None = None) -> float:
         """Count the responses without a reward over all ranks; one console line when there are any; stop a run whose
-        verifier keeps failing (:class:`~logra_pl.rewards.failures.FailurePolicy`), before anything trains on it."""
+        verifier keeps failing (:class:`~logra_pl.rewards.failures.FailurePolicy`), before anything trains on it.
+        Returns this rank's share of responses without a reward."""
         counts = self._all_reduce_sum(torch.tensor([float(scores.failed), float(len(scores))], dtype=torch.float64))
         failed, total = int(counts[0]), int(counts[1])
         ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
@@ -269,6 +294,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             self.failures.record(self.global_step + 1, *args)
         else:
             self.failures.check_validation(validation_batch, *args)
+        return scores.failed / len(scores) if len(scores) else 0.0
 
     def _sampling_seed(self, split: str, key: str = "") -> int:
         return sampling_seed(self.seed, split, self.global_step, key)
@@ -276,41 +302,90 @@ class LoGRAPolicyModule(pl.LightningModule):
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(compat.trainer_of(self), t, self.device)
 
-    def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> list[list[int]]:
-        return microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
+    def _microbatches(self, rows: list[int], packed: PackedResponses | None = None) -> tuple[list[list[int]], int]:
+        """The microbatches of ``rows``, as many on every rank: a rank with fewer (token budgets cut ranks' rows
+        differently) repeats its first row in padding microbatches at the end, whose loss counts zero. Sharded
+        parameters are gathered once per forward on every rank (FSDP), so unequal forward counts would hang. Returns
+        the microbatches and how many of them at the end are padding."""
+        groups = microbatches(rows, self.microbatch_size, self.max_tokens_per_microbatch, packed)
+        agreed = all_reduce_max(compat.trainer_of(self), len(groups), self.device)
+        padding = agreed - len(groups)
+        return groups + [groups[0][:1]] * padding, padding
 
     @torch.no_grad()
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The trainer's log-probs of the packed responses, microbatched, without grad."""
         trim, rows = self.max_tokens_per_microbatch is not None, list(range(packed.input_ids.shape[0]))
-        parts = [select_rows(packed, mb, trim).to(self.device) for mb in self._microbatches(rows, packed)]
-        return torch.cat([response_logprobs(self.policy, p, temperature) for p in parts]).cpu()
+        groups, padding = self._microbatches(rows, packed)
+        parts = [
+            response_logprobs(self.policy, select_rows(packed, mb, trim).to(self.device), temperature) for mb in groups
+        ]
+        return torch.cat(parts[: len(parts) - padding]).cpu()
 
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
-        staleness = 0
+        staleness, shaping = 0, {}
+        self._update_scores = []
         try:
             if self.async_rollouts is not None:  # sampled ahead by the worker (or again, when too stale)
                 rollout, staleness = self.async_rollouts.rollout(items)
+                drawn = self._scored(items, rollout)
             else:
-                sampling = rs.training_sampling(self._sampling_seed("train"))
-                # One seed per prompt (from its question): a prompt's responses do not depend on batch or ranks.
-                seeds = [self._sampling_seed("train", prompt_key(it)) for it in items]
-                rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
+                drawn = self._draw(items, "train")
+                if rs.dynamic_sampling:  # only prompts whose responses' raw rewards differ (DAPO)
+                    rounds = rs.max_sampling_rounds
+                    picked = dynamic_batch(drawn, self._draw_refill, len(items), rounds, self._any_short)
+                    drawn, shaping = picked.batch, picked.metrics()
+            items, rollout, rewards, correct = drawn.items, drawn.rollout, drawn.rewards, drawn.correct
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
-        scores = self.score(rollout, items)
-        self.check_scores(scores)  # a failed response is never trained on; a broken verifier stops the run here
-        rewards, scored, correct = score_tensors(scores)
+        # A failed response is never trained on; a verifier that keeps failing stops the run here, before training.
+        failure_rate = self.check_scores(merge_scores(self._update_scores))
+        scored = ~torch.isnan(rewards)  # a response without a reward has NaN (rewards/failures.py)
+        shaped = rewards
+        if rs.overlong_buffer:  # DAPO's soft overlong punishment: on the advantages' reward, never on the raw one
+            lengths = torch.tensor([len(r) for r in rollout.response_ids])
+            penalty = overlong_penalty(lengths, rs.max_new_tokens, rs.overlong_buffer, rs.overlong_penalty)
+            shaped = rewards + penalty
+            shaping["shaping/overlong_penalty"] = float(penalty.mean())
+            shaping["shaping/overlong_rate"] = float((penalty < 0).double().mean())
         groups = list(rollout.prompt_index)
-        advantages = scored_advantages(self.baseline, rewards, scored, correct, groups, self._all_reduce_sum)
+        advantages = scored_advantages(self.baseline, shaped, scored, correct, groups, self._all_reduce_sum)
         t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
         ctx = assemble_step(
             self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp, scored, correct
         )
-        ctx.staleness = staleness
+        ctx.staleness, ctx.shaping, ctx.shaped_rewards = staleness, shaping, shaped
+        ctx.metrics["verifier/failure_rate"] = failure_rate  # over every response scored for the update
         return ctx
+
+    def _any_short(self, short: bool) -> bool:
+        """Is any rank's dynamic batch still short (one all-reduce; every rank then draws the next round or none)?
+        An update already certain to fail draws no further round: it will not train on them."""
+        scored = merge_scores(self._update_scores)
+        failing = self.failures.fails(scored.failed, len(scored))
+        return any_rank(compat.trainer_of(self), short and not failing)
+
+    def _draw(self, items: list[dict[str, Any]], split: str) -> Drawn:
+        """Sample and score ``items`` with the training settings; one seed per prompt (from its question and
+        ``split``): a prompt's responses do not depend on batch or ranks."""
+        sampling = self.rollout_settings.training_sampling(self._sampling_seed(split))
+        seeds = [self._sampling_seed(split, prompt_key(it)) for it in items]
+        rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
+        return self._scored(items, rollout)
+
+    def _scored(self, items: list[dict[str, Any]], rollout: Rollout) -> Drawn:
+        """``rollout`` scored: raw rewards (NaN without one) and correctness; kept for the update's failure count."""
+        scores = self.score(rollout, items)
+        self._update_scores.append(scores)
+        rewards, _, correct = score_tensors(scores)
+        return Drawn(items, rollout, rewards, correct)
+
+    def _draw_refill(self, round_index: int) -> Drawn:
+        """Dynamic sampling's round ``round_index`` (≥ 1): the next prompts of the refill stream, sampled and
+        scored (their seeds keyed by the round, so a prompt drawn again samples other responses)."""
+        return self._draw(self.refill.next_items(), f"train/refill{round_index}")
 
     # ---------------------------------------------------------------------------------------- training
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
@@ -321,7 +396,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         plan = self.loss_config.plan(len(ctx.rollout), self._sampling_seed("ppo"))  # one update, or PPO's several
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
-        metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
+        metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer) | ctx.shaping
+        metrics["verifier/failure_rate"] = ctx.metrics.get("verifier/failure_rate", metrics["verifier/failure_rate"])
         if self.async_rollouts is not None:
             metrics |= self.async_rollouts.metrics()
         metrics["guard/rejected_updates"] = float(self.rejections.total)
@@ -359,9 +435,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         t0 = time.perf_counter()
         # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
         tokens = int(self._all_reduce_sum(ctx.loss_mask[rows].sum().double().reshape(1)).item())
-        groups, trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
+        (groups, padding), trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
         total = backward_over(
-            self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim
+            self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim, padding
         )
         t1 = time.perf_counter()
         result = self.method.step(self.optimizers(), self.lr_schedulers(), self._all_reduce_sum)
@@ -405,6 +481,8 @@ class LoGRAPolicyModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The module's own state (the rest is in the optimizer state) and the run's settings, for honest resumes."""
         checkpoint["logra_pl"] = module_state(self)
+        if self.refill is not None:  # where dynamic sampling's further prompts continue
+            checkpoint["logra_pl"]["refill"] = self.refill.state_dict()
         if self.async_rollouts is not None:  # wait for the requests in flight: their rollouts are saved too
             self.async_rollouts.finish()
             checkpoint["logra_pl"]["async"] = self.async_rollouts.state_dict()
@@ -414,6 +492,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         state, so a resume under another method gets a message, not a ``KeyError``); restore the module's state."""
         restore_module_state(self, checkpoint)
         self._async_state = (checkpoint.get("logra_pl") or {}).get("async")
+        self._refill_state = (checkpoint.get("logra_pl") or {}).get("refill")
 
     # ------------------------------------------------------------------------------------------ console
     def configure_callbacks(self) -> list[pl.Callback]:

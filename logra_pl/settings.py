@@ -42,6 +42,15 @@ class RolloutSettings:
         max_stale_kl: with ``max_staleness`` ≥ 1, a batch is used only while the KL of the updates merged since its
             weights (summed, as PredictedKLControl priced them) is at most this; else it is sampled again by the
             current weights. None: the staleness bound alone.
+        dynamic_sampling: DAPO's dynamic sampling (:mod:`logra_pl.shaping`): train only on prompts whose responses
+            got different raw rewards, sampling further prompts until the update holds as many such groups as it
+            has prompts (needs ``responses_per_prompt`` ≥ 2).
+        max_sampling_rounds: with ``dynamic_sampling``, rounds of prompts sampled per update at most (the loader's
+            batch counts as the first); a batch still short after them is completed with uniform groups.
+        overlong_buffer: DAPO's soft overlong punishment: responses longer than ``max_new_tokens − overlong_buffer``
+            tokens get a penalty falling linearly to ``−overlong_penalty`` at ``max_new_tokens``, added to the
+            reward the advantages see (the raw reward is logged and filtered on). 0: off.
+        overlong_penalty: the penalty's size at ``max_new_tokens``.
     """
 
     responses_per_prompt: int = 1
@@ -56,6 +65,10 @@ class RolloutSettings:
     share_weights: bool = False
     max_staleness: int = 0
     max_stale_kl: float | None = None
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def training_sampling(self, seed: int) -> SamplingConfig:
         """The sampling of one training rollout."""
@@ -102,6 +115,29 @@ class RolloutSettings:
                     "rollout.max_stale_kl bounds stale batches, but rollout.max_staleness is 0 (synchronous: none "
                     "are stale); set max_staleness >= 1, or remove max_stale_kl"
                 )
+        check_int("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ConfigError(f"rollout.dynamic_sampling must be true or false, got {self.dynamic_sampling!r}")
+        if self.dynamic_sampling and self.responses_per_prompt < 2:
+            raise ConfigError(
+                "rollout.dynamic_sampling keeps prompts whose responses got different rewards, but "
+                f"rollout.responses_per_prompt is {self.responses_per_prompt}: set it to 2 or more (e.g. 4 or 8), or "
+                "turn dynamic_sampling off"
+            )
+        if self.dynamic_sampling and self.max_staleness:
+            raise ConfigError(
+                "rollout.dynamic_sampling decides each further round from the rewards of the last one, which "
+                "asynchronous rollouts (rollout.max_staleness >= 1) sample before the update that trains them: use "
+                "one of the two (max_staleness: 0, or dynamic_sampling: false)"
+            )
+        check_int("rollout.overlong_buffer", self.overlong_buffer, 0)
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError(
+                f"rollout.overlong_buffer={self.overlong_buffer} is longer than rollout.max_new_tokens="
+                f"{self.max_new_tokens}: the penalty would start before the first token; use a buffer of at most "
+                "max_new_tokens (DAPO: 4096 of 20480)"
+            )
+        check_range("rollout.overlong_penalty", self.overlong_penalty, 0.0, hint="the penalty at max_new_tokens")
         if self.temperature == 0:
             log.warning(
                 "rollout.temperature is 0: training samples greedily, so every response to a prompt is the same and "

@@ -46,6 +46,9 @@ class StepContext:
     update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
     scored: torch.Tensor | None = None  # (N,) bool: the response has a reward (None: all have); rewards are NaN else
     correct: torch.Tensor | None = None  # (N,) bool: the verifier calls the response correct (None: not recorded)
+    shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
+    shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
+    padded_microbatches: int = 0  # zero-loss microbatches that kept this rank's forward count equal to the others'
 
     @property
     def eos_terminated(self) -> torch.Tensor:
@@ -102,7 +105,7 @@ def scored_advantages(
     baseline: Any,
     rewards: torch.Tensor,
     scored: torch.Tensor,
-    correct: torch.Tensor,
+    correct: torch.Tensor | None,
     groups: list[int],
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
@@ -113,7 +116,7 @@ def scored_advantages(
         baseline: the :class:`~logra_pl.losses.AdvantageBaseline`.
         rewards: ``(N,)`` float64, NaN where ``scored`` is False.
         scored: ``(N,)`` bool.
-        correct: ``(N,)`` bool, the verifier's correctness (the baselines' outcome).
+        correct: ``(N,)`` bool, the verifier's correctness (the baselines' outcome); None: ``reward >= 1``.
         groups: each response's prompt.
         all_reduce_sum: the ranks' sum (every rank calls the baseline once, with no rows when none scored).
 
@@ -129,7 +132,8 @@ def scored_advantages(
         return _call_baseline(baseline, rewards, correct, groups, all_reduce_sum)
     rows = keep.nonzero().flatten()
     advantages = torch.zeros(len(rewards), dtype=torch.float64)
-    chosen = _call_baseline(baseline, rewards[rows], correct[rows], [groups[i] for i in rows.tolist()], all_reduce_sum)
+    verdicts = correct[rows] if correct is not None else None
+    chosen = _call_baseline(baseline, rewards[rows], verdicts, [groups[i] for i in rows.tolist()], all_reduce_sum)
     advantages[rows] = chosen.to(torch.float64)
     return advantages
 
@@ -137,7 +141,7 @@ def scored_advantages(
 def _call_baseline(
     baseline: Any,
     rewards: torch.Tensor,
-    correct: torch.Tensor,
+    correct: torch.Tensor | None,
     groups: list[int],
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
@@ -228,6 +232,7 @@ def step_metrics(
         "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
         "train/loss": sum(r[0] for r in results) / len(results),
         "train/update_norm": results[-1][3],
+        "train/padded_microbatches": float(ctx.padded_microbatches),
         "time/rollout_s": rollout_s,
         "time/train_s": sum(r[1] for r in results),
         "time/update_s": sum(r[2] for r in results),

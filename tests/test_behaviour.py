@@ -25,6 +25,7 @@ ADDED_SCALARS = {
     "memory/state/sketch_moments": "issue 23: bytes of LoGRA's sketch-space first moment (logra.beta1 > 0)",
     "verifier/nan": "issue 25: verifier calls that returned a non-finite reward (run total)",
     "verifier/failure_rate": "issue 25: the update's share of responses without a reward",
+    "train/padded_microbatches": "issue 25: zero-loss microbatches that equal the ranks' forward counts (0: one rank)",
 }
 ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
     "beta1": 0.0,

@@ -33,8 +33,9 @@ OVERLAYS = {"adamw": CONFIGS / "tiny_cpu_adamw.yaml", "vllm": CONFIGS / "tiny_cp
 # Overlays with no full config of their own (the parity protocol's methods: benchmarks/ablate.py --grid parity), and
 # the overlays each one is applied after (on the base).
 PROTOCOL_OVERLAYS = {"paper_logra": (), "logra_levers": ("paper_logra",)}
-# Overlays that swap one part of any config (the reward): no full config of their own, parsed on the base.
-PART_OVERLAYS = ("reward_model", "llm_judge")
+# Overlays that switch a feature on, or swap one part (the reward), over the base (no full config of their own): they
+# parse, instantiate and hold only what differs from the base.
+FEATURE_OVERLAYS = ("dapo_shaping", "reward_model", "llm_judge")
 # configs/paper/ are GPU recipes (and overlays on them): tests/test_paper_recipes.py covers them.
 CONFIG_FILES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] != "paper")
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
@@ -139,7 +140,7 @@ def _skip_unmerged_logra_keys(config: Path) -> None:
 
 def test_every_overlay_has_its_full_config() -> None:
     stems = sorted(p.stem for p in (CONFIGS / "overlays").glob("*.yaml"))
-    assert stems == sorted([*OVERLAYS, *PROTOCOL_OVERLAYS, *PART_OVERLAYS])
+    assert stems == sorted([*OVERLAYS, *PROTOCOL_OVERLAYS, *FEATURE_OVERLAYS])
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
@@ -153,7 +154,7 @@ def test_overlay_on_base_resolves_to_full_config(overlay: str) -> None:
     assert composed == full
 
 
-@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+@pytest.mark.parametrize("overlay", sorted([*OVERLAYS, *FEATURE_OVERLAYS]))
 def test_overlay_holds_only_differences(overlay: str) -> None:
     """No overlay key restates the base's value (lists count as one value; a `key+:` list is always new)."""
     base = _flat(_resolved(BASE))

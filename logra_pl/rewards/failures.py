@@ -114,6 +114,15 @@ class Scores:
         return next((f for f in self.failures if f is not None and f.kind != "unscored"), None)
 
 
+def merge_scores(parts: list[Scores]) -> Scores:
+    """Several batches' scores as one (in order), e.g. the rounds of one update; components are left out."""
+    return Scores(
+        [r for p in parts for r in p.rewards],
+        [c for p in parts for c in p.correct],
+        [f for p in parts for f in p.failures],
+    )
+
+
 def verifier_label(verifier: Any) -> str:
     """The verifier as a message names it: ``module.Class``, with its ``repr`` when it has one of its own."""
     if inspect.isfunction(verifier) or inspect.ismethod(verifier):

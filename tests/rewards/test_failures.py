@@ -261,3 +261,20 @@ def test_macro_mean_mask_against_a_plain_loop() -> None:
     out = metric.compute()
     assert float(out["x/reward"]) == pytest.approx(means["x"]) and float(out["y/reward"]) == pytest.approx(means["y"])
     assert float(out["macro_reward"]) == pytest.approx((means["x"] + means["y"]) / 2)
+
+
+def test_dynamic_sampling_judges_a_group_on_its_scored_responses() -> None:
+    from logra_pl.shaping import Drawn, concat, dynamic_batch, mixed_groups
+
+    nan = math.nan
+    rewards = torch.tensor([1.0, nan, 0.0, 1.0, nan, 1.0, nan, nan, 0.5], dtype=torch.float64)
+    groups = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    # Prompt 0: 1 vs 0 among the scored (mixed); prompt 1: 1 and 1 (uniform); prompt 2: one scored (never mixed).
+    assert mixed_groups(rewards, groups) == [True, False, False]
+    rollout = _rollout([0, 1, 2, 3])
+    correct = torch.tensor([True, False, False, True])
+    first = Drawn([{"id": "a"}, {"id": "b"}], rollout, torch.tensor([1.0, nan, 0.0, 1.0]), correct)
+    first.rollout.prompt_index = [0, 0, 1, 1]
+    picked = dynamic_batch(first, lambda j: first, 1, 1).batch  # "a" has one scored response: not mixed
+    assert picked.items == [{"id": "b"}] and picked.correct.tolist() == [False, True]  # the verdicts travel along
+    assert concat([first, first]).correct.tolist() == correct.tolist() * 2

@@ -75,9 +75,11 @@ class Record(pl.Callback):
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, str, list[int]]] = []
+        self.padded = 0  # zero-loss microbatches this rank ran to match the others' forward count
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         ctx = pl_module.step_context
+        self.padded += ctx.padded_microbatches
         for i, resp in zip(ctx.rollout.prompt_index, ctx.rollout.response_ids, strict=True):
             self.rows.append((ctx.update_index, ctx.items[i]["question"], resp))
 
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("--hf-export", default=None, help="HFExport every 3 updates and at the end to this folder")
     parser.add_argument("--snapshot-at", type=int, default=None, help="also record the state after this update")
     parser.add_argument("--kl-control", action="store_true", help="PredictedKLControl (constant budget, calibrating)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="model.max_tokens_per_microbatch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -106,6 +109,7 @@ def main() -> None:
         logra=LoGRAConfig(rank=16, update_ratio=1e-3),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
+        max_tokens_per_microbatch=args.max_tokens,
     )
     data = ReasoningGymDataModule({"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8)
     callbacks: list[pl.Callback] = [record := Record(), counter := CountLayerForwards()]
@@ -139,14 +143,16 @@ def main() -> None:
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_resume)
     state = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    rows = [None] * trainer.world_size
+    rows, padded = [None] * trainer.world_size, [None] * trainer.world_size
     torch.distributed.all_gather_object(rows, record.rows)
+    torch.distributed.all_gather_object(padded, record.padded)
     if trainer.global_rank == 0:
         torch.save(
             {
                 "policy": state,
                 "logra": module.sketcher.state_dict() if module.sketcher is not None else None,
                 "rows": sorted(r for part in rows for r in part),
+                "padded": padded,
                 "engine": module.engine.model.state_dict(),
                 "stats": trainer.strategy.stats,
                 "layer_forwards": counter.calls,

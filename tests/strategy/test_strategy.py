@@ -44,6 +44,8 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
         "one_resumed6": _run(tmp, 1, 6, "one_resumed6", "--ckpt-resume", str(ckpt1 / "step=3.ckpt")),
         "adamw": _run(tmp, 2, 2, "adamw", "--optimizer", "adamw", "--kl-control"),
         "adamw_one": _run(tmp, 1, 2, "adamw_one", "--optimizer", "adamw", "--kl-control"),
+        "budget_two": _run(tmp, 2, 2, "budget_two", "--max-tokens", "70"),
+        "budget_one": _run(tmp, 1, 2, "budget_one", "--max-tokens", "70"),
         "dist6": _run(tmp, 2, 6, "dist6", "--ckpt-dir", str(dckpt), "--distributed-ckpt"),
         "dist_resumed6": _run(
             tmp, 2, 6, "dist_resumed6", "--ckpt-resume", str(dckpt / "step=3.ckpt"), "--distributed-ckpt"
@@ -69,6 +71,17 @@ def test_two_processes_equal_one(runs) -> None:
     assert changed  # and the run did train the sketched matrices (guard against a vacuous equality)
     # Every rank's engine holds the trainer's (gathered) weights.
     assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
+
+
+def test_token_budgets_that_cut_ranks_differently_pad_to_equal_forward_counts(runs) -> None:
+    """``max_tokens_per_microbatch`` groups each rank's own rows, so ranks can need different microbatch counts; FSDP
+    gathers each layer on every rank per forward, so the ranks agree on the largest count and a rank with fewer runs
+    zero-loss padding microbatches. Without that the run hangs; with it, 2 ranks still equal 1."""
+    one, two = runs["budget_one"], runs["budget_two"]
+    assert sum(two["padded"]) > 0 and one["padded"] == [0]  # the unequal case happened (and one rank never pads)
+    assert one["rows"] == two["rows"]
+    for key, value in one["policy"].items():
+        assert float((value - two["policy"][key]).abs().max()) <= 1e-6, key
 
 
 def test_sketch_allreduce_bytes(runs) -> None:
