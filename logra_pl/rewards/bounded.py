@@ -3,7 +3,9 @@
 Some scorers can run for minutes on one adversarial answer (sympy evaluating ``9**9**9`` is a single big-integer
 power in C), and neither a thread nor a signal interrupts C code. :class:`BoundedVerifier` therefore runs the
 wrapped verifier in a small pool of worker processes (`pebble <https://pypi.org/project/Pebble/>`_): a call that
-exceeds ``timeout_s`` scores 0, and its worker is killed and replaced.
+exceeds ``timeout_s`` gives its response no reward (a timeout), and its worker is killed and replaced. A verifier
+that scores whole batches (``score_batch``: a reward model, a judge) is called in this process instead, once per
+batch. Every response without a reward is reported with why (:mod:`logra_pl.rewards.failures`).
 
 The workers are started by a ``forkserver`` — a clean, single-threaded process that imports the verifier's module
 and the main script's imports once and forks the workers from itself — never forked from the trainer, which holds
