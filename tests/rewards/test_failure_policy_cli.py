@@ -151,8 +151,8 @@ def test_a_verifier_returning_five_is_logged_and_trained_on(user_module: Path, t
     assert scalars["train/reward_mean"] == [(0, 5.0), (1, 5.0), (2, 5.0)]  # not clamped to 1.0
     assert all(norm > 0 for _, norm in scalars["train/update_norm"])  # trained on
     assert cli.model.method.applied_updates == 3 and cli.model.step_context.all_scored
-    assert scalars["val/reward_mean"] == [(3, 5.0)]
-    assert scalars["val/pass@1"] == [(3, 0.0)]  # 5.0 ≥ the threshold 1.0, but the verifier says not correct
+    assert [v for _, v in scalars["val/reward_mean"]] == [5.0]
+    assert [v for _, v in scalars["val/pass@1"]] == [0.0]  # 5.0 ≥ the threshold 1.0, but the verifier says not correct
     assert scalars["verifier/failure_rate"] == [(0, 0.0), (1, 0.0), (2, 0.0)]
 
 
