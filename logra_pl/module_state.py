@@ -2,15 +2,16 @@
 
 ``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts (and its
 own state when it keeps one: ``verifier_state``), the failing updates in a row, the guard's rejection counts, the
-module's settings and the CLI's resolved config. A checkpoint written under structurally different settings (another
-method, LoGRA rank, loss, data…) is refused with the list of differences (:mod:`logra_pl.resume`).
+module's settings, the CLI's resolved config and each logger's run (its id: what a resume continues,
+:mod:`logra_pl.run_stores`). A checkpoint written under structurally different settings (another method, LoGRA rank,
+loss, data…) is refused with the list of differences (:mod:`logra_pl.resume`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from logra_pl import compat, methods, resume
+from logra_pl import compat, methods, resume, run_stores
 from logra_pl.errors import ResumeMismatchError
 
 CHECKPOINT_FORMAT = "logra-pl/module/v2"
@@ -28,6 +29,7 @@ def module_state(module: Any) -> dict[str, Any]:
         **module.failures.state_dict(),
         "settings": resume.plain(module.hparams),
         "run_config": module.run_config,  # the CLI's resolved config (None outside the CLI)
+        "loggers": run_stores.records(compat.trainer_of(module)),  # each logger's run, for --ckpt_path last
     }
     if callable(getattr(module.verifier, "state_dict", None)):  # e.g. a reward model's running normalisation
         state["verifier_state"] = module.verifier.state_dict()

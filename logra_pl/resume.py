@@ -194,15 +194,16 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], ckpt_path
 def find_last_checkpoint(roots: Iterable[str | Path]) -> Path:
     """The newest ``last*.ckpt`` under ``roots`` (each a run family folder or a checkpoint folder).
 
-    Searched: ``<root>/last*.ckpt``, ``<root>/checkpoints/last*.ckpt`` and ``<root>/version_*/checkpoints/last*.ckpt``
-    — every logger version of the run, since each new ``fit`` opens a new version folder. Raises
+    Searched: ``<root>/last*.ckpt``, ``<root>/checkpoints/last*.ckpt`` and ``<root>/*/checkpoints/last*.ckpt`` —
+    every run of the family (TensorBoard's ``version_N`` folders, W&B and MLflow run ids), since a ``fit`` may open
+    a new one. Raises
     :class:`~logra_pl.errors.CheckpointNotFoundError` naming the folders searched when there is none: a resume that
     finds nothing must not silently train from scratch.
     """
     searched, found = [], []
     for root in roots:
         root = Path(root)
-        for pattern in ("last*.ckpt", "checkpoints/last*.ckpt", "version_*/checkpoints/last*.ckpt"):
+        for pattern in ("last*.ckpt", "checkpoints/last*.ckpt", "*/checkpoints/last*.ckpt"):
             searched.append(str(root / pattern))
             # A sharded (distributed) checkpoint is a folder holding Lightning's metadata file.
             found += [p for p in root.glob(pattern) if p.is_file() or distributed_checkpoint_metadata(p).is_file()]

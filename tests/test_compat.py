@@ -114,6 +114,37 @@ def test_tensorboard_version_and_purge_step(tmp_path: Path) -> None:
     assert purges == [7]
 
 
+def test_wandb_logger_accessors(tmp_path: Path) -> None:
+    """Read and change what a WandbLogger passes to ``wandb.init``, before any run starts (no wandb process here)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    logger = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+    assert compat.wandb_run_if_started(logger) is None
+    assert compat.wandb_init_args(logger)["project"] == "p" and compat.wandb_init_args(logger)["resume"] == "allow"
+    compat.continue_wandb_run(logger, "abc", rewind_to=4)
+    args = compat.wandb_init_args(logger)
+    assert (args["id"], args["resume"], args["resume_from"]) == ("abc", None, "abc?_step=4")
+    assert logger.version == "abc"  # what checkpoint folders are named after, before the run starts
+    compat.continue_wandb_run(logger, "abc", rewind_to=None)
+    assert compat.wandb_init_args(logger)["resume"] == "allow" and "resume_from" not in compat.wandb_init_args(logger)
+
+
+def test_mlflow_logger_accessors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path}"
+    first = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    run_id = first.run_id
+    logger = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    assert compat.mlflow_run_id(logger) is None and compat.mlflow_tracking_uri(logger) == uri
+    compat.set_mlflow_run_id(logger, run_id)
+    assert logger.run_id == run_id  # the existing run, not a new one
+    with pytest.raises(RuntimeError, match="already started"):
+        compat.set_mlflow_run_id(logger, run_id)
+    assert compat.mlflow_param_values({"a": {"b": 1}, "c": "x" * 300}) == {"a/b": "1", "c": "x" * 250}
+
+
 def test_checkpoint_first_log_step() -> None:
     def ckpt(stepped: int, processed: int, completed: int) -> dict:
         progress = {"current": {"processed": processed, "completed": completed}}

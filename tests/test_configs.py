@@ -36,6 +36,8 @@ PROTOCOL_OVERLAYS = {"paper_logra": (), "logra_levers": ("paper_logra",)}
 # Overlays that switch a feature on, or swap one part (the reward), over the base (no full config of their own): they
 # parse, instantiate and hold only what differs from the base.
 FEATURE_OVERLAYS = ("dapo_shaping", "reward_model", "llm_judge")
+# Overlays that replace the base's logger (no full config of their own) -> the Lightning logger class they build.
+LOGGER_OVERLAYS = {"wandb": "WandbLogger", "mlflow": "MLFlowLogger"}
 # configs/paper/ are GPU recipes (and overlays on them): tests/test_paper_recipes.py covers them.
 CONFIG_FILES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] != "paper")
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
@@ -115,8 +117,9 @@ def _plain(value: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------------ configs
 @pytest.mark.parametrize("config", CONFIG_FILES, ids=_ids(CONFIG_FILES))
-def test_every_config_parses(config: Path) -> None:
+def test_every_config_parses(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each full config alone, each overlay (overlays/, ablations/) on the base, parses and instantiates."""
+    monkeypatch.chdir(tmp_path)  # a logger may open its store when built (MLflow: runs/mlruns)
     configs = (BASE, config) if config.parent.name in ("overlays", "ablations") else (config,)
     if config.parent.name == "overlays" and config.stem in PROTOCOL_OVERLAYS:
         below = tuple(CONFIGS / "overlays" / f"{name}.yaml" for name in PROTOCOL_OVERLAYS[config.stem])
@@ -140,7 +143,18 @@ def _skip_unmerged_logra_keys(config: Path) -> None:
 
 def test_every_overlay_has_its_full_config() -> None:
     stems = sorted(p.stem for p in (CONFIGS / "overlays").glob("*.yaml"))
-    assert stems == sorted([*OVERLAYS, *PROTOCOL_OVERLAYS, *FEATURE_OVERLAYS])
+    assert stems == sorted([*OVERLAYS, *PROTOCOL_OVERLAYS, *FEATURE_OVERLAYS, *LOGGER_OVERLAYS])
+
+
+@pytest.mark.parametrize("overlay", sorted(LOGGER_OVERLAYS))
+def test_logger_overlay_replaces_only_the_logger(overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # MLflow opens its file store (runs/mlruns) when the logger is built
+    path = CONFIGS / "overlays" / f"{overlay}.yaml"
+    base, composed = _flat(_resolved(BASE)), _flat(_resolved(BASE, path))
+    changed = sorted(k for k in base.keys() | composed.keys() if base.get(k, "<absent>") != composed.get(k, "<absent>"))
+    assert changed and all(key.startswith("trainer.logger.") for key in changed), changed
+    cli = LoGRACLI(args=_args(BASE, path), run=False)
+    assert type(cli.trainer.logger).__name__ == LOGGER_OVERLAYS[overlay]
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
@@ -154,7 +168,7 @@ def test_overlay_on_base_resolves_to_full_config(overlay: str) -> None:
     assert composed == full
 
 
-@pytest.mark.parametrize("overlay", sorted([*OVERLAYS, *FEATURE_OVERLAYS]))
+@pytest.mark.parametrize("overlay", sorted([*OVERLAYS, *FEATURE_OVERLAYS, *LOGGER_OVERLAYS]))
 def test_overlay_holds_only_differences(overlay: str) -> None:
     """No overlay key restates the base's value (lists count as one value; a `key+:` list is always new)."""
     base = _flat(_resolved(BASE))

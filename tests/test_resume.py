@@ -149,7 +149,9 @@ def test_resume_refuses_structural_changes_and_notes_the_others(
 
 
 def test_ckpt_path_last_with_no_checkpoint_says_where_it_looked(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointNotFoundError, match=r"no last checkpoint was found; searched .*version_\*"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"no last checkpoint was found; searched .*tiny_cpu/\*/checkpoints/last\*\.ckpt"
+    ):
         LoGRACLI(
             args=["fit", f"--config={CONFIG}", f"--trainer.logger.init_args.save_dir={tmp_path}", "--ckpt_path=last"]
         )

@@ -29,7 +29,8 @@ class HFExport(pl.Callback):
     Arguments:
         every_n_updates: export after every N policy updates (global steps); 0: only at the end.
         at_end: export to ``final`` when training completes.
-        dirpath: where exports go; None: ``<trainer.log_dir or default_root_dir>/hf``.
+        dirpath: where exports go; None: ``<the run's folder>/hf`` (TensorBoard: ``<log_dir>/hf``; W&B, MLflow: beside
+            the run's ``checkpoints``).
         dtype: cast the exported weights (``"bfloat16"``, ``"float16"``, ``"float32"``); None: the training dtype.
         keep: how many periodic exports to keep (the newest); None keeps all. ``final`` is never removed.
     """
@@ -66,9 +67,19 @@ class HFExport(pl.Callback):
         self._last_period = trainer.global_step // self.every_n_updates if self.every_n_updates else 0
 
     def export_dir(self, trainer: pl.Trainer) -> Path:
-        """The folder exports go to."""
+        """The folder exports go to: ``dirpath``, else the run's folder + ``hf``.
+
+        The run's folder is ``Trainer.log_dir`` for loggers with a folder per run (TensorBoard, CSV). For the others
+        (W&B, MLflow) ``Trainer.log_dir`` is their ``save_dir``, shared by every run, so the exports of two runs
+        would overwrite each other: there the run's folder is the one holding its checkpoints (``<save_dir>/
+        <project>/<run id>``, ``<store>/<experiment id>/<run id>``).
+        """
         if self.dirpath is not None:
             return Path(self.dirpath)
+        first = trainer.loggers[0] if trainer.loggers else None
+        checkpoints = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if first is not None and not getattr(first, "log_dir", None) and checkpoints:  # Logger.log_dir: None
+            return Path(checkpoints).parent / "hf"
         return Path(trainer.log_dir or trainer.default_root_dir) / "hf"
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:

@@ -161,3 +161,25 @@ def test_two_fsdp_ranks_gather_and_rank0_writes(tmp_path: Path, tiny_model_dir: 
     assert at3.keys() == from_dcp.keys() == final.keys()
     assert all(torch.equal(at3[k], from_dcp[k]) for k in at3)
     assert any(not torch.equal(at3[k], final[k]) for k in at3)
+
+
+def test_default_dir_is_the_runs_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorBoard/CSV: ``<log_dir>/hf``. MLflow, W&B: ``Trainer.log_dir`` is their save_dir, shared by every run, so
+    the exports go beside the run's checkpoints instead (two runs never overwrite each other's ``final``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run = tmp_path / "mlruns" / "1" / "abc"
+    trainer = pl.Trainer(
+        logger=MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}"),
+        callbacks=[ModelCheckpoint(dirpath=run / "checkpoints")],
+        enable_progress_bar=False,
+    )
+    assert HFExport().export_dir(trainer) == run / "hf"
+    trainer = pl.Trainer(
+        logger=CSVLogger(tmp_path, name="csv"),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "elsewhere")],
+        enable_progress_bar=False,
+    )
+    assert HFExport().export_dir(trainer) == Path(trainer.log_dir) / "hf"
