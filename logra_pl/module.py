@@ -18,7 +18,7 @@ import torch
 
 from logra_pl import compat, methods
 from logra_pl.async_rollouts import AsyncRollouts
-from logra_pl.backward import backward_over
+from logra_pl.backward import backward_over, update_totals
 from logra_pl.batching import encode_prompts, microbatches, select_rows
 from logra_pl.callbacks.progress import replace_default_callbacks
 from logra_pl.checkpointing import enable_activation_checkpointing
@@ -27,7 +27,7 @@ from logra_pl.data.schema import prompt_key
 from logra_pl.engine_link import EngineLink
 from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
-from logra_pl.logprobs import PackedResponses, response_logprobs
+from logra_pl.logprobs import PackedResponses, response_logprobs, response_logprobs_and_entropy
 from logra_pl.lora import LoRAConfig
 from logra_pl.losses import AdvantageBaseline, LegacyBaselineSettings, Loss, build_baseline, build_loss
 from logra_pl.methods import UpdateMethod
@@ -35,6 +35,7 @@ from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
 from logra_pl.ranks import all_reduce_max, all_reduce_sum, any_rank
+from logra_pl.reference import ReferencePolicy
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rewards.failures import FailurePolicy, Scores, merge_scores, verifier_label
 from logra_pl.rollout.base import Rollout, SamplingConfig
@@ -43,7 +44,16 @@ from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, S
 from logra_pl.shaping import Drawn, RefillStream, dynamic_batch, overlong_penalty
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
-from logra_pl.step import StepContext, assemble_step, sampling_seed, score_tensors, scored_advantages, step_metrics
+from logra_pl.sketch.memory import MemoryReport
+from logra_pl.step import (
+    StepContext,
+    assemble_step,
+    sampling_seed,
+    score_tensors,
+    scored_advantages,
+    scored_mask,
+    step_metrics,
+)
 from logra_pl.validation import ValidationMetrics, item_task
 from logra_pl.warm_start import WarmStart
 
@@ -53,6 +63,12 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 quiet_noise()
 
 __all__ = ["LoGRAPolicyModule", "LossConfig", "RolloutSettings", "ScoringSettings", "StepContext", "item_task"]
+
+
+def _trains(trainer: Any) -> bool:
+    """Whether ``trainer`` is fitting (or absent: a module set up by hand); validation needs no reference policy."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return fn is None or fn == "fit"
 
 
 class LoGRAPolicyModule(pl.LightningModule):
@@ -68,7 +84,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
         adamw: AdamW and its schedule (``optimizer="adamw"``, or on LoRA's adapters).
         lora: adapter settings (``optimizer="lora"``).
-        loss: the surrogate, a :class:`~logra_pl.losses.Loss` by ``class_path`` or short name ``reinforce_tis | ppo``.
+        loss: the surrogate, a :class:`~logra_pl.losses.Loss` by ``class_path`` or short name ``reinforce_tis | ppo |
+            gspo | cispo``, with the settings every loss shares (aggregation, ``mask_truncated``, KL penalty).
         baseline: the advantage baseline (:class:`~logra_pl.losses.AdvantageBaseline`): ``running`` (algorithm.md
             §8), or per-prompt ``group`` / ``rloo``, or any by ``class_path``.
         rollout: sampling settings.
@@ -141,6 +158,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.rejections = RejectionCount(self.guard.max_consecutive)
         self.set_launch(run_config=None, resume_from=None, resume_checked=False)  # outside the CLI
         self.policy: torch.nn.Module | None = None
+        self.reference_policy: ReferencePolicy | None = None  # π_ref of a KL penalty (not a submodule: never saved)
+        self.policy_folder: str | None = None  # where the policy was loaded from (the warm start's folder, or none)
         self.tokenizer: Any = None
         self.engine: Any = None
         self.link: EngineLink | None = None
@@ -166,17 +185,24 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """Load the policy (after the optional warm start) and give the rollout engine its own copy."""
-        if self.policy is not None:
-            return
+        """Load the policy (after the optional warm start) and give the rollout engine its own copy; for training
+        with a KL penalty, load the reference policy too (also when an earlier ``validate`` loaded the policy)."""
         trainer = compat.trainer_of(self)
         dm = getattr(trainer, "datamodule", None)
+        if self.policy is None:
+            self._load_policy(trainer, dm)
+        if self.reference_policy is None and self.loss_config.needs_reference_policy and _trains(trainer):
+            self.reference_policy = self._load_reference(trainer, self.policy_folder, dm)
+
+    def _load_policy(self, trainer: Any, dm: Any) -> None:
+        """The policy from its source (warm-started unless resuming), the engine's copy, the method's preparation."""
         source = rank_zero_first(
             trainer,
             lambda: training_source(self.policy_source, self.warm_start, self.resume_from, dm),
             lambda: self.method.check_fits(self.policy_source, self.targets),
         )
         self.policy, self.tokenizer, eos = load_training_policy(source, self.dtype_name, self.attn_implementation)
+        self.policy_folder = source
         args = (self.policy, self.tokenizer, eos, self.rollout_settings, self.dtype_name, list(self.targets))
         request = engine_request(trainer, source, *args)
         self.engine = build_engine(self.engine_spec, request)
@@ -184,6 +210,18 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.method.prepare_policy(self.policy, self.targets)  # after the engine's copy: it holds plain matrices
         if self.activation_checkpointing:  # after the engine's copy: it generates without recomputation
             enable_activation_checkpointing(self.policy)
+
+    def _load_reference(self, trainer: Any, source: str, datamodule: Any) -> ReferencePolicy:
+        """The KL penalty's ``π_ref``: the policy as RL starts, loaded from the folder the policy came from — on a
+        resume (which loads the base policy and then the checkpoint's weights) from the warm start's folder again
+        (cached; rebuilt if the cache is gone), checked against the checkpoint's digest in ``on_load_checkpoint``."""
+        if self.resume_from is not None and self.warm_start is not None:
+            source = rank_zero_first(
+                trainer, lambda: training_source(self.policy_source, self.warm_start, None, datamodule)
+            )
+        shared = self.loss_config.shared
+        dtype = shared.reference_dtype or self.dtype_name
+        return ReferencePolicy.load(source, dtype, shared.reference_device, self.attn_implementation)
 
     def configure_optimizers(self) -> Any:
         """The update method's optimizer (and schedule) for the target matrices."""
@@ -312,15 +350,35 @@ class LoGRAPolicyModule(pl.LightningModule):
         padding = agreed - len(groups)
         return groups + [groups[0][:1]] * padding, padding
 
+    def _parts(self, packed: PackedResponses) -> tuple[list[PackedResponses], int]:
+        """The packed batch in the microbatches of every scoring pass (rows × tokens within the budget), as many on
+        every rank (:meth:`_microbatches`), and how many at the end are padding (their outputs are dropped)."""
+        trim, rows = self.max_tokens_per_microbatch is not None, list(range(packed.input_ids.shape[0]))
+        groups, padding = self._microbatches(rows, packed)
+        return [select_rows(packed, mb, trim) for mb in groups], padding
+
     @torch.no_grad()
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The trainer's log-probs of the packed responses, microbatched, without grad."""
-        trim, rows = self.max_tokens_per_microbatch is not None, list(range(packed.input_ids.shape[0]))
-        groups, padding = self._microbatches(rows, packed)
-        parts = [
-            response_logprobs(self.policy, select_rows(packed, mb, trim).to(self.device), temperature) for mb in groups
-        ]
-        return torch.cat(parts[: len(parts) - padding]).cpu()
+        parts, padding = self._parts(packed)
+        scored = [response_logprobs(self.policy, p.to(self.device), temperature) for p in parts]
+        return torch.cat(scored[: len(scored) - padding]).cpu()
+
+    @torch.no_grad()
+    def trainer_scores(self, packed: PackedResponses, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trainer's log-probs and entropy at each response position, from one pass without grad."""
+        parts, padding = self._parts(packed)
+        scored = [response_logprobs_and_entropy(self.policy, p.to(self.device), temperature) for p in parts]
+        scored = scored[: len(scored) - padding]
+        return torch.cat([s[0] for s in scored]).cpu(), torch.cat([s[1] for s in scored]).cpu()
+
+    def reference_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
+        """The reference policy's log-probs of the packed responses (once per rollout, without grad; a sharded
+        reference runs the padding microbatches too, as the policy does)."""
+        self.reference_policy.place(self.device)
+        parts, padding = self._parts(packed)
+        scored = [self.reference_policy.logprobs(p, temperature) for p in parts]
+        return torch.cat(scored[: len(scored) - padding])
 
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
@@ -353,9 +411,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         groups = list(rollout.prompt_index)
         advantages = scored_advantages(self.baseline, shaped, scored, correct, groups, self._all_reduce_sum)
         t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
+        reference = self.reference_logprobs if self.reference_policy is not None else None
         ctx = assemble_step(
-            self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp, scored, correct
+            self.global_step, items, rollout, rewards, advantages, pad, self.trainer_scores, t_logp, reference
         )
+        ctx.scored, ctx.correct = scored, correct
+        # The loss's tokens: less truncated responses (loss.mask_truncated), less the responses without a reward.
+        ctx.loss_mask = scored_mask(self.loss_config.token_mask(ctx.packed.response_mask, rollout.truncated), scored)
         ctx.staleness, ctx.shaping, ctx.shaped_rewards = staleness, shaping, shaped
         ctx.metrics["verifier/failure_rate"] = failure_rate  # over every response scored for the update
         return ctx
@@ -403,7 +465,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         metrics["guard/rejected_updates"] = float(self.rejections.total)
         metrics |= self.method.metrics()
         metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
-        metrics["memory/persistent_state_bytes"] = float(self.method.memory(self.policy).persistent)
+        metrics["memory/persistent_state_bytes"] = float(self.state_memory().persistent)
         metrics |= {f"train/{name}": num / den if den else 0.0 for name, (num, den) in ctx.loss_stats.items()}
         ctx.metrics.update(metrics)
         bs = len(ctx.rollout)
@@ -433,11 +495,12 @@ class LoGRAPolicyModule(pl.LightningModule):
     def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
         """Microbatched loss/backward over ``rows``, then one update through the method and the engine sync."""
         t0 = time.perf_counter()
-        # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
-        tokens = int(self._all_reduce_sum(ctx.loss_mask[rows].sum().double().reshape(1)).item())
+        # The loss tokens and sequences of the whole update, over all ranks: microbatch and rank losses add up to the
+        # update's loss under every aggregation.
+        totals = update_totals(ctx, rows, self.rollout_settings.max_new_tokens, self._all_reduce_sum)
         (groups, padding), trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
         total = backward_over(
-            self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim, padding
+            self.policy, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim, padding
         )
         t1 = time.perf_counter()
         result = self.method.step(self.optimizers(), self.lr_schedulers(), self._all_reduce_sum)
@@ -499,6 +562,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Show progress in updates and an honest model summary (replacing Lightning's defaults of those kinds)."""
         trainer = compat.trainer_of(self)
         return replace_default_callbacks(trainer.callbacks if trainer is not None else [])
+
+    def state_memory(self) -> MemoryReport:
+        """Training state by kind: the update method's, and the KL penalty's reference policy (``reference_policy``,
+        wherever it is kept: a ``cpu`` copy is host memory)."""
+        report = self.method.memory(self.policy)
+        if self.reference_policy is not None:
+            report.reference_policy = self.reference_policy.nbytes  # this rank's (its shard, when sharded)
+        return report
 
     def trained_parameter_count(self) -> int:
         """Parameters the update method changes."""

@@ -27,7 +27,12 @@ class StepContext:
     """What one training step produced, for callbacks (KL control, mismatch, sync) to read.
 
     ``logp_rollout``/``logp_trainer``/``packed.response_mask`` are ``(N, R)`` over the ``N`` responses;
-    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update.
+    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update. ``entropy`` is the
+    policy's entropy at each response position from that same pass (None when the caller gave only log-probs),
+    ``logp_reference`` the reference policy's log-probs (None without a KL penalty), and ``loss_mask`` the tokens
+    the loss counts (the response mask, less truncated responses under ``loss.mask_truncated``, less the responses
+    without a reward: ``scored`` False, a failed verifier call, never trained on: algorithm.md §10; set it through
+    :func:`scored_mask`).
     """
 
     update_index: int
@@ -49,6 +54,14 @@ class StepContext:
     shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
     shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
     padded_microbatches: int = 0  # zero-loss microbatches that kept this rank's forward count equal to the others'
+    entropy: torch.Tensor | None = None  # (N, R) policy entropy before the update, zero where padded
+    logp_reference: torch.Tensor | None = None  # (N, R) reference-policy log-probs (a KL penalty is on)
+    loss_mask: torch.Tensor | None = None  # (N, R) the tokens the loss counts; None: packed.response_mask
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.packed.response_mask
+        self.loss_mask = scored_mask(self.loss_mask, self.scored)
 
     @property
     def eos_terminated(self) -> torch.Tensor:
@@ -60,16 +73,6 @@ class StepContext:
         """Every response has a reward."""
         return self.scored is None or bool(self.scored.all())
 
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        """``(N, R)``: the tokens the loss sums over — ``packed.response_mask`` with the rows of responses without a
-        reward zeroed (a failed verifier call is never trained on: algorithm.md §10). Those rows also leave the
-        update's token count."""
-        mask = self.packed.response_mask
-        if self.all_scored:
-            return mask
-        return mask * self.scored.to(mask.dtype).unsqueeze(1)
-
 
 def assemble_step(
     update: int,
@@ -78,20 +81,36 @@ def assemble_step(
     rewards: torch.Tensor,
     advantages: torch.Tensor,
     pad_id: int,
-    trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor],
+    trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     temperature: float,
+    reference_logprobs: Callable[[PackedResponses, float], torch.Tensor] | None = None,
     scored: torch.Tensor | None = None,
     correct: torch.Tensor | None = None,
 ) -> StepContext:
     """A step's context from its rollout, rewards and advantages: the responses packed for the trainer, the rollout
-    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``);
-    ``scored``/``correct`` as :class:`StepContext` keeps them."""
+    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``: the
+    log-probs, or ``(log-probs, entropy)`` from the same pass) and, with ``reference_logprobs``, the reference
+    policy's; ``scored``/``correct`` as :class:`StepContext` keeps them (the loss mask then leaves out the responses
+    without a reward)."""
     packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id)
-    logp_trainer = trainer_logprobs(packed, temperature)
+    computed = trainer_logprobs(packed, temperature)
+    logp_trainer, entropy = computed if isinstance(computed, tuple) else (computed, None)
     logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)
     ctx = StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
+    ctx.entropy = entropy
+    if reference_logprobs is not None:
+        ctx.logp_reference = reference_logprobs(packed, temperature)
     ctx.scored, ctx.correct = scored, correct
+    ctx.loss_mask = scored_mask(ctx.loss_mask, scored)
     return ctx
+
+
+def scored_mask(mask: torch.Tensor, scored: torch.Tensor | None) -> torch.Tensor:
+    """``mask`` (N, R) with the rows of responses without a reward zeroed (``scored`` False); ``mask`` itself when
+    every response has one (or ``scored`` is None), so a run without failures computes exactly as before."""
+    if scored is None or bool(scored.all()):
+        return mask
+    return mask * scored.to(mask.dtype).unsqueeze(1)
 
 
 def score_tensors(scores: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,11 +235,11 @@ def step_metrics(
     baseline: Any,
     scorer: Any,
 ) -> dict[str, float]:
-    """The per-update scalars of one step: reward and advantages, response lengths, loss and update size, times,
-    verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s, update_norm)`` per update.
-    Reward and advantage means are over the scored responses (NaN reward mean when none scored); the ``verifier/*``
-    counts are run totals (``errors``, ``timeouts``, ``nan``, ``long_answers``), ``verifier/failure_rate`` this
-    update's share of responses without a reward."""
+    """The per-update scalars of one step: reward and advantages, response lengths, the policy's entropy, loss and
+    update size, times, verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s,
+    update_norm)`` per update. Reward and advantage means are over the scored responses (NaN reward mean when none
+    scored); the ``verifier/*`` counts are run totals (``errors``, ``timeouts``, ``nan``, ``long_answers``),
+    ``verifier/failure_rate`` this update's share of responses without a reward."""
     rows = ctx.scored if not ctx.all_scored else slice(None)  # a response without a reward is left out of the means
     rewards, advantages = ctx.rewards[rows], ctx.advantages[rows]
     metrics = {
@@ -244,7 +263,15 @@ def step_metrics(
         "verifier/long_answers": float(scorer.long_answers),
         "verifier/failure_rate": 0.0 if ctx.all_scored else 1.0 - float(ctx.scored.double().mean()),
     }
+    if ctx.entropy is not None:
+        metrics["train/entropy"] = mean_entropy(ctx)
     return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}
+
+
+def mean_entropy(ctx: StepContext) -> float:
+    """The policy's mean entropy per response token of this step (before its update)."""
+    mask = ctx.packed.response_mask
+    return float((ctx.entropy * mask).sum() / mask.sum().clamp(min=1))
 
 
 def view_of(pl_module: Any) -> PolicyModuleView | None:

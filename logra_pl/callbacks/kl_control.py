@@ -285,8 +285,11 @@ class PredictedKLControl(pl.Callback):
             self.history[-1]["predicted_scaled"] = pending["predicted_scaled"]
 
     def calibration(self) -> dict[str, float]:
-        """Over calibrated updates: median ``|realized − α²·pred| / realized`` and mean realized / mean budget."""
-        rows = [h for h in self.history if "realized" in h and h["realized"] > 0]
+        """Over calibrated updates: median ``|realized − α²·pred| / realized`` and mean realized / mean budget.
+
+        An update predicted to move nothing (``α²·pred = 0``: a zero proposal, e.g. a minibatch whose every sequence
+        GSPO's clip stopped) is left out: its realized KL is floating-point noise, not a calibration error."""
+        rows = [h for h in self.history if "realized" in h and h["realized"] > 0 and h["predicted_scaled"] > 0]
         if not rows:
             return {}
         errors = sorted(abs(h["realized"] - h["predicted_scaled"]) / h["realized"] for h in rows)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from logra_pl.backward import backward_over
+from logra_pl.backward import backward_over, update_totals
 from logra_pl.errors import ConfigError, VerifierFailedError
 from logra_pl.losses import GroupBaseline, ReinforceTIS, RLOOBaseline, RunningBaseline
 from logra_pl.metrics import MacroMean
@@ -183,30 +184,38 @@ def _rollout(rows: list[int]) -> Rollout:
 def test_a_failed_response_adds_nothing_to_the_update(qwen2_factory) -> None:
     """The update of a batch with failed responses equals the update of the same batch without them."""
     model = qwen2_factory(seed=3)
-    loss = ReinforceTIS()
     advantages = torch.tensor([0.7, 0.0, -0.4, 1.2], dtype=torch.float64)  # row 1 failed: advantage 0
 
     def trainer_logprobs(packed, temperature):
         return torch.zeros_like(packed.response_mask, dtype=torch.float32)
 
-    def run(rows: list[int], scored: torch.Tensor | None) -> tuple[float, dict[str, torch.Tensor]]:
+    def run(rows: list[int], scored: torch.Tensor | None, loss: Any) -> tuple[float, dict[str, torch.Tensor], Any]:
         model.zero_grad()
         rewards = torch.tensor([1.0, math.nan, 0.0, 1.0], dtype=torch.float64)[rows]
-        ctx = assemble_step(0, [{}] * len(rows), _rollout(rows), rewards, advantages[rows], 0, trainer_logprobs, 1.0)
-        ctx.scored = scored
-        tokens = int(ctx.loss_mask.sum())
-        total = backward_over(model, ctx, [list(range(len(rows)))], loss, tokens, lambda t: t.backward(), "cpu")
-        return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        ctx = assemble_step(
+            0, [{}] * len(rows), _rollout(rows), rewards, advantages[rows], 0, trainer_logprobs, 1.0, scored=scored
+        )
+        every = list(range(len(rows)))
+        totals = update_totals(ctx, every, 8, lambda t: t)
+        total = backward_over(model, ctx, [every], loss, totals, lambda t: t.backward(), "cpu")
+        return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, totals
 
-    with_failed, grads = run([0, 1, 2, 3], torch.tensor([True, False, True, True]))
-    without, expected = run([0, 2, 3], None)
-    assert with_failed == pytest.approx(without, rel=1e-6)
-    for name, grad in expected.items():
-        assert torch.allclose(grads[name], grad, atol=1e-7, rtol=1e-5), name
-    # The failed row's tokens leave the token count as well (3 + 5 + 2 response tokens, not 4 + 2 + 5 + 2).
+    # Under every aggregation (the token and sequence counts leave the failed response out too).
+    for loss in [
+        ReinforceTIS(aggregation=mode) for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+    ]:
+        with_failed, grads, totals = run([0, 1, 2, 3], torch.tensor([True, False, True, True]), loss)
+        without, expected, totals_without = run([0, 2, 3], None, loss)
+        assert totals == totals_without and (totals.tokens, totals.sequences) == (4 + 5 + 2, 3)
+        assert with_failed == pytest.approx(without, rel=1e-6)
+        for name, grad in expected.items():
+            assert torch.allclose(grads[name], grad, atol=1e-7, rtol=1e-5), name
     ctx = assemble_step(0, [{}] * 4, _rollout([0, 1, 2, 3]), torch.zeros(4), advantages, 0, trainer_logprobs, 1.0)
-    ctx.scored = torch.tensor([True, False, True, True])
-    assert int(ctx.loss_mask.sum()) == 4 + 5 + 2
+    assert ctx.loss_mask is ctx.packed.response_mask  # nothing failed: the mask is the response mask itself
+    ctx = assemble_step(
+        0, [{}] * 4, _rollout([0, 1, 2, 3]), torch.zeros(4), advantages, 0, trainer_logprobs, 1.0,
+        scored=torch.tensor([True, False, True, True]),
+    )  # fmt: skip
     assert ctx.loss_mask[1].sum() == 0 and torch.equal(ctx.loss_mask[0], ctx.packed.response_mask[0])
 
 
