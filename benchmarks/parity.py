@@ -333,6 +333,8 @@ ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
         "reference_device": "cpu",
         "reference_dtype": None,
     },
+    # correctness and the verifier failure policy (issue 25)
+    "model.scoring": {"correct_threshold": 1.0, "max_failure_rate": 0.5, "max_failed_updates": 2},
 }
 
 

@@ -4,8 +4,9 @@ The loss of each microbatch is a sum over its loss tokens divided by the loss-to
 all ranks, with each response's terms scaled by the loss's aggregation factor (computed from the whole update's
 token and sequence counts over all ranks), so microbatch and rank losses add up to the update's loss exactly
 (algorithm.md §8). A KL-to-reference penalty, when the loss has one, is added to each microbatch's loss with the
-same weights and normaliser. No Lightning here: the caller passes its backward (``manual_backward``), the
-microbatch plan and the update's totals.
+same weights and normaliser. A response without a reward (its verifier call failed) has no loss tokens
+(``StepContext.loss_mask``, algorithm.md §10), so it adds nothing and leaves the counts. No Lightning here: the caller
+passes its backward (``manual_backward``), the microbatch plan and the update's totals.
 """
 
 from __future__ import annotations

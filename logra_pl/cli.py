@@ -32,7 +32,7 @@ from logra_pl import compat, resume, run_stores
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
-from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError
+from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError, VerifierFailedError
 from logra_pl.module import LoGRAPolicyModule
 from logra_pl.rollout.registry import engine_name, max_training_processes
 from logra_pl.strategy import LoGRAStrategy  # noqa: F401  (registers `--trainer.strategy logra_fsdp`)
@@ -525,7 +525,7 @@ def main(args: list[str] | None = None) -> None:
     try:
         cli = LoGRACLI(args=args)
     except LoGRAError as err:
-        kind = "stopped" if isinstance(err, PolicyDivergedError) else "error"
+        kind = "stopped" if isinstance(err, PolicyDivergedError | VerifierFailedError) else "error"
         print(f"logra-pl: {kind}: {err}", file=sys.stderr)
         if os.environ.get("LOGRA_PL_TRACEBACK"):
             raise

@@ -317,6 +317,8 @@ def group_baseline(outcome: torch.Tensor, groups: list[int] | torch.Tensor | Non
     g = torch.as_tensor(groups, dtype=torch.long)
     if g.numel() != outcome.numel():
         raise ValueError(f"{g.numel()} group ids for {outcome.numel()} responses")
+    if g.numel() == 0:  # every response of this rank failed to score: nothing to compare
+        return outcome.clone()
     _, inverse = torch.unique(g, return_inverse=True)
     sums = torch.zeros(int(inverse.max()) + 1, dtype=outcome.dtype).index_add_(0, inverse, outcome)
     counts = torch.zeros_like(sums).index_add_(0, inverse, torch.ones_like(outcome))
@@ -864,23 +866,28 @@ class SpecLoss(Loss):
 class AdvantageBaseline(_Configured, ABC):
     """Rewards → advantages (algorithm.md §8): the contract the module uses, and the outcome mapping all share.
 
-    ``outcome = success_value if reward ≥ success_threshold else failure_value`` (mode ``"outcome"``) or the plain
-    reward (mode ``"reward"``). Every baseline tracks the global running mean ``b ← momentum·b + (1−momentum)·
-    mean(outcome)`` (logged as ``train/baseline``, saved in checkpoints); a subclass says in :meth:`compare_to`
-    what each outcome is compared with (and may override :meth:`advantages` altogether). The class is abstract, so
-    a config section without a ``class_path`` never builds it.
+    ``outcome = success_value if the response succeeded else failure_value`` (mode ``"outcome"``) or the plain
+    reward (mode ``"reward"``). A response succeeds when the verifier calls it correct — its ``correct``, else
+    ``reward >= scoring.correct_threshold`` (the notion pass@k uses; algorithm.md §10) — or, with a
+    ``success_threshold`` set, when ``reward >= success_threshold``. Every baseline tracks the global running mean
+    ``b ← momentum·b + (1−momentum)·mean(outcome)`` (logged as ``train/baseline``, saved in checkpoints); a subclass
+    says in :meth:`compare_to` what each outcome is compared with (and may override :meth:`advantages` altogether).
+    The class is abstract, so a config section without a ``class_path`` never builds it.
 
     Attributes and methods:
         needs_groups: whether it compares a prompt's responses with each other (the module then requires
             ``rollout.responses_per_prompt >= 2``).
         value: the running baseline ``b`` (0 at the start).
-        advantages(rewards, all_reduce_sum, groups): this batch's advantages; then ``b`` moves.
+        advantages(rewards, all_reduce_sum, groups, correct): this batch's advantages; then ``b`` moves. Only scored
+            responses reach it (a response the verifier failed on has no reward: the module leaves it out).
         state_dict() / load_state_dict(state): ``{"value": b}``, as checkpoints of every version hold it.
 
     Arguments:
         momentum: EMA factor of ``b`` (0.9).
         mode: ``"outcome"`` (algorithm.md §8 default) or ``"reward"``.
-        success_threshold: reward at or above which a response counts as a success (1.0).
+        success_threshold: reward at or above which a response counts as a success; None (default): the verifier's
+            correctness (``correct``), which is ``reward >= scoring.correct_threshold`` (1.0) unless the verifier
+            defines its own, so a [0, 1] verifier gives the same outcomes as a threshold of 1.0.
         success_value: outcome of a success (1.0).
         failure_value: outcome of a failure (−0.01).
     """
@@ -891,14 +898,14 @@ class AdvantageBaseline(_Configured, ABC):
         self,
         momentum: float = 0.9,
         mode: OutcomeMode = "outcome",
-        success_threshold: float = 1.0,
+        success_threshold: float | None = None,
         success_value: float = 1.0,
         failure_value: float = -0.01,
     ) -> None:
         check_choice("baseline.mode", mode, ("outcome", "reward"))
         check_range("baseline.momentum", momentum, 0.0, 1.0, high_open=True)
         for name, value in (
-            ("success_threshold", success_threshold),
+            ("success_threshold", 0.0 if success_threshold is None else success_threshold),
             ("success_value", success_value),
             ("failure_value", failure_value),
         ):
@@ -910,12 +917,22 @@ class AdvantageBaseline(_Configured, ABC):
         self.failure_value = failure_value
         self.value = 0.0
 
-    def outcomes(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Map verifier rewards to outcomes (float64)."""
+    def outcomes(self, rewards: torch.Tensor, correct: torch.Tensor | None = None) -> torch.Tensor:
+        """Map verifier rewards to outcomes (float64).
+
+        Arguments:
+            rewards: the rewards, ``(N,)``.
+            correct: ``(N,)`` bool, the verifier's correctness of each response; None: ``reward >= 1.0`` (the default
+                ``scoring.correct_threshold``). Ignored when :attr:`success_threshold` is set.
+        """
         rewards = rewards.to(torch.float64)
         if self.mode == "reward":
             return rewards
-        return torch.where(rewards >= self.success_threshold, self.success_value, self.failure_value).to(torch.float64)
+        if self.success_threshold is not None:
+            success = rewards >= self.success_threshold
+        else:
+            success = rewards >= 1.0 if correct is None else correct.to(torch.bool)
+        return torch.where(success, self.success_value, self.failure_value).to(torch.float64)
 
     @abstractmethod
     def compare_to(self, outcome: torch.Tensor, groups: list[int] | torch.Tensor | None) -> torch.Tensor | float:
@@ -926,15 +943,17 @@ class AdvantageBaseline(_Configured, ABC):
         rewards: torch.Tensor,
         all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
         groups: list[int] | torch.Tensor | None = None,
+        correct: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The advantages of this batch, then update ``b`` from this batch's mean outcome.
 
         ``groups`` gives each response's prompt (rows of one prompt share a value); group baselines need it. A
         prompt's responses are always on one rank, so group means need no communication. ``all_reduce_sum``
         sums ``[Σ outcome, count]`` over data-parallel ranks, so every rank moves ``b`` by the global batch mean
-        and the baseline stays identical everywhere.
+        and the baseline stays identical everywhere. ``correct``: the verifier's correctness per response
+        (:meth:`outcomes`). Every rank calls this once per update, with no rows when none of its responses scored.
         """
-        outcome = self.outcomes(rewards)
+        outcome = self.outcomes(rewards, correct)
         adv = outcome - self.compare_to(outcome, groups)
         stats = torch.tensor([float(outcome.sum()), float(outcome.numel())], dtype=torch.float64)
         if all_reduce_sum is not None:

@@ -37,6 +37,7 @@ from logra_pl.policy_setup import engine_request, load_training_policy, rank_zer
 from logra_pl.ranks import all_reduce_max, all_reduce_sum, any_rank
 from logra_pl.reference import ReferencePolicy
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
+from logra_pl.rewards.failures import FailurePolicy, Scores, merge_scores, verifier_label
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
@@ -44,7 +45,15 @@ from logra_pl.shaping import Drawn, RefillStream, dynamic_batch, overlong_penalt
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.memory import MemoryReport
-from logra_pl.step import StepContext, assemble_step, sampling_seed, step_metrics
+from logra_pl.step import (
+    StepContext,
+    assemble_step,
+    sampling_seed,
+    score_tensors,
+    scored_advantages,
+    scored_mask,
+    step_metrics,
+)
 from logra_pl.validation import ValidationMetrics, item_task
 from logra_pl.warm_start import WarmStart
 
@@ -91,8 +100,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             ``logra-pl serve`` engines; YAML ``{class_path: ..., init_args: {...}}``), a short name ``hf | vllm |
             remote`` (default settings), a registered name, or a spec class's or builder's dotted path.
         guard: the divergence guard: oversized or non-finite updates never reach the weights.
-        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
-        verifier: the reward, any ``__call__(response, item) -> float``; default ``ReasoningGymVerifier``.
+        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap; what counts as
+            correct; when a failing verifier stops the run.
+        verifier: the reward, any ``__call__(response, item) -> float`` (:class:`~logra_pl.rewards.Verifier`:
+            optionally ``correct``, ``score_batch``); default ``ReasoningGymVerifier``.
     """
 
     def __init__(
@@ -139,7 +150,10 @@ class LoGRAPolicyModule(pl.LightningModule):
         verifier = verifier or ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
         check_verifier(verifier)
         self.verifier = verifier
-        self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
+        sc = self.scoring
+        self.scorer = BoundedVerifier(self.verifier, sc.timeout_s, sc.workers, sc.correct_threshold)
+        self.failures = FailurePolicy(sc.max_failure_rate, sc.max_failed_updates)
+        self._update_scores: list[Scores] = []  # every response scored for the current update, all rounds
         self.guard = guard or DivergenceGuard()
         self.rejections = RejectionCount(self.guard.max_consecutive)
         self.set_launch(run_config=None, resume_from=None, resume_checked=False)  # outside the CLI
@@ -301,9 +315,24 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Chat-template each item's ``messages`` and tokenize."""
         return encode_prompts(self.tokenizer, items)
 
-    def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> torch.Tensor:
-        """Verifier reward of every response, ``(N,)`` float64 — each call bounded by ``scoring.timeout_s``."""
-        return self.scorer.score_rollout(self.tokenizer, rollout, items)
+    def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> Scores:
+        """Verifier reward, correctness and failure of every response (each call bounded by ``scoring.timeout_s``;
+        scoring stops once the batch is certain to fail: ``FailurePolicy.cut``)."""
+        return self.scorer.score_rollout(self.tokenizer, rollout, items, self.failures.cut(len(rollout)))
+
+    def check_scores(self, scores: Scores, validation_batch: int | None = None) -> float:
+        """Count the responses without a reward over all ranks; one console line when there are any; stop a run whose
+        verifier keeps failing (:class:`~logra_pl.rewards.failures.FailurePolicy`), before anything trains on it.
+        Returns this rank's share of responses without a reward."""
+        counts = self._all_reduce_sum(torch.tensor([float(scores.failed), float(len(scores))], dtype=torch.float64))
+        failed, total = int(counts[0]), int(counts[1])
+        ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
+        args = (scores, failed, total, verifier_label(self.verifier), ckpt, self.trainer.is_global_zero)
+        if validation_batch is None:
+            self.failures.record(self.global_step + 1, *args)
+        else:
+            self.failures.check_validation(validation_batch, *args)
+        return scores.failed / len(scores) if len(scores) else 0.0
 
     def _sampling_seed(self, split: str, key: str = "") -> int:
         return sampling_seed(self.seed, split, self.global_step, key)
@@ -355,19 +384,23 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
         staleness, shaping = 0, {}
+        self._update_scores = []
         try:
             if self.async_rollouts is not None:  # sampled ahead by the worker (or again, when too stale)
                 rollout, staleness = self.async_rollouts.rollout(items)
-                rewards = self.score(rollout, items)
+                drawn = self._scored(items, rollout)
             else:
                 drawn = self._draw(items, "train")
                 if rs.dynamic_sampling:  # only prompts whose responses' raw rewards differ (DAPO)
                     rounds = rs.max_sampling_rounds
                     picked = dynamic_batch(drawn, self._draw_refill, len(items), rounds, self._any_short)
                     drawn, shaping = picked.batch, picked.metrics()
-                items, rollout, rewards = drawn.items, drawn.rollout, drawn.rewards
+            items, rollout, rewards, correct = drawn.items, drawn.rollout, drawn.rewards, drawn.correct
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
+        # A failed response is never trained on; a verifier that keeps failing stops the run here, before training.
+        failure_rate = self.check_scores(merge_scores(self._update_scores))
+        scored = ~torch.isnan(rewards)  # a response without a reward has NaN (rewards/failures.py)
         shaped = rewards
         if rs.overlong_buffer:  # DAPO's soft overlong punishment: on the advantages' reward, never on the raw one
             lengths = torch.tensor([len(r) for r in rollout.response_ids])
@@ -375,19 +408,26 @@ class LoGRAPolicyModule(pl.LightningModule):
             shaped = rewards + penalty
             shaping["shaping/overlong_penalty"] = float(penalty.mean())
             shaping["shaping/overlong_rate"] = float((penalty < 0).double().mean())
-        advantages = self.baseline.advantages(shaped, self._all_reduce_sum, groups=rollout.prompt_index)
+        groups = list(rollout.prompt_index)
+        advantages = scored_advantages(self.baseline, shaped, scored, correct, groups, self._all_reduce_sum)
         t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
         reference = self.reference_logprobs if self.reference_policy is not None else None
         ctx = assemble_step(
             self.global_step, items, rollout, rewards, advantages, pad, self.trainer_scores, t_logp, reference
         )
-        ctx.loss_mask = self.loss_config.token_mask(ctx.packed.response_mask, rollout.truncated)
+        ctx.scored, ctx.correct = scored, correct
+        # The loss's tokens: less truncated responses (loss.mask_truncated), less the responses without a reward.
+        ctx.loss_mask = scored_mask(self.loss_config.token_mask(ctx.packed.response_mask, rollout.truncated), scored)
         ctx.staleness, ctx.shaping, ctx.shaped_rewards = staleness, shaping, shaped
+        ctx.metrics["verifier/failure_rate"] = failure_rate  # over every response scored for the update
         return ctx
 
     def _any_short(self, short: bool) -> bool:
-        """Is any rank's dynamic batch still short (one all-reduce; every rank then draws the next round or none)?"""
-        return any_rank(compat.trainer_of(self), short)
+        """Is any rank's dynamic batch still short (one all-reduce; every rank then draws the next round or none)?
+        An update already certain to fail draws no further round: it will not train on them."""
+        scored = merge_scores(self._update_scores)
+        failing = self.failures.fails(scored.failed, len(scored))
+        return any_rank(compat.trainer_of(self), short and not failing)
 
     def _draw(self, items: list[dict[str, Any]], split: str) -> Drawn:
         """Sample and score ``items`` with the training settings; one seed per prompt (from its question and
@@ -395,7 +435,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         sampling = self.rollout_settings.training_sampling(self._sampling_seed(split))
         seeds = [self._sampling_seed(split, prompt_key(it)) for it in items]
         rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
-        return Drawn(items, rollout, self.score(rollout, items))
+        return self._scored(items, rollout)
+
+    def _scored(self, items: list[dict[str, Any]], rollout: Rollout) -> Drawn:
+        """``rollout`` scored: raw rewards (NaN without one) and correctness; kept for the update's failure count."""
+        scores = self.score(rollout, items)
+        self._update_scores.append(scores)
+        rewards, _, correct = score_tensors(scores)
+        return Drawn(items, rollout, rewards, correct)
 
     def _draw_refill(self, round_index: int) -> Drawn:
         """Dynamic sampling's round ``round_index`` (≥ 1): the next prompts of the refill stream, sampled and
@@ -412,6 +459,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer) | ctx.shaping
+        metrics["verifier/failure_rate"] = ctx.metrics.get("verifier/failure_rate", metrics["verifier/failure_rate"])
         if self.async_rollouts is not None:
             metrics |= self.async_rollouts.metrics()
         metrics["guard/rejected_updates"] = float(self.rejections.total)
@@ -473,11 +521,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         rs = self.rollout_settings
         sampling = rs.validation_sampling(self._sampling_seed(f"val{batch_idx}"))
         rollout = self.generate_rollout(self.encode_prompts(batch), sampling)
-        rewards = self.score(rollout, batch)
+        scores = self.score(rollout, batch)
+        self.check_scores(scores, validation_batch=batch_idx)
+        rewards, scored, correct = score_tensors(scores)
         texts = []
         if batch_idx == 0:
             texts = self.tokenizer.batch_decode(rollout.response_ids[: 4 * rs.val_responses], skip_special_tokens=True)
-        self.validation.update(batch, rewards, texts, self.device)
+        self.validation.update(batch, rewards, texts, self.device, correct=correct, scored=scored)
         self.log("val/reward_mean", self.validation.reward, on_step=False, on_epoch=True, batch_size=len(rewards))
 
     def on_validation_epoch_end(self) -> None:

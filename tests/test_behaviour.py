@@ -42,6 +42,8 @@ ADDED_SCALARS: dict[str, tuple[str, Callable[[list[float]], bool]]] = {
     "memory/state/reference_policy": ("issue 25: bytes of a KL penalty's reference policy (loss.kl_coef > 0)", _zero),
     # Computed from the pre-update log-prob pass that already runs: a new reading, no change to what is trained.
     "train/entropy": ("issue 25: the policy's mean token entropy over the step's responses", _entropy),
+    "verifier/nan": ("issue 25: verifier calls that returned a non-finite reward (run total)", _zero),
+    "verifier/failure_rate": ("issue 25: the update's share of responses without a reward", _zero),
 }
 ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
     "beta1": 0.0,
@@ -52,6 +54,10 @@ ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options
     "lr_min_ratio": 1.0,
     "moments": {},
     "moment_age": 0,
+    # issue 25: the runner's count of non-finite rewards and the failure policy's failing updates
+    "nan": 0,
+    "failed_updates": 0,
+    "failed_in_a_row": 0,
 }
 
 
