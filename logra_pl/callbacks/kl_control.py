@@ -14,6 +14,7 @@ from typing_extensions import override
 from logra_pl import compat
 from logra_pl.callbacks.mismatch import RolloutMismatch
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
+from logra_pl.ranks import all_reduce_sum
 from logra_pl.sketch.probe import ProbeMode, predicted_kl_terms, realized_kl_terms
 from logra_pl.step import view_of
 
@@ -176,9 +177,7 @@ class PredictedKLControl(pl.Callback):
         t = tangent.reshape(-1, vocab)[flat]
         terms = predicted_kl_terms(z, t, ctx.temperature)
         total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
-        trainer = pl_module.trainer
-        if trainer.world_size > 1:
-            total = trainer.strategy.reduce(total, reduce_op="sum")
+        total = all_reduce_sum(pl_module.trainer, total, pl_module.device)  # on the device: NCCL has no CPU tensors
         pred = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
         return pred, {"inputs": inputs, "flat": flat, "logits": z.detach(), "temperature": ctx.temperature}
 
@@ -273,8 +272,7 @@ class PredictedKLControl(pl.Callback):
         after = after.reshape(-1, after.shape[-1])[pending["flat"]]
         terms = realized_kl_terms(pending["logits"], after, pending["temperature"])
         total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
-        if trainer.world_size > 1:
-            total = trainer.strategy.reduce(total, reduce_op="sum")
+        total = all_reduce_sum(trainer, total, pl_module.device)
         realized = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
         pl_module.log("kl/realized", realized, on_step=True, batch_size=1)
         ctx = view.step_context
