@@ -92,7 +92,8 @@ class Shape:
     Arguments:
         label: what it is shaped like.
         hidden, intermediate, layers, heads, kv_heads, head_dim: the decoder's shape.
-        vocab: the model's vocabulary (Qwen2.5 pads its embedding to 151,936 rows); None: the tokenizer's size.
+        vocab: the model's vocabulary, padded past the tokenizer's as Qwen2.5 pads its 151,665 tokens to 151,936
+            rows (the tiny shape pads 512 to 1,024, so that the CPU mode runs the padded path too).
         tokenizer: the tiny-model preset (``logra_pl/models/tiny.py``) whose offline BPE tokenizer the policy uses.
         rank: LoGRA's sketch rank.
         prompts, responses, new_tokens, microbatch: prompts per update, responses per prompt, the response limit and
@@ -107,7 +108,7 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
-    vocab: int | None
+    vocab: int
     tokenizer: str
     rank: int
     prompts: int
@@ -119,9 +120,9 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
-    "0.5b": Shape("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, "medium", 256, 32, 2, 32, 16, 40, 5e-4),
-    "1.5b": Shape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 128, 151936, "medium", 256, 32, 2, 32, 16, 40, 3e-4),
-    "tiny": Shape("tiny Qwen2", 128, 512, 2, 2, 2, 64, None, "tiny", 64, 8, 2, 8, 8, 40, 2e-3),
+    "0.5b": Shape("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 64, 151936, "medium", 256, 32, 2, 32, 16, 40, 3e-4),
+    "1.5b": Shape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 128, 151936, "medium", 256, 32, 2, 32, 16, 40, 2e-4),
+    "tiny": Shape("tiny", 128, 512, 2, 2, 2, 64, 1024, "tiny", 64, 8, 2, 8, 8, 40, 2e-3),
 }
 
 
@@ -198,7 +199,7 @@ def build_policy(settings: Settings) -> Path:
         intermediate_size=shape.intermediate,
         max_position_embeddings=4096,
     )
-    config = spec.qwen2_config(shape.vocab or len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    config = spec.qwen2_config(shape.vocab, tokenizer.pad_token_id, tokenizer.eos_token_id)
     torch.manual_seed(0)
     with torch.device(settings.device):
         model = Qwen2ForCausalLM(config)
@@ -209,7 +210,10 @@ def build_policy(settings: Settings) -> Path:
         ids, mask, labels = (t.to(settings.device) for t in answer_batch(tokenizer, items[32 * step : 32 * step + 32]))
         with torch.autocast(settings.device, dtype=torch.bfloat16, enabled=not settings.cpu):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"the format lessons diverged at step {step}: lower Shape.teach_lr ({shape.teach_lr})")
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     model.eval()
@@ -221,7 +225,7 @@ def build_policy(settings: Settings) -> Path:
         model.cpu(), tokenizer, folder, provenance={"built_by": "benchmarks/gpu_e2e.py", "shape": shape.label}
     )
     print(
-        f"policy: {shape.label}-shaped Qwen2, {params / 1e6:.1f}M parameters, vocabulary {config.vocab_size} "
+        f"policy: a Qwen2 shaped like {shape.label}, {params / 1e6:.1f}M parameters, vocabulary {config.vocab_size} "
         f"(tokenizer {len(tokenizer)}), format loss {float(loss.detach()):.3f} after {shape.teach_steps} steps, "
         f"built in {time.perf_counter() - start:.0f} s -> {folder}",
         flush=True,
@@ -369,7 +373,8 @@ def scalars(folder: Path) -> dict[str, dict[int, float]]:
 def checkpoint(folder: Path) -> dict[str, Any]:
     import torch
 
-    return torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    # Memory-mapped: an AdamW checkpoint of the 0.5B shape holds ~5 GB, read here tensor by tensor.
+    return torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False, mmap=True)
 
 
 def tensors(tree: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -584,7 +589,11 @@ def preflight(settings: Settings) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------- main
-def run(settings: Settings, log: Callable[[str], None] = print) -> Report:
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run(settings: Settings, log: Callable[[str], None] = say) -> Report:
     """Build the policy, run every scenario (uninterrupted runs one at a time, then the kill/resume chains in
     parallel), check and report."""
     import yaml
