@@ -46,9 +46,9 @@ GPU"), from the checkout's root::
     PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_e2e.py --out /tmp/e2e --json $OUT/gpu_e2e.json
 
 (pycosat, which reasoning-gym imports, is published as source only: it is built at install time, which needs the
-image's C compiler and Python headers.) About 5 minutes on one H200 was the plan (not measured: no GPU has run it
-yet); ``--timeout`` bounds each child process. On a CPU, the same checks on the tiny model in a few minutes (the test
-suite runs this)::
+image's C compiler and Python headers.) Sized for about 5 minutes on one H200 (an estimate: no GPU has run it yet;
+the device tool allows 10 minutes a command); ``--timeout`` bounds each child process. On a CPU, the same checks on
+the tiny model take a few minutes (a slow test runs them)::
 
     python benchmarks/gpu_e2e.py --cpu [--json out.json]
 """

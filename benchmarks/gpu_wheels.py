@@ -18,10 +18,12 @@ builds that folder on a machine with network:
 Run here, from the checkout's root, then install there without network (``README.md``, "On a GPU")::
 
     python benchmarks/gpu_wheels.py --out .whl            # needs network and logra-pl's dependencies installed here
-    python3 -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target /tmp/site \\
-        -r .whl/requirements.txt && export PYTHONPATH=/tmp/site   # there
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation --find-links .whl \\
+        --target /tmp/site -r .whl/requirements.txt && export PYTHONPATH=/tmp/site   # there
 
-The wheels are installed with ``--no-deps`` into their own folder, so the image's packages are never replaced.
+The wheels are installed with ``--no-deps`` into their own folder, so the image's packages are never replaced. A
+source archive is built there with the image's setuptools (``--no-build-isolation``: no network to fetch a build
+backend), its C compiler and Python headers.
 """
 
 from __future__ import annotations
