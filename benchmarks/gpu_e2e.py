@@ -59,6 +59,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -599,6 +600,8 @@ def run(settings: Settings, log: Callable[[str], None] = say) -> Report:
     import yaml
 
     settings.out.mkdir(parents=True, exist_ok=True)
+    for stale in ("runs", "logs"):  # an earlier invocation's runs would be resumed from and counted as versions
+        shutil.rmtree(settings.out / stale, ignore_errors=True)
     report = Report()
     report.numbers["settings"] = {
         "device": settings.device,
