@@ -190,7 +190,8 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
             raise ConfigError(
                 f"model.engine={engine_name(spec)} runs one engine in the training process, but the trainer starts "
                 f"{world} processes (trainer.devices × trainer.num_nodes): use model.engine=remote (engines started "
-                "with `logra-pl serve`) or hf with several ranks, or trainer.devices=1"
+                "with `logra-pl serve`) or hf with several ranks, or one process (trainer.devices=1, "
+                "trainer.num_nodes=1)"
             )
         per_step = getattr(data, "prompts_per_step", None)
         if per_step is not None and world > 1 and per_step % world:
