@@ -138,8 +138,10 @@ def evaluate(args: argparse.Namespace) -> list[TaskResult]:
             found = module.score(rollout, items)
             if found.failed:  # a response without a reward would pass as 0 and bias the selection: stop instead
                 first = found.first()
-                raise SystemExit(f"{task}: {found.failed} responses could not be scored ({found.counts()}); "
-                                 f"first: {first.message if first else 'unscored'}")
+                raise SystemExit(
+                    f"{task}: {found.failed} responses could not be scored ({found.counts()}); "
+                    f"first: {first.message if first else 'unscored'}"
+                )
             rewards = found.rewards
             texts = module.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
             scores, truncated, no_answer = [], 0, 0
