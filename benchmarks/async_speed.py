@@ -8,7 +8,9 @@ The paper's topology on one machine: a real ``logra-pl serve`` engine in its own
 training can overlap only when rollouts are sampled ahead. Each (staleness, seed) run trains ``--updates`` updates
 with ``--model.rollout.max_staleness`` set; every other setting is the same. Per run, from its TensorBoard events:
 updates per minute over the updates after the first ``--skip`` (startup and the first full sync left out), the
-reward gain, reward per minute, the last validation's pass@1, and the mean ``async/trainer_wait_s``.
+reward gain, reward per minute, the last validation's pass@1, the mean ``async/trainer_wait_s``, and where an
+update's seconds go (``time/rollout_s``: the trainer's rollout phase, waiting included; ``time/train_s``;
+``time/update_s``; ``async/engine_idle_s``: generation capacity that overlap left unused).
 
 Finished runs are reused (``<out>/k<k>/seed<s>/result.json``); ``<out>/results.json`` holds every run and the
 mean ± std per staleness, ``<out>/async_speed.png`` the reward against wall time. Run it alone: the two processes
@@ -63,6 +65,14 @@ def summarize(run: Path, skip: int) -> dict[str, float]:
         "wall_min": wall_min,
         "trainer_wait_s": statistics.fmean(v for _, _, v in s.get("async/trainer_wait_s", [(0, 0, 0.0)])),
     }
+    # Where an update's seconds go (means over the timed updates): the rollout phase as the trainer sees it (waiting
+    # for responses, scoring them, its own log-probs of them), the loss and backward, the optimizer step, and the
+    # engine's idle seconds per update (asynchronous runs only: how much generation capacity overlap left unused).
+    for key, tag in (("rollout_s", "time/rollout_s"), ("train_s", "time/train_s"), ("update_s", "time/update_s")):
+        if tag in s:
+            out[key] = statistics.fmean(v for _, _, v in s[tag][skip:])
+    if "async/engine_idle_s" in s:
+        out["engine_idle_s"] = statistics.fmean(v for _, _, v in s["async/engine_idle_s"][skip:])
     if "val/pass@1" in s:
         out["val_pass@1"] = s["val/pass@1"][-1][2]
     out["curve"] = [(t - reward[0][0], v) for t, _, v in reward]  # type: ignore[assignment]
@@ -96,13 +106,17 @@ def _cell(summary: dict, key: str, digits: int = 3) -> str:
 
 
 def table(results: dict) -> str:
-    rows = ["| staleness | updates / min | reward gain | gain / min | val pass@1 | trainer wait s | vs k=0 |"]
-    rows.append("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = [
+        "| staleness | updates / min | reward gain | gain / min | val pass@1 | trainer wait s | rollout s "
+        "| train s | engine idle s | vs k=0 |"
+    ]
+    rows.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     base = results["summary"].get("0", {}).get("updates_per_min", [None])[0]
     for k, m in sorted(results["summary"].items()):
         ratio = f"{m['updates_per_min'][0] / base:.2f}×" if base else "-"
         cells = [_cell(m, "updates_per_min", 2), _cell(m, "reward_gain"), _cell(m, "reward_gain_per_min")]
-        cells += [_cell(m, "val_pass@1"), _cell(m, "trainer_wait_s", 2), ratio]
+        cells += [_cell(m, "val_pass@1"), _cell(m, "trainer_wait_s", 2), _cell(m, "rollout_s", 2)]
+        cells += [_cell(m, "train_s", 2), _cell(m, "engine_idle_s", 2) if "engine_idle_s" in m else "-", ratio]
         rows.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
