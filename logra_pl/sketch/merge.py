@@ -8,11 +8,17 @@ how rows are chunked or sharded, nor on the BLAS kernel. ``W`` is rounded once, 
 
 Chunks are as large as a float64 budget allows (:func:`merge_chunk_rows`): on a GPU most matrices merge in one
 GEMM and the largest in a few, instead of dozens of small kernels, each with its launch cost on the host.
+
+:func:`merge_stack_` merges a stack of same-shaped matrices (a group, :mod:`logra_pl.sketch.groups`) with batched
+GEMMs, as many matrices per GEMM as the budget holds: every entry is the same exact sum, so each matrix gets the
+bits a merge of it alone gives. It is the merge of the trainer and of every receiver; :func:`merge_rows_` merges
+one matrix, as the per-matrix reference step does.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -70,6 +76,19 @@ def merge_operand(
     return proj.to(torch.float64), 1.0
 
 
+def float64_budget(device: torch.device | str) -> int:
+    """Bytes of float64 temporaries one step of the merge (or of the grouped sketch step) may hold on ``device``:
+    :data:`MERGE_BUFFER_BYTES_CPU` on a CPU, :data:`MERGE_BUFFER_BYTES` elsewhere. Shape and device type only, never
+    free memory, so processes on the same kind of device cut their work alike."""
+    return MERGE_BUFFER_BYTES_CPU if torch.device(device).type == "cpu" else MERGE_BUFFER_BYTES
+
+
+def per_batch(count: int, item_bytes: int, device: torch.device | str) -> int:
+    """How many of ``count`` items, each with ``item_bytes`` of float64 temporaries, one batch takes within
+    :func:`float64_budget` (at least one, at most ``count``)."""
+    return max(1, min(count, float64_budget(device) // max(item_bytes, 1)))
+
+
 def merge_chunk_rows(num_rows: int, d_in: int, device: torch.device | str = "cpu") -> int:
     """Rows per merge chunk on ``device``: as many as keep the float64 ``rows × d_in`` delta within its budget.
 
@@ -79,8 +98,7 @@ def merge_chunk_rows(num_rows: int, d_in: int, device: torch.device | str = "cpu
     chunking cannot change a bit; with Gaussian ones only a BLAS that picks another summation order for another
     shape could.
     """
-    budget = MERGE_BUFFER_BYTES_CPU if torch.device(device).type == "cpu" else MERGE_BUFFER_BYTES
-    return max(1, min(num_rows, budget // (8 * d_in)))
+    return max(1, min(num_rows, float64_budget(device) // (8 * d_in)))
 
 
 def merge_rows_(
@@ -131,3 +149,90 @@ def merge_rows_(
             rows = weight_rows[start:stop]
             torch.sub(rows, delta, out=delta)  # float64(W) − ΔW, one rounding, into the same buffer
             rows.copy_(delta)  # rounded once to W's dtype
+
+
+def stack_operand(projections: torch.Tensor, distribution: str, d_in: int) -> tuple[torch.Tensor, float]:
+    """``(M, c)`` of a stack of projections ``(k, r, width)`` (``width`` ≤ ``d_in``: a column slice): float64
+    ``M`` with ``P = c·M`` entry for entry, as :func:`merge_operand` forms it for one matrix.
+
+    Rademacher and Hadamard: ``M = sign(P)`` (``0``/``±1``) and ``c`` from
+    :func:`~logra_pl.sketch.projection.sign_scale` at the full width ``d_in``; a power-of-two ``c`` is folded into
+    ``M`` (exact), leaving ``c = 1``. Gaussian: ``M = P`` in float64, ``c = 1``.
+    """
+    rank = projections.shape[-2]
+    scale = sign_scale(distribution, rank, d_in)
+    if scale is None:
+        return projections.to(torch.float64), 1.0
+    operand = torch.sign(projections).to(torch.float64)
+    if scale != 1.0 and math.frexp(scale)[0] == 0.5:
+        return operand.mul_(scale), 1.0
+    return operand, scale
+
+
+def merge_stack_(
+    weights: Sequence[torch.Tensor],
+    factors: torch.Tensor,
+    projections: torch.Tensor,
+    distribution: str,
+    *,
+    row_offset: int = 0,
+    chunk_rows: int | None = None,
+    cols: tuple[int, int] | None = None,
+) -> None:
+    """In place, for every ``i``: ``weights[i][j] -= (factors[i, row_offset + j] @ M_i) · c`` over its local rows ``j``.
+
+    Arguments:
+        weights: same-shaped local rows of ``W`` (whole matrices, dim-0 shards or engine blocks), one dtype and device.
+        factors: ``(k, d_out, r)`` factors ``bf16(U·α)``, row ``i`` for ``weights[i]``.
+        projections: ``(k, r, d_in)`` fp32 projections, as drawn (:func:`~logra_pl.sketch.projection.make_projections`).
+        distribution: what the projections were drawn from (the exact ``0``/``±1`` operand of §5, or Gaussian).
+        row_offset: global index of every weight's first local row (a shard's offset; the same for the stack).
+        chunk_rows: rows per chunk (``None``: :func:`merge_chunk_rows`, the most within the device's budget).
+        cols: ``[c0, c1)`` of ``P``'s columns the weights hold (a tensor-parallel column shard); default all.
+
+    Matrices are merged several at a time (one batched GEMM per chunk of rows) within :func:`float64_budget`;
+    ``W`` is rounded once, from ``float64(W) − F M c``. Each matrix's result does not depend on the others in the
+    stack, on the chunking or on the batching: with Rademacher and Hadamard projections every sum is exact.
+    """
+    count = len(weights)
+    if count == 0:
+        return
+    if factors.shape[0] != count or projections.shape[0] != count:
+        raise ValueError(
+            f"{count} weights, {factors.shape[0]} factors and {projections.shape[0]} projections: "
+            "one of each per matrix"
+        )
+    n, width = weights[0].shape
+    d_in = projections.shape[-1]
+    c0, c1 = cols if cols is not None else (0, d_in)
+    if any(tuple(w.shape) != (n, width) for w in weights) or len({(w.dtype, w.device) for w in weights}) != 1:
+        raise ValueError("merge_stack_ merges weights of one shape, dtype and device; group them first")
+    if row_offset < 0 or row_offset + n > factors.shape[1]:
+        raise ValueError(
+            f"rows [{row_offset}, {row_offset + n}) lie outside the factors' {factors.shape[1]} rows: "
+            "pass the shard's global row offset"
+        )
+    if width != c1 - c0 or factors.shape[2] != projections.shape[1]:
+        raise ValueError(
+            f"shape mismatch: weight rows {(n, width)}, factors {tuple(factors.shape)}, "
+            f"projections {tuple(projections.shape)}, columns {(c0, c1)}"
+        )
+    device = weights[0].device
+    rows = merge_chunk_rows(n, width, device) if chunk_rows is None else max(1, min(chunk_rows, n))
+    batch = per_batch(count, 8 * width * (rows + factors.shape[2]), device)  # delta + operand, per matrix
+    with torch.no_grad():
+        buffer = torch.empty(batch * rows * width, dtype=torch.float64, device=device)
+        for i0 in range(0, count, batch):
+            i1 = min(count, i0 + batch)
+            block = projections[i0:i1] if (c0, c1) == (0, d_in) else projections[i0:i1, :, c0:c1]
+            operand, scale = stack_operand(block.to(device), distribution, d_in)
+            for start in range(0, n, rows):
+                stop = min(start + rows, n)
+                f = factors[i0:i1, row_offset + start : row_offset + stop].to(device=device, dtype=torch.float64)
+                delta = torch.bmm(f, operand, out=buffer[: (i1 - i0) * (stop - start) * width].view(i1 - i0, -1, width))
+                if scale != 1.0:
+                    delta.mul_(scale)
+                for w, d in zip(weights[i0:i1], delta, strict=True):
+                    w_rows = w if (start, stop) == (0, n) else w[start:stop]
+                    torch.sub(w_rows, d, out=d)  # float64(W) − ΔW, one rounding, into the same buffer
+                    w_rows.copy_(d)  # rounded once to W's dtype

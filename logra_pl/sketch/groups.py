@@ -1,0 +1,174 @@
+"""Matrices of one shape, stacked: the unit of the grouped sketch step (algorithm.md §4-5).
+
+A decoder has few distinct target shapes (Qwen2: ``q/o``, ``k/v``, ``gate/up``, ``down``), so the sketcher keeps the
+per-matrix state of same-shaped matrices in stacked buffers — sketches ``(k, d_out, r)``, projections
+``(k, r, d_in)``, row statistics ``(k, d_out, 1)``, first moments ``(k, d_out, r)`` — and runs every formula of the
+update once per group on the stack instead of once per matrix. Each matrix's own tensors (``MatrixSketch.sketch``,
+``MatrixSketch.projection``, ``LoGRASketcher.row_stats[name]``, ...) are views of its row, so per-matrix readers
+(the forward/backward hooks, checkpoints, diagnostics, a data-parallel strategy's all-reduce) see no difference.
+
+A group holds at most :data:`GROUP_SKETCH_BYTES` of sketches, which bounds the transient memory of its batched
+formulas (a stack-sized temporary or two), and it never mixes weight dtypes or devices. The float64 formulas (the
+Gram matrices, ``‖D P‖²``, ``‖W‖``, the moment transfer) run on as many matrices of a stack at a time as their
+float64 temporaries fit the merge's budget (:func:`~logra_pl.sketch.merge.float64_budget`: 4 MiB on a CPU, 64 MiB
+on a GPU), at least one: a process never holds several matrices' float64 copies beyond that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from logra_pl.sketch.merge import per_batch
+from logra_pl.sketch.update import lifted_sq_norm, projection_gram, transfer_moment
+
+# Most bytes of fp32 sketches one group stacks (larger sets of same-shaped matrices split into several groups). The
+# RowAdam formulas hold one or two stack-sized temporaries, so this also bounds their transient memory.
+GROUP_SKETCH_BYTES = 256 * 2**20
+
+
+def buffer_device(weight: torch.Tensor) -> torch.device:
+    """Where a matrix's LoGRA buffers live: its weight's device (a meta weight gives meta buffers: shapes only)."""
+    return weight.device
+
+
+@dataclass
+class MatrixGroup:
+    """Same-shaped target matrices and their stacked LoGRA state.
+
+    Arguments:
+        names: canonical module names, in the model's order.
+        linears: their ``nn.Linear`` modules.
+        rank: sketch rank ``r``.
+        sketch: ``(k, d_out, r)`` fp32 sketches ``S`` (zero between updates).
+        row_stats: ``(k, d_out, 1)`` fp32 RowAdam row statistics ``v``.
+        moments: ``(k, d_out, r)`` first moments ``m`` in their storage dtype (``logra.beta1 > 0``), else ``None``.
+        projection: ``(k, r, d_in)`` fp32 projections of the current update (empty until the first is drawn;
+            replaced, not overwritten, when a new basis is drawn, so a proposal keeps the ``P`` it was made with).
+    """
+
+    names: list[str]
+    linears: list[nn.Linear]
+    rank: int
+    sketch: torch.Tensor
+    row_stats: torch.Tensor
+    moments: torch.Tensor | None
+    projection: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        """Matrices in the group."""
+        return len(self.names)
+
+    @property
+    def d_out(self) -> int:
+        return self.sketch.shape[1]
+
+    @property
+    def d_in(self) -> int:
+        return self.linears[0].in_features
+
+    @property
+    def device(self) -> torch.device:
+        return self.sketch.device
+
+
+def group_matrices(
+    linears: Mapping[str, nn.Linear],
+    rank: int,
+    moment_dtype: torch.dtype | None,
+    max_sketch_bytes: int = GROUP_SKETCH_BYTES,
+) -> list[MatrixGroup]:
+    """Stack ``linears`` by ``(d_out, d_in, weight dtype, device)``, each group in the model's order and within
+    ``max_sketch_bytes`` of sketches; groups in the order of their first matrix.
+
+    Arguments:
+        linears: ``{canonical name: nn.Linear}`` of the target matrices, in the model's order.
+        rank: sketch rank ``r``.
+        moment_dtype: storage dtype of the first moments, or ``None`` for none (``logra.beta1 = 0``).
+        max_sketch_bytes: the most fp32 sketch bytes one group holds (at least one matrix per group).
+    """
+    keyed: dict[tuple[object, ...], list[str]] = {}
+    for name, linear in linears.items():
+        w = linear.weight
+        keyed.setdefault((linear.out_features, linear.in_features, w.dtype, buffer_device(w)), []).append(name)
+    groups: list[MatrixGroup] = []
+    for (d_out, _, _, device), names in keyed.items():
+        per_group = max(1, max_sketch_bytes // (d_out * rank * 4))
+        for start in range(0, len(names), per_group):
+            part = names[start : start + per_group]
+            k = len(part)
+            groups.append(
+                MatrixGroup(
+                    names=part,
+                    linears=[linears[n] for n in part],
+                    rank=rank,
+                    sketch=torch.zeros(k, d_out, rank, dtype=torch.float32, device=device),
+                    row_stats=torch.zeros(k, d_out, 1, dtype=torch.float32, device=device),
+                    moments=None
+                    if moment_dtype is None
+                    else torch.zeros(k, d_out, rank, dtype=moment_dtype, device=device),
+                    projection=torch.empty(0, device=device),
+                )
+            )
+    return groups
+
+
+def stack_weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``‖W_i‖`` in float64 of same-shaped weights (local rows), as a ``(k,)`` tensor on their device.
+
+    On a GPU one multi-tensor kernel reads the float32 weights and sums their squares in float64
+    (``torch._foreach_norm`` with a float64 result): no float64 copy, one or two launches for all. On a CPU that
+    kernel is a loop of ``vector_norm(W_i, dtype=float64)``, each of which first copies ``W_i`` to float64; here the
+    copies go into one reused buffer, as many whole matrices at a time as :func:`~logra_pl.sketch.merge.per_batch`
+    allows (at least one), and each matrix's norm is the same float64 reduction of the same values (the same bits).
+    """
+    device = weights[0].device
+    if device.type != "cpu":
+        return torch.stack(torch._foreach_norm(list(weights), 2, dtype=torch.float64))
+    count, shape = len(weights), tuple(weights[0].shape)
+    batch = per_batch(count, 8 * weights[0].numel(), device)
+    out = torch.empty(count, dtype=torch.float64, device=device)
+    buffer = torch.empty(batch, *shape, dtype=torch.float64, device=device)
+    for i0 in range(0, count, batch):
+        i1 = min(count, i0 + batch)
+        copies = torch.stack(list(weights[i0:i1]), out=buffer[: i1 - i0])
+        torch.linalg.vector_norm(copies, dim=(-2, -1), out=out[i0:i1])
+    return out
+
+
+def stack_grams(projections: torch.Tensor) -> torch.Tensor:
+    """``P_i P_iᵀ`` in float64 (:func:`~logra_pl.sketch.update.projection_gram`) of a ``(k, r, d_in)`` stack:
+    ``(k, r, r)``, the float64 copies of ``P`` made a budget's worth of matrices at a time."""
+    count, rank, d_in = projections.shape
+    out = torch.empty(count, rank, rank, dtype=torch.float64, device=projections.device)
+    batch = per_batch(count, 8 * rank * d_in, projections.device)
+    for i0 in range(0, count, batch):
+        out[i0 : i0 + batch] = projection_gram(projections[i0 : i0 + batch])
+    return out
+
+
+def stack_lifted_sq_norms(directions: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
+    """``‖D_i P_i‖²`` (:func:`~logra_pl.sketch.update.lifted_sq_norm`) of a ``(k, d_out, r)`` stack (any float dtype)
+    through its Grams: ``(k,)`` float64, a budget's worth of matrices at a time."""
+    count, d_out, rank = directions.shape
+    out = torch.empty(count, dtype=torch.float64, device=directions.device)
+    batch = per_batch(count, 16 * d_out * rank, directions.device)  # D in float64 and D·(P Pᵀ)
+    for i0 in range(0, count, batch):
+        out[i0 : i0 + batch] = lifted_sq_norm(directions[i0 : i0 + batch], gram=grams[i0 : i0 + batch])
+    return out
+
+
+def stack_transfer(moments: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """First moments ``(k, d_out, r)`` carried from projections ``old`` to ``new`` (each ``(k, r, d_in)``) by
+    :func:`~logra_pl.sketch.update.transfer_moment`, a budget's worth of matrices at a time; in ``moments``' dtype."""
+    count, d_out, rank = moments.shape
+    out = torch.empty_like(moments)
+    batch = per_batch(count, 8 * (2 * rank * old.shape[-1] + d_out * rank), moments.device)
+    for i0 in range(0, count, batch):
+        i1 = i0 + batch
+        out[i0:i1] = transfer_moment(moments[i0:i1], old[i0:i1], new[i0:i1])
+    return out
