@@ -121,54 +121,53 @@ def stack_weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """``‖W_i‖`` in float64 of same-shaped weights (local rows), as a ``(k,)`` tensor on their device.
 
     On a GPU one multi-tensor kernel reads the float32 weights and sums their squares in float64
-    (``torch._foreach_norm`` with a float64 result): no float64 copy, one or two launches for all. On a CPU that
-    kernel is a loop of ``vector_norm(W_i, dtype=float64)``, each of which first copies ``W_i`` to float64; here the
-    copies go into one reused buffer, as many whole matrices at a time as :func:`~logra_pl.sketch.merge.per_batch`
-    allows (at least one), and each matrix's norm is the same float64 reduction of the same values (the same bits).
+    (``torch._foreach_norm`` with a float64 result): no float64 copy, one or two launches for all. On a CPU a
+    float64 norm copies its input to float64 first (``vector_norm(W, dtype=float64)`` does, and the multi-tensor
+    kernel is a loop of those); here a budget's worth of whole matrices at a time is concatenated and normed in one
+    call (:func:`~logra_pl.sketch.merge.per_batch`), each matrix's norm the same float64 reduction of the same
+    values as its own ``vector_norm(W_i, dtype=float64)`` (the same bits).
     """
-    device = weights[0].device
-    if device.type != "cpu":
-        return torch.stack(torch._foreach_norm(list(weights), 2, dtype=torch.float64))
-    count, shape = len(weights), tuple(weights[0].shape)
-    batch = per_batch(count, 8 * weights[0].numel(), device)
-    out = torch.empty(count, dtype=torch.float64, device=device)
-    buffer = torch.empty(batch, *shape, dtype=torch.float64, device=device)
-    for i0 in range(0, count, batch):
-        i1 = min(count, i0 + batch)
-        copies = torch.stack(list(weights[i0:i1]), out=buffer[: i1 - i0])
-        torch.linalg.vector_norm(copies, dim=(-2, -1), out=out[i0:i1])
-    return out
+    with torch.no_grad():
+        device = weights[0].device
+        if device.type != "cpu":
+            return torch.stack(torch._foreach_norm(list(weights), 2, dtype=torch.float64))
+        count, (rows, width) = len(weights), tuple(weights[0].shape)
+        batch = per_batch(count, 12 * rows * width, device)  # the float32 concatenation and its float64 copy
+        norms = []
+        for i0 in range(0, count, batch):
+            i1 = min(count, i0 + batch)
+            stacked = torch.cat(list(weights[i0:i1])).view(i1 - i0, rows, width)
+            norms.append(torch.linalg.vector_norm(stacked, dim=(-2, -1), dtype=torch.float64))
+        return norms[0] if len(norms) == 1 else torch.cat(norms)
 
 
 def stack_grams(projections: torch.Tensor) -> torch.Tensor:
     """``P_i P_iᵀ`` in float64 (:func:`~logra_pl.sketch.update.projection_gram`) of a ``(k, r, d_in)`` stack:
     ``(k, r, r)``, the float64 copies of ``P`` made a budget's worth of matrices at a time."""
     count, rank, d_in = projections.shape
-    out = torch.empty(count, rank, rank, dtype=torch.float64, device=projections.device)
     batch = per_batch(count, 8 * rank * d_in, projections.device)
-    for i0 in range(0, count, batch):
-        out[i0 : i0 + batch] = projection_gram(projections[i0 : i0 + batch])
-    return out
+    parts = [projection_gram(projections[i0 : i0 + batch]) for i0 in range(0, count, batch)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def stack_lifted_sq_norms(directions: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
     """``‖D_i P_i‖²`` (:func:`~logra_pl.sketch.update.lifted_sq_norm`) of a ``(k, d_out, r)`` stack (any float dtype)
     through its Grams: ``(k,)`` float64, a budget's worth of matrices at a time."""
     count, d_out, rank = directions.shape
-    out = torch.empty(count, dtype=torch.float64, device=directions.device)
     batch = per_batch(count, 16 * d_out * rank, directions.device)  # D in float64 and D·(P Pᵀ)
-    for i0 in range(0, count, batch):
-        out[i0 : i0 + batch] = lifted_sq_norm(directions[i0 : i0 + batch], gram=grams[i0 : i0 + batch])
-    return out
+    if batch == count:
+        return lifted_sq_norm(directions, gram=grams)
+    parts = [lifted_sq_norm(directions[i0 : i0 + batch], gram=grams[i0 : i0 + batch]) for i0 in range(0, count, batch)]
+    return torch.cat(parts)
 
 
 def stack_transfer(moments: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """First moments ``(k, d_out, r)`` carried from projections ``old`` to ``new`` (each ``(k, r, d_in)``) by
     :func:`~logra_pl.sketch.update.transfer_moment`, a budget's worth of matrices at a time; in ``moments``' dtype."""
     count, d_out, rank = moments.shape
-    out = torch.empty_like(moments)
     batch = per_batch(count, 8 * (2 * rank * old.shape[-1] + d_out * rank), moments.device)
-    for i0 in range(0, count, batch):
-        i1 = i0 + batch
-        out[i0:i1] = transfer_moment(moments[i0:i1], old[i0:i1], new[i0:i1])
-    return out
+    parts = [
+        transfer_moment(moments[i0 : i0 + batch], old[i0 : i0 + batch], new[i0 : i0 + batch])
+        for i0 in range(0, count, batch)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -23,7 +23,7 @@ def host_values(*groups: Sequence[torch.Tensor]) -> list[list[float]]:
     unchanged, booleans become ``1.0``/``0.0``. Returns one flat list per group, in order; empty groups are
     allowed. Tensors on another device than the first are moved to it.
     """
-    flat = [t.reshape(-1) for group in groups for t in group]
+    flat = [t if t.dim() == 1 else t.reshape(-1) for group in groups for t in group]
     if not flat:
         return [[] for _ in groups]
     device = flat[0].device

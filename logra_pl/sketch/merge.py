@@ -29,8 +29,8 @@ from logra_pl.sketch.projection import make_projection, sign_scale
 # blocks below its dynamic mmap threshold, which rises to 32 MiB, from a heap it does not give back): peak RSS of
 # a 50M-parameter LoGRA run was 1,186 MiB at 32 MiB and 923 MiB at 4 MiB (benchmarks/compare.py --model-size
 # medium --optimizers logra), and 4 MiB chunks merged in 0.34-0.55x the time (one thread, the medium shapes).
-MERGE_BUFFER_BYTES = 64 * 2**20
-MERGE_BUFFER_BYTES_CPU = 4 * 2**20
+MERGE_BUFFER_BYTES = 1024 * 2**20
+MERGE_BUFFER_BYTES_CPU = 64 * 2**20
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -218,21 +218,46 @@ def merge_stack_(
             f"projections {tuple(projections.shape)}, columns {(c0, c1)}"
         )
     device = weights[0].device
-    rows = merge_chunk_rows(n, width, device) if chunk_rows is None else max(1, min(chunk_rows, n))
-    batch = per_batch(count, 8 * width * (rows + factors.shape[2]), device)  # delta + operand, per matrix
+    rank = factors.shape[2]
+    whole = (c0, c1) == (0, d_in)
+    budget = float64_budget(device)
+    # A CPU subtraction of float32 W from a float64 delta first copies W to float64 (TensorIterator promotes inputs
+    # by copying on a CPU); that copy goes into one reused buffer of a matrix's rows. CUDA kernels cast as they read.
+    copy_w = device.type == "cpu"
+    row_bytes = 8 * width * (2 if copy_w else 1)
+    rows = max(1, min(n, budget // row_bytes if chunk_rows is None else chunk_rows))
+    spare = budget - (8 * rows * width if copy_w else 0)
+    batch = max(1, min(count, spare // (8 * width * (rows + rank))))  # deltas and float64 operands of a batch
     with torch.no_grad():
-        buffer = torch.empty(batch * rows * width, dtype=torch.float64, device=device)
+        delta_buf = torch.empty(batch * rows * width, dtype=torch.float64, device=device)
+        w64 = torch.empty(rows * width if copy_w else 0, dtype=torch.float64, device=device)
         for i0 in range(0, count, batch):
             i1 = min(count, i0 + batch)
-            block = projections[i0:i1] if (c0, c1) == (0, d_in) else projections[i0:i1, :, c0:c1]
-            operand, scale = stack_operand(block.to(device), distribution, d_in)
+            k = i1 - i0
+            p = projections if (i0, i1) == (0, count) else projections[i0:i1]
+            p = p if whole else p[:, :, c0:c1]
+            operand, scale = stack_operand(p if p.device == device else p.to(device), distribution, d_in)
+            f = factors if (i0, i1) == (0, count) else factors[i0:i1]
+            f = f if (row_offset, n) == (0, factors.shape[1]) else f[:, row_offset : row_offset + n]
+            f64 = f.to(device=device, dtype=torch.float64)
             for start in range(0, n, rows):
                 stop = min(start + rows, n)
-                f = factors[i0:i1, row_offset + start : row_offset + stop].to(device=device, dtype=torch.float64)
-                delta = torch.bmm(f, operand, out=buffer[: (i1 - i0) * (stop - start) * width].view(i1 - i0, -1, width))
+                size = (stop - start) * width
+                every_row = (start, stop) == (0, n)
+                delta = torch.bmm(
+                    f64 if every_row else f64[:, start:stop],
+                    operand,
+                    out=delta_buf[: k * size].view(k, stop - start, width),
+                )
                 if scale != 1.0:
                     delta.mul_(scale)
+                current = w64[:size].view(stop - start, width) if copy_w else None
                 for w, d in zip(weights[i0:i1], delta, strict=True):
-                    w_rows = w if (start, stop) == (0, n) else w[start:stop]
-                    torch.sub(w_rows, d, out=d)  # float64(W) − ΔW, one rounding, into the same buffer
-                    w_rows.copy_(d)  # rounded once to W's dtype
+                    w_rows = w if every_row else w[start:stop]
+                    if current is None:
+                        torch.sub(w_rows, d, out=d)  # float64(W) − ΔW, one rounding
+                        w_rows.copy_(d)  # rounded once to W's dtype
+                    else:
+                        current.copy_(w_rows)  # float64(W), exact
+                        current.sub_(d)  # float64(W) − ΔW, one rounding
+                        w_rows.copy_(current)  # rounded once to W's dtype

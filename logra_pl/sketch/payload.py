@@ -57,13 +57,47 @@ class FactorStack:
         )
 
 
-@dataclass
 class MatrixProposal:
-    """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed``."""
+    """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed``.
 
-    factor: torch.Tensor  # U, fp32, (d_out, r)
-    seed: int
-    projection: torch.Tensor  # P, fp32, (r, d_in): kept for probing; never serialised
+    Arguments:
+        factor: ``U``, fp32, ``(d_out, r)``. Or leave it out and pass ``stack`` and ``row``: ``U`` is then row
+            ``row`` of a group's stacked factors, viewed when first read (the sketcher's own steps read the stack).
+        seed: the seed of ``P``.
+        projection: ``P``, fp32, ``(r, d_in)``: kept for probing; never serialised.
+    """
+
+    def __init__(
+        self,
+        factor: torch.Tensor | None = None,
+        seed: int = -1,
+        projection: torch.Tensor | None = None,
+        *,
+        stack: FactorStack | None = None,
+        row: int = 0,
+    ) -> None:
+        if factor is None and stack is None:
+            raise ValueError("a MatrixProposal needs its factor, or the stack and row that hold it")
+        self._factor = factor
+        self.stack = None if factor is not None else stack
+        self.row = row
+        self.seed = seed
+        self.projection = projection if projection is not None else torch.empty(0)
+
+    @property
+    def factor(self) -> torch.Tensor:
+        """``U`` (fp32, ``(d_out, r)``)."""
+        if self._factor is None:
+            assert self.stack is not None
+            self._factor = self.stack.tensor[self.row]
+        return self._factor
+
+    @factor.setter
+    def factor(self, value: torch.Tensor) -> None:
+        self._factor, self.stack = value, None  # no longer the stack's row
+
+    def __repr__(self) -> str:
+        return f"MatrixProposal(seed={self.seed}, factor={tuple(self.factor.shape)})"
 
 
 @dataclass
@@ -127,7 +161,10 @@ class Proposal:
         stacks = [
             FactorStack(st.names, (st.tensor * a).to(self.factor_dtype))
             for st in self.stacks
-            if st.holds({n: m.factor for n, m in self.matrices.items()})
+            if all(
+                name in self.matrices and self.matrices[name].stack is st and self.matrices[name].row == i
+                for i, name in enumerate(st.names)
+            )
         ]
         rounded = {name: view for st in stacks for name, view in st.views().items()}
         factors = {

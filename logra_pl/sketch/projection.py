@@ -58,6 +58,17 @@ def rademacher_words(seed: int, rank: int, d_in: int, pin_memory: bool = False) 
     return words.random_(-(2**63), None, generator=gen)
 
 
+@functools.cache
+def _sign_table(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(byte shifts, table)`` of :func:`unpack_signs` on ``device`` (cached: the same few tensors every update)."""
+    byte_shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
+    bit_shifts = torch.arange(8, dtype=torch.int64, device=device)
+    table_bits = (torch.arange(256, dtype=torch.int64, device=device).unsqueeze(1) >> bit_shifts) & 1
+    scale = rademacher_scale(rank)
+    table = torch.where(table_bits.bool(), scale, -scale).to(torch.float32)  # (256, 8): row b = the bits of b
+    return byte_shifts, table
+
+
 def unpack_signs(words: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
     """``P`` of shape ``(..., rank, d_in)`` from :func:`rademacher_words` (``(..., words)``, one row per ``P``), on
     ``words``' device: set bit → ``+1/sqrt(r)``.
@@ -66,14 +77,9 @@ def unpack_signs(words: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
     ``±fp32(1/sqrt(r))`` built from the same integer ops. No floating-point arithmetic touches the drawn bits,
     so the result is bit-identical on every device, and a stack of words unpacks to the stack of their ``P``.
     """
-    device = words.device
     batch = words.shape[:-1]
-    byte_shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
+    byte_shifts, table = _sign_table(rank, words.device)
     byte_values = (words.unsqueeze(-1) >> byte_shifts) & 0xFF  # (..., words, 8): byte j holds bits 8j..8j+7
-    bit_shifts = torch.arange(8, dtype=torch.int64, device=device)
-    table_bits = (torch.arange(256, dtype=torch.int64, device=device).unsqueeze(1) >> bit_shifts) & 1
-    scale = rademacher_scale(rank)
-    table = torch.where(table_bits.bool(), scale, -scale).to(torch.float32)  # (256, 8): row b = the bits of b
     entries = table.index_select(0, byte_values.reshape(-1)).reshape(*batch, -1)
     if entries.shape[-1] != rank * d_in:  # the last word's unused bits
         entries = entries[..., : rank * d_in]
@@ -165,17 +171,21 @@ def projection_draws(
     Rademacher: the packed words of :func:`rademacher_words` (``(k, words)`` int64). Hadamard: the integers of
     :func:`hadamard_draws` (``(k, r + 2·d_in)`` int64). Gaussian: ``P`` itself (``(k, r, d_in)`` fp32), drawn with
     ``normal_`` and scaled by ``fp32(1/sqrt(r))`` on the CPU. One generator is reseeded for every seed (a reseeded
-    generator is a fresh one), and every row is written in place into one buffer (``pin_memory``: page-locked, so
-    that one asynchronous copy takes the whole stack to a GPU).
+    generator is a fresh one), and the rows end in one buffer (``pin_memory``: page-locked, so that one
+    asynchronous copy takes the whole stack to a GPU).
     """
     gen = torch.Generator(device="cpu")
     k = len(seeds)
     if distribution == "rademacher":
-        out = torch.empty(k, -(-rank * d_in // 64), dtype=torch.int64, pin_memory=pin_memory)
-        for row, seed in zip(out, seeds, strict=True):
+        words = -(-rank * d_in // 64)
+        parts = []
+        for seed in seeds:
             gen.manual_seed(seed)
-            row.random_(-(2**63), None, generator=gen)  # as rademacher_words: one draw per 64-bit word
-        return out
+            parts.append(
+                torch.empty(words, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+            )  # as rademacher_words
+        out = torch.empty(k * words, dtype=torch.int64, pin_memory=pin_memory)
+        return torch.cat(parts, out=out).view(k, words)
     if distribution == "gaussian":
         out = torch.empty(k, rank, d_in, dtype=torch.float32, pin_memory=pin_memory)
         for row, seed in zip(out, seeds, strict=True):
@@ -183,14 +193,14 @@ def projection_draws(
             row.normal_(generator=gen)  # what torch.randn((rank, d_in), generator=gen) draws
         return out.mul_(1.0 / rank**0.5)
     if distribution == "hadamard":
-        out = torch.empty(k, rank + 2 * d_in, dtype=torch.int64, pin_memory=pin_memory)
-        for row, seed in zip(out, seeds, strict=True):
+        parts = []
+        for seed in seeds:
             gen.manual_seed(seed)
-            rows = torch.randperm(d_in, generator=gen)[:rank]
-            perm = torch.randperm(d_in, generator=gen)
-            signs = torch.randint(0, 2, (d_in,), generator=gen, dtype=torch.int64)
-            torch.cat([rows, perm, signs], out=row)  # as hadamard_draws
-        return out
+            parts.append(torch.randperm(d_in, generator=gen)[:rank])  # as hadamard_draws, in its order
+            parts.append(torch.randperm(d_in, generator=gen))
+            parts.append(torch.randint(0, 2, (d_in,), generator=gen, dtype=torch.int64))
+        out = torch.empty(k * (rank + 2 * d_in), dtype=torch.int64, pin_memory=pin_memory)
+        return torch.cat(parts, out=out).view(k, rank + 2 * d_in)
     check_distribution(distribution)
     raise AssertionError(f"distribution {distribution!r} is listed but has no construction")  # unreachable
 

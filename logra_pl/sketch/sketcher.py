@@ -216,7 +216,7 @@ class LoGRASketcher:
     # ------------------------------------------------------------------------------------------- proposal
     def weight_norms(self) -> list[torch.Tensor]:
         """``‖W_i‖`` over the local rows, one ``(k,)`` float64 tensor per group (on the device; group order)."""
-        return [stack_weight_norms([local_tensor(w.weight).detach() for w in g.linears]) for g in self.groups]
+        return [stack_weight_norms([local_tensor(w.weight) for w in g.linears]) for g in self.groups]
 
     def weight_sq_norms(self) -> dict[str, float]:
         """``‖W_i‖²`` of every selected matrix, over the rows this process holds (local shards when sharded)."""
@@ -237,7 +237,7 @@ class LoGRASketcher:
 
     def _sketch_finite(self) -> list[torch.Tensor]:
         """Whether every entry of each ``S`` is finite: one ``(k,)`` bool tensor per group."""
-        return [torch.isfinite(group.sketch).flatten(1).all(dim=1) for group in self.groups]
+        return [torch.isfinite(group.sketch).all(dim=(1, 2)) for group in self.groups]
 
     def _by_name(self, values: list[float]) -> dict[str, float]:
         """Per-matrix values in group order (as read from the groups' tensors) → ``{name: value}`` in model order."""
@@ -287,9 +287,9 @@ class LoGRASketcher:
             FactorStack(tuple(group.names), scaled_(d, [scales[n] for n in group.names]))
             for group, (d, _, _) in zip(self.groups, steps, strict=True)
         ]
-        factors = {name: view for st in stacks for name, view in st.views().items()}
+        rows = {name: (st, i) for st in stacks for i, name in enumerate(st.names)}
         matrices = {
-            name: MatrixProposal(factor=factors[name], seed=m.seed, projection=m.projection)
+            name: MatrixProposal(seed=m.seed, projection=m.projection, stack=rows[name][0], row=rows[name][1])
             for name, m in self.matrices.items()
         }
         self._pending = [(v, moment) for _, v, moment in steps]
@@ -393,7 +393,7 @@ class LoGRASketcher:
         factor_stacks = [stacked_factors(payload, group.names) for group in self.groups]
         # The three checks below, read from the device in one transfer (see logra_pl.sketch.host).
         factors_finite, update_values, dense_finite, norms = host_values(
-            [torch.isfinite(f).flatten(1).all(dim=1) for f in factor_stacks],
+            [torch.isfinite(f).all(dim=(1, 2)) for f in factor_stacks],
             self._lifted_sq_norms(factor_stacks),
             [torch.isfinite(v).all() for v in new_dense.values()],
             [] if proposal.weight_sq_norms else self.weight_norms(),

@@ -17,6 +17,11 @@ import torch
 TINY = torch.finfo(torch.float32).tiny
 
 
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 (itself when it already is: no operator call)."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
+
+
 def row_denominator(row_stat: torch.Tensor, step: int, beta2: float, eps: float) -> torch.Tensor:
     """``den = sqrt(v / (1 − β2^t)) + max(ε·mean(root), tiny)``: RowAdam's per-row denominator (d_out × 1), the mean
     over the matrix's rows."""
@@ -48,13 +53,13 @@ def rowadam_direction(
     """
     if step < 1:
         raise ValueError(f"RowAdam step count starts at 1, got {step}")
-    s32 = sketch.to(torch.float32)
+    s32 = _float32(sketch)
     v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=-1, keepdim=True)
     den = row_denominator(v_new, step, beta2, eps)
     scale = den.amin(dim=(-2, -1), keepdim=True) / den
     scale = scale / torch.sqrt(scale.square().mean(dim=(-2, -1), keepdim=True))
     if numerator is not None:
-        s32 = numerator.to(torch.float32)
+        s32 = _float32(numerator)
     direction = scale * s32
     d_norm = torch.linalg.vector_norm(direction, dim=(-2, -1), keepdim=True)
     s_norm = torch.linalg.vector_norm(s32, dim=(-2, -1), keepdim=True)
@@ -81,21 +86,21 @@ def adam_direction(
     """
     if step < 1:
         raise ValueError(f"Adam step count starts at 1, got {step}")
-    s32 = sketch.to(torch.float32)
+    s32 = _float32(sketch)
     v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=-1, keepdim=True)
-    num = s32 if numerator is None else numerator.to(torch.float32)
+    num = s32 if numerator is None else _float32(numerator)
     return num / row_denominator(v_new, step, beta2, eps), v_new
 
 
 def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
     """SGD mode: ``D = S``."""
-    return sketch.to(torch.float32).clone()
+    return _float32(sketch).clone()
 
 
 def first_moment(sketch: torch.Tensor, moment: torch.Tensor, beta1: float) -> torch.Tensor:
     """``m ← β1·m + (1−β1)·S`` in fp32 (from ``m`` as stored: fp32 or bf16), the sketch-space first moment;
     returns the new fp32 ``m``, inputs untouched. The caller rounds it to the storage dtype when it commits."""
-    return beta1 * moment.to(torch.float32) + (1.0 - beta1) * sketch.to(torch.float32)
+    return beta1 * _float32(moment) + (1.0 - beta1) * _float32(sketch)
 
 
 def bias_corrected(moment: torch.Tensor, beta1: float, age: int) -> torch.Tensor:
@@ -138,7 +143,7 @@ def projection_gram(projection: torch.Tensor) -> torch.Tensor:
     the guard before the merge) forms it once.
     """
     p64 = projection.to(torch.float64)
-    return p64 @ p64.mT
+    return torch.bmm(p64, p64.mT) if p64.dim() == 3 else p64 @ p64.T
 
 
 def lifted_sq_norm(
@@ -155,7 +160,8 @@ def lifted_sq_norm(
             raise ValueError("lifted_sq_norm needs the projection or its Gram matrix")
         gram = projection_gram(projection)
     d64 = direction.to(torch.float64)
-    return ((d64 @ gram) * d64).sum(dim=(-2, -1))
+    product = torch.bmm(d64, gram) if d64.dim() == 3 else d64 @ gram  # bmm: what matmul runs on a stack
+    return (product * d64).sum(dim=(-2, -1))
 
 
 def ratio_scale(
