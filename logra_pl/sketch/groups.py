@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from logra_pl.sketch.merge import per_batch
+from logra_pl.sketch.merge import float64_scratch, per_batch
 from logra_pl.sketch.update import lifted_sq_norm, projection_gram, transfer_moment
 
 # Most bytes of fp32 sketches one group stacks (larger sets of same-shaped matrices split into several groups). The
@@ -123,21 +123,25 @@ def stack_weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     On a GPU one multi-tensor kernel reads the float32 weights and sums their squares in float64
     (``torch._foreach_norm`` with a float64 result): no float64 copy, one or two launches for all. On a CPU a
     float64 norm copies its input to float64 first (``vector_norm(W, dtype=float64)`` does, and the multi-tensor
-    kernel is a loop of those); here a budget's worth of whole matrices at a time is concatenated and normed in one
-    call (:func:`~logra_pl.sketch.merge.per_batch`), each matrix's norm the same float64 reduction of the same
-    values as its own ``vector_norm(W_i, dtype=float64)`` (the same bits).
+    kernel is a loop of those); here the copies go into one scratch block
+    (:func:`~logra_pl.sketch.merge.float64_scratch`), as many whole matrices at a time as
+    :func:`~logra_pl.sketch.merge.per_batch` allows (at least one), and one call norms them all: each matrix's norm is the same float64 reduction of the same values as its own
+    ``vector_norm(W_i, dtype=float64)`` (the same bits).
     """
     with torch.no_grad():
         device = weights[0].device
         if device.type != "cpu":
             return torch.stack(torch._foreach_norm(list(weights), 2, dtype=torch.float64))
         count, (rows, width) = len(weights), tuple(weights[0].shape)
-        batch = per_batch(count, 12 * rows * width, device)  # the float32 concatenation and its float64 copy
+        batch = per_batch(count, 8 * rows * width, device)
+        scratch = float64_scratch(batch * rows * width, device)
         norms = []
         for i0 in range(0, count, batch):
             i1 = min(count, i0 + batch)
-            stacked = torch.cat(list(weights[i0:i1])).view(i1 - i0, rows, width)
-            norms.append(torch.linalg.vector_norm(stacked, dim=(-2, -1), dtype=torch.float64))
+            copies = scratch[: (i1 - i0) * rows * width].view(i1 - i0, rows, width)
+            for w, c in zip(weights[i0:i1], copies.unbind(0), strict=True):
+                c.copy_(w)  # float64(W), exact
+            norms.append(torch.linalg.vector_norm(copies, dim=(-2, -1)))
         return norms[0] if len(norms) == 1 else torch.cat(norms)
 
 

@@ -24,13 +24,19 @@ import torch
 
 from logra_pl.sketch.projection import make_projection, sign_scale
 
-# The float64 ``rows × d_in`` delta of one merge chunk stays within this many bytes. GPUs: large chunks, few
-# launches. CPUs: 4 MiB. A 32 MiB budget kept the merge's buffers in the process after each update (glibc serves
-# blocks below its dynamic mmap threshold, which rises to 32 MiB, from a heap it does not give back): peak RSS of
-# a 50M-parameter LoGRA run was 1,186 MiB at 32 MiB and 923 MiB at 4 MiB (benchmarks/compare.py --model-size
-# medium --optimizers logra), and 4 MiB chunks merged in 0.34-0.55x the time (one thread, the medium shapes).
+# The float64 temporaries of one merge batch (the ``rows × d_in`` deltas, and on a CPU the float64 copies of W's
+# rows) stay within this many bytes. GPUs: large chunks, few launches. CPUs: 32 MiB, in one block that glibc maps
+# on its own (see :func:`float64_scratch`): whole matrices of a 50M-parameter model merge in one batched GEMM, and
+# the block leaves the process when freed.
 MERGE_BUFFER_BYTES = 1024 * 2**20
-MERGE_BUFFER_BYTES_CPU = 64 * 2**20
+MERGE_BUFFER_BYTES_CPU = 32 * 2**20
+# glibc's malloc serves a block of at least its mmap threshold with a mapping of its own and unmaps it when freed;
+# the threshold is dynamic (freeing a mapped block raises it to that block's size) up to 32 MiB on 64-bit systems.
+# Freed blocks below it stay in the heap, where they fragment: LoGRA's peak RSS in a 50M-parameter run was 1,186 MiB
+# with 32 MiB temporaries from the heap and 923 MiB with 4 MiB ones (benchmarks/compare.py --model-size medium).
+# A CPU scratch block asks for more than the ceiling, so it is always mapped, never raises the threshold and never
+# stays in the heap; pages it does not touch are never resident.
+MMAP_CEILING_BYTES = 32 * 2**20 + 2**16
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -81,6 +87,18 @@ def float64_budget(device: torch.device | str) -> int:
     :data:`MERGE_BUFFER_BYTES_CPU` on a CPU, :data:`MERGE_BUFFER_BYTES` elsewhere. Shape and device type only, never
     free memory, so processes on the same kind of device cut their work alike."""
     return MERGE_BUFFER_BYTES_CPU if torch.device(device).type == "cpu" else MERGE_BUFFER_BYTES
+
+
+def float64_scratch(numel: int, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised float64 buffer of ``numel`` entries on ``device``, for temporaries that live one step.
+
+    On a CPU the allocation asks for at least :data:`MMAP_CEILING_BYTES`, so that glibc maps it on its own and
+    returns it to the system when it is freed (heap blocks would raise the allocator's mmap threshold and stay in
+    the process); only the ``numel`` entries used are ever touched, so only they become resident.
+    """
+    device = torch.device(device)
+    size = max(numel, MMAP_CEILING_BYTES // 8 + 1) if device.type == "cpu" else numel
+    return torch.empty(size, dtype=torch.float64, device=device)[:numel]
 
 
 def per_batch(count: int, item_bytes: int, device: torch.device | str) -> int:
@@ -220,20 +238,24 @@ def merge_stack_(
     device = weights[0].device
     rank = factors.shape[2]
     whole = (c0, c1) == (0, d_in)
-    budget = float64_budget(device)
     # A CPU subtraction of float32 W from a float64 delta first copies W to float64 (TensorIterator promotes inputs
-    # by copying on a CPU); that copy goes into one reused buffer of a matrix's rows. CUDA kernels cast as they read.
+    # by copying on a CPU): the copies go into a buffer of the batch's rows instead, subtracted from in one call.
+    # CUDA kernels cast as they read: there W is subtracted from the delta matrix by matrix.
     copy_w = device.type == "cpu"
-    row_bytes = 8 * width * (2 if copy_w else 1)
-    rows = max(1, min(n, budget // row_bytes if chunk_rows is None else chunk_rows))
-    spare = budget - (8 * rows * width if copy_w else 0)
-    batch = max(1, min(count, spare // (8 * width * (rows + rank))))  # deltas and float64 operands of a batch
+    copies = 2 if copy_w else 1  # float64 values per entry of a chunk: the delta (and the copy of W)
+    budget = float64_budget(device)
+    if chunk_rows is None:
+        rows = max(1, min(n, (budget // (8 * width) - rank) // copies))
+    else:
+        rows = max(1, min(chunk_rows, n))
+    batch = max(1, min(count, budget // (8 * width * (copies * rows + rank))))  # chunks and operands of a batch
     with torch.no_grad():
-        delta_buf = torch.empty(batch * rows * width, dtype=torch.float64, device=device)
-        w64 = torch.empty(rows * width if copy_w else 0, dtype=torch.float64, device=device)
+        scratch = float64_scratch(copies * batch * rows * width, device)
+        delta_buf, w64_buf = scratch[: batch * rows * width], scratch[batch * rows * width :]
         for i0 in range(0, count, batch):
             i1 = min(count, i0 + batch)
             k = i1 - i0
+            batch_weights = weights[i0:i1]
             p = projections if (i0, i1) == (0, count) else projections[i0:i1]
             p = p if whole else p[:, :, c0:c1]
             operand, scale = stack_operand(p if p.device == device else p.to(device), distribution, d_in)
@@ -251,13 +273,16 @@ def merge_stack_(
                 )
                 if scale != 1.0:
                     delta.mul_(scale)
-                current = w64[:size].view(stop - start, width) if copy_w else None
-                for w, d in zip(weights[i0:i1], delta, strict=True):
-                    w_rows = w if every_row else w[start:stop]
-                    if current is None:
-                        torch.sub(w_rows, d, out=d)  # float64(W) − ΔW, one rounding
-                        w_rows.copy_(d)  # rounded once to W's dtype
-                    else:
-                        current.copy_(w_rows)  # float64(W), exact
-                        current.sub_(d)  # float64(W) − ΔW, one rounding
-                        w_rows.copy_(current)  # rounded once to W's dtype
+                w_rows = batch_weights if every_row else [w[start:stop] for w in batch_weights]
+                if copy_w:
+                    current = w64_buf[: k * size].view(k, stop - start, width)
+                    each = current.unbind(0)
+                    for w, c in zip(w_rows, each, strict=True):
+                        c.copy_(w)  # float64(W), exact
+                    current.sub_(delta)  # float64(W) − ΔW, one rounding
+                    for w, c in zip(w_rows, each, strict=True):
+                        w.copy_(c)  # rounded once to W's dtype
+                else:
+                    for w, d in zip(w_rows, delta.unbind(0), strict=True):
+                        torch.sub(w, d, out=d)  # float64(W) − ΔW, one rounding
+                        w.copy_(d)  # rounded once to W's dtype

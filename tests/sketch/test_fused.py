@@ -95,9 +95,10 @@ def test_grouped_step_is_the_per_matrix_step(qwen2_factory, option: str) -> None
     grouped = _updates(model, LoGRASketcher(model, cfg), UPDATES)
     _assert_same(grouped, _updates(reference, PerMatrixSketcher(reference, cfg), UPDATES))
     assert grouped[-1]["state"]["num_applied"] == UPDATES
-    assert not torch.equal(grouped[0]["weights"]["model.layers.0.mlp.up_proj.weight"], grouped[-1]["weights"][
-        "model.layers.0.mlp.up_proj.weight"
-    ])  # the run trained (no vacuous equality)
+    assert not torch.equal(
+        grouped[0]["weights"]["model.layers.0.mlp.up_proj.weight"],
+        grouped[-1]["weights"]["model.layers.0.mlp.up_proj.weight"],
+    )  # the run trained (no vacuous equality)
 
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
