@@ -44,16 +44,36 @@ class MatrixSketch:
                 f"sketch buffer of {name!r} has shape {tuple(sketch.shape)}, expected {(self.d_out, rank)}"
             )
         self.sketch = sketch
-        self.projection = torch.empty(0, device=sketch.device)
+        self._projection: torch.Tensor | None = torch.empty(0, device=sketch.device)
+        self._projection_row: tuple[torch.Tensor, int] | None = None  # (stack, row) until first read
         self.seed = -1
         # A grad-requiring leaf routed into SketchGrad so backward reaches the hook even when nothing
         # below this layer requires grad (frozen embeddings, algorithm.md §1). It never receives a gradient.
         self.anchor = torch.zeros((), device=sketch.device, requires_grad=True)
         self.handle: Any = None
 
+    @property
+    def projection(self) -> torch.Tensor:
+        """``P`` (r × d_in, fp32) of the current update: its row of the group's stack, viewed when first read."""
+        if self._projection is None:
+            assert self._projection_row is not None
+            stack, row = self._projection_row
+            self._projection = stack[row]
+        return self._projection
+
+    @projection.setter
+    def projection(self, value: torch.Tensor) -> None:
+        self._projection, self._projection_row = value, None
+
     def set_projection(self, projection: torch.Tensor, seed: int) -> None:
         """Install ``P`` (on the sketch's device) and its seed for the coming update."""
         self.projection = projection if projection.device == self.sketch.device else projection.to(self.sketch.device)
+        self.seed = seed
+
+    def set_stacked_projection(self, stack: torch.Tensor, row: int, seed: int) -> None:
+        """Install row ``row`` of a ``(k, r, d_in)`` stack (on the sketch's device) as ``P``, and its seed; the row
+        is viewed when ``P`` is first read (the sketcher installs whole groups at once)."""
+        self._projection, self._projection_row = None, (stack, row)
         self.seed = seed
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:

@@ -125,8 +125,9 @@ def stack_weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     float64 norm copies its input to float64 first (``vector_norm(W, dtype=float64)`` does, and the multi-tensor
     kernel is a loop of those); here the copies go into one scratch block
     (:func:`~logra_pl.sketch.merge.float64_scratch`), as many whole matrices at a time as
-    :func:`~logra_pl.sketch.merge.per_batch` allows (at least one), and one call norms them all: each matrix's norm is the same float64 reduction of the same values as its own
-    ``vector_norm(W_i, dtype=float64)`` (the same bits).
+    :func:`~logra_pl.sketch.merge.per_batch` allows (at least one), and one call norms them all: each matrix's
+    norm is the same float64 reduction of the same values as its own ``vector_norm(W_i, dtype=float64)`` (the same
+    bits).
     """
     with torch.no_grad():
         device = weights[0].device

@@ -169,19 +169,23 @@ def merge_rows_(
             rows.copy_(delta)  # rounded once to W's dtype
 
 
-def stack_operand(projections: torch.Tensor, distribution: str, d_in: int) -> tuple[torch.Tensor, float]:
+def stack_operand(
+    projections: torch.Tensor, distribution: str, d_in: int, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
     """``(M, c)`` of a stack of projections ``(k, r, width)`` (``width`` ≤ ``d_in``: a column slice): float64
     ``M`` with ``P = c·M`` entry for entry, as :func:`merge_operand` forms it for one matrix.
 
     Rademacher and Hadamard: ``M = sign(P)`` (``0``/``±1``) and ``c`` from
     :func:`~logra_pl.sketch.projection.sign_scale` at the full width ``d_in``; a power-of-two ``c`` is folded into
-    ``M`` (exact), leaving ``c = 1``. Gaussian: ``M = P`` in float64, ``c = 1``.
+    ``M`` (exact), leaving ``c = 1``. Gaussian: ``M = P`` in float64, ``c = 1``. ``out``: a float64 buffer of
+    ``projections``' shape to form ``M`` in (the values are the same: every step is exact).
     """
     rank = projections.shape[-2]
     scale = sign_scale(distribution, rank, d_in)
+    operand = projections.to(torch.float64) if out is None else out.copy_(projections)
     if scale is None:
-        return projections.to(torch.float64), 1.0
-    operand = torch.sign(projections).to(torch.float64)
+        return operand, 1.0
+    operand.sign_()
     if scale != 1.0 and math.frexp(scale)[0] == 0.5:
         return operand.mul_(scale), 1.0
     return operand, scale
@@ -196,7 +200,8 @@ def merge_stack_(
     row_offset: int = 0,
     chunk_rows: int | None = None,
     cols: tuple[int, int] | None = None,
-) -> None:
+    norms: bool = False,
+) -> torch.Tensor | None:
     """In place, for every ``i``: ``weights[i][j] -= (factors[i, row_offset + j] @ M_i) · c`` over its local rows ``j``.
 
     Arguments:
@@ -207,14 +212,20 @@ def merge_stack_(
         row_offset: global index of every weight's first local row (a shard's offset; the same for the stack).
         chunk_rows: rows per chunk (``None``: :func:`merge_chunk_rows`, the most within the device's budget).
         cols: ``[c0, c1)`` of ``P``'s columns the weights hold (a tensor-parallel column shard); default all.
+        norms: also return ``‖W_i‖`` (float64, ``(k,)``) of the merged weights when the merge holds their float64
+            values anyway (on a CPU, whole matrices per chunk): the norms
+            :func:`~logra_pl.sketch.groups.stack_weight_norms` computes, bit for bit, without another pass over the
+            weights. ``None`` otherwise.
 
-    Matrices are merged several at a time (one batched GEMM per chunk of rows) within :func:`float64_budget`;
+    Matrices are merged several at a time (one batched GEMM per chunk of rows): the deltas (and on a CPU the
+    float64 copies of W's rows) of a batch within :func:`float64_budget`, plus the stack's factors and operands in
+    float64 (``O(k·(d_out + d_in)·r)``, converted once), all in one :func:`float64_scratch` block.
     ``W`` is rounded once, from ``float64(W) − F M c``. Each matrix's result does not depend on the others in the
     stack, on the chunking or on the batching: with Rademacher and Hadamard projections every sum is exact.
     """
     count = len(weights)
     if count == 0:
-        return
+        return None
     if factors.shape[0] != count or projections.shape[0] != count:
         raise ValueError(
             f"{count} weights, {factors.shape[0]} factors and {projections.shape[0]} projections: "
@@ -244,30 +255,35 @@ def merge_stack_(
     copy_w = device.type == "cpu"
     copies = 2 if copy_w else 1  # float64 values per entry of a chunk: the delta (and the copy of W)
     budget = float64_budget(device)
-    if chunk_rows is None:
-        rows = max(1, min(n, (budget // (8 * width) - rank) // copies))
-    else:
-        rows = max(1, min(chunk_rows, n))
-    batch = max(1, min(count, budget // (8 * width * (copies * rows + rank))))  # chunks and operands of a batch
+    rows = max(1, min(n, budget // (8 * width * copies) if chunk_rows is None else chunk_rows))
+    batch = max(1, min(count, budget // (8 * width * copies * rows)))  # the chunks of a batch of matrices
     with torch.no_grad():
-        scratch = float64_scratch(copies * batch * rows * width, device)
-        delta_buf, w64_buf = scratch[: batch * rows * width], scratch[batch * rows * width :]
+        # One float64 block: the factors' local rows and the operands of the whole stack, then a batch's deltas
+        # (and copies of W). Factors and operands are converted once, not per batch.
+        f_size, op_size, chunk = count * n * rank, count * rank * width, batch * rows * width
+        scratch = float64_scratch(f_size + op_size + copies * chunk, device)
+        f = factors if (row_offset, n) == (0, factors.shape[1]) else factors[:, row_offset : row_offset + n]
+        f64 = scratch[:f_size].view(count, n, rank).copy_(f)  # bf16 → float64, exact
+        p = projections if whole else projections[:, :, c0:c1]
+        op_out = scratch[f_size : f_size + op_size].view(count, rank, width)
+        operands, scale = stack_operand(p, distribution, d_in, out=op_out)
+        delta_buf = scratch[f_size + op_size : f_size + op_size + chunk]
+        w64_buf = scratch[f_size + op_size + chunk :]
+        with_norms = norms and copy_w and rows == n
+        out_norms = []
         for i0 in range(0, count, batch):
             i1 = min(count, i0 + batch)
             k = i1 - i0
             batch_weights = weights[i0:i1]
-            p = projections if (i0, i1) == (0, count) else projections[i0:i1]
-            p = p if whole else p[:, :, c0:c1]
-            operand, scale = stack_operand(p if p.device == device else p.to(device), distribution, d_in)
-            f = factors if (i0, i1) == (0, count) else factors[i0:i1]
-            f = f if (row_offset, n) == (0, factors.shape[1]) else f[:, row_offset : row_offset + n]
-            f64 = f.to(device=device, dtype=torch.float64)
+            every_matrix = (i0, i1) == (0, count)
+            operand = operands if every_matrix else operands[i0:i1]
+            f_batch = f64 if every_matrix else f64[i0:i1]
             for start in range(0, n, rows):
                 stop = min(start + rows, n)
                 size = (stop - start) * width
                 every_row = (start, stop) == (0, n)
                 delta = torch.bmm(
-                    f64 if every_row else f64[:, start:stop],
+                    f_batch if every_row else f_batch[:, start:stop],
                     operand,
                     out=delta_buf[: k * size].view(k, stop - start, width),
                 )
@@ -282,7 +298,14 @@ def merge_stack_(
                     current.sub_(delta)  # float64(W) − ΔW, one rounding
                     for w, c in zip(w_rows, each, strict=True):
                         w.copy_(c)  # rounded once to W's dtype
+                        if with_norms:
+                            c.copy_(w)  # float64 of the rounded W, exact
+                    if with_norms:
+                        out_norms.append(torch.linalg.vector_norm(current, dim=(-2, -1)))
                 else:
                     for w, d in zip(w_rows, delta.unbind(0), strict=True):
                         torch.sub(w, d, out=d)  # float64(W) − ΔW, one rounding
                         w.copy_(d)  # rounded once to W's dtype
+    if not with_norms:
+        return None
+    return out_norms[0] if len(out_norms) == 1 else torch.cat(out_norms)

@@ -10,7 +10,7 @@ The payload is ``O(d_out·r)`` per matrix plus a few integers, instead of ``d_ou
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,68 @@ class FactorStack:
         )
 
 
+class StackedFactors(MutableMapping[str, torch.Tensor]):
+    """``{name: factor}`` whose factors are rows of :class:`FactorStack` s, each row viewed when first read.
+
+    A payload of the grouped sketch step holds its factors this way: iterating names, checking membership and
+    handing a whole stack to the merge (:func:`stacked_factors`) take no per-matrix view. Setting a name stores that
+    tensor instead (it is then no longer its stack's row).
+
+    Arguments:
+        stacks: the stacks; their names, in order, are the mapping's keys.
+        extra: further ``{name: factor}`` not in a stack.
+        order: the keys in this order (e.g. the model's); default: the stacks' names, then ``extra``'s.
+    """
+
+    def __init__(
+        self,
+        stacks: list[FactorStack],
+        extra: Mapping[str, torch.Tensor] | None = None,
+        order: list[str] | None = None,
+    ) -> None:
+        self._rows: dict[str, tuple[FactorStack, int]] = {
+            name: (st, i) for st in stacks for i, name in enumerate(st.names)
+        }
+        extra = dict(extra or {})
+        keys = order if order is not None else [*self._rows, *extra]
+        if sorted(keys) != sorted([*self._rows, *extra]):
+            raise ValueError("StackedFactors: order must list every stacked and extra name once")
+        self._tensors: dict[str, torch.Tensor | None] = {name: extra.get(name) for name in keys}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._tensors[name]
+        if tensor is None:
+            st, row = self._rows[name]
+            tensor = self._tensors[name] = st.tensor[row]
+        return tensor
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._rows.pop(name, None)
+        self._tensors[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        self._rows.pop(name, None)
+        del self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def stack_of(self, names: list[str]) -> torch.Tensor | None:
+        """The stack whose rows are exactly the factors of ``names``, in this order, or ``None``."""
+        rows = [self._rows.get(name) for name in names]
+        if not rows or rows[0] is None:
+            return None
+        st = rows[0][0]
+        same = all(r is not None and r[0] is st and r[1] == i for i, r in enumerate(rows))
+        return st.tensor if same and len(st.names) == len(names) else None
+
+    def __repr__(self) -> str:
+        return f"StackedFactors({list(self._tensors)})"
+
+
 class MatrixProposal:
     """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed``.
 
@@ -64,7 +126,8 @@ class MatrixProposal:
         factor: ``U``, fp32, ``(d_out, r)``. Or leave it out and pass ``stack`` and ``row``: ``U`` is then row
             ``row`` of a group's stacked factors, viewed when first read (the sketcher's own steps read the stack).
         seed: the seed of ``P``.
-        projection: ``P``, fp32, ``(r, d_in)``: kept for probing; never serialised.
+        projection: ``P``, fp32, ``(r, d_in)``: kept for probing; never serialised. Or ``projections``: the group's
+            ``(k, r, d_in)`` stack, of which ``P`` is row ``row``, viewed when first read.
     """
 
     def __init__(
@@ -75,6 +138,7 @@ class MatrixProposal:
         *,
         stack: FactorStack | None = None,
         row: int = 0,
+        projections: torch.Tensor | None = None,
     ) -> None:
         if factor is None and stack is None:
             raise ValueError("a MatrixProposal needs its factor, or the stack and row that hold it")
@@ -82,7 +146,8 @@ class MatrixProposal:
         self.stack = None if factor is not None else stack
         self.row = row
         self.seed = seed
-        self.projection = projection if projection is not None else torch.empty(0)
+        self._projection = projection if projection is not None or projections is not None else torch.empty(0)
+        self._projections = None if projection is not None else projections
 
     @property
     def factor(self) -> torch.Tensor:
@@ -95,6 +160,18 @@ class MatrixProposal:
     @factor.setter
     def factor(self, value: torch.Tensor) -> None:
         self._factor, self.stack = value, None  # no longer the stack's row
+
+    @property
+    def projection(self) -> torch.Tensor:
+        """``P`` (fp32, ``(r, d_in)``)."""
+        if self._projection is None:
+            assert self._projections is not None
+            self._projection = self._projections[self.row]
+        return self._projection
+
+    @projection.setter
+    def projection(self, value: torch.Tensor) -> None:
+        self._projection, self._projections = value, None
 
     def __repr__(self) -> str:
         return f"MatrixProposal(seed={self.seed}, factor={tuple(self.factor.shape)})"
@@ -166,11 +243,12 @@ class Proposal:
                 for i, name in enumerate(st.names)
             )
         ]
-        rounded = {name: view for st in stacks for name, view in st.views().items()}
-        factors = {
-            name: rounded[name] if name in rounded else (m.factor * a).to(self.factor_dtype)
-            for name, m in self.matrices.items()
-        }
+        stacked = {name for st in stacks for name in st.names}
+        factors = StackedFactors(
+            stacks,
+            {name: (m.factor * a).to(self.factor_dtype) for name, m in self.matrices.items() if name not in stacked},
+            order=list(self.matrices),
+        )
         return Payload(
             factors=factors,
             update_index=self.update_index,
@@ -199,7 +277,7 @@ class Payload:
     construction both are set and agree; a contradiction between them is a ``ValueError``.
     """
 
-    factors: dict[str, torch.Tensor]
+    factors: MutableMapping[str, torch.Tensor]  # a dict, or StackedFactors (rows of ``stacks``)
     update_index: int
     base_seed: int
     rank: int
@@ -349,6 +427,10 @@ def apply_payload(
 def stacked_factors(payload: Payload, names: list[str]) -> torch.Tensor:
     """The factors of ``names`` as one ``(k, d_out, r)`` tensor: the payload's own stack when it holds exactly these
     matrices, in this order, and still backs their factors; else stacked here (a copy of ``O(d_out·r)`` per matrix)."""
+    if isinstance(payload.factors, StackedFactors):
+        stack = payload.factors.stack_of(names)
+        if stack is not None:
+            return stack
     for st in payload.stacks:
         if list(st.names) == names and st.holds(payload.factors):
             return st.tensor

@@ -179,9 +179,8 @@ class LoGRASketcher:
                     group.moments[carried] = 0
                 changed = True
             group.projection = new
-            rows = new.unbind(0)
             for i in fresh:
-                matrices[i].set_projection(rows[i], seeds[i])
+                matrices[i].set_stacked_projection(new, i, seeds[i])
         if changed and self.config.momentum_transfer == "reset":
             self.moment_age = 0
 
@@ -287,9 +286,11 @@ class LoGRASketcher:
             FactorStack(tuple(group.names), scaled_(d, [scales[n] for n in group.names]))
             for group, (d, _, _) in zip(self.groups, steps, strict=True)
         ]
-        rows = {name: (st, i) for st in stacks for i, name in enumerate(st.names)}
+        rows = {name: (st, g, i) for st, g in zip(stacks, self.groups, strict=True) for i, name in enumerate(st.names)}
         matrices = {
-            name: MatrixProposal(seed=m.seed, projection=m.projection, stack=rows[name][0], row=rows[name][1])
+            name: MatrixProposal(
+                seed=m.seed, stack=rows[name][0], row=rows[name][2], projections=rows[name][1].projection
+            )
             for name, m in self.matrices.items()
         }
         self._pending = [(v, moment) for _, v, moment in steps]
