@@ -127,6 +127,9 @@ class LoGRASketcher:
         # ``{group index: P Pᵀ}`` (float64, (k, r, r)) for the current update: propose and the guard in apply both
         # measure ``‖· P‖``.
         self._grams: dict[int, torch.Tensor] = {}
+        # ``{group index: (‖W_i‖, the weights' (data pointer, version) pairs)}``: the norms the last merge left, when
+        # it held the merged float64 values anyway (merge_stack_(norms=True)); reused while no weight has changed.
+        self._merged_norms: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
         self.dense = select_dense(model, self.config.dense_params, set(self.matrices))
         for p in self.dense.values():
             p.requires_grad_(True)
@@ -214,8 +217,21 @@ class LoGRASketcher:
 
     # ------------------------------------------------------------------------------------------- proposal
     def weight_norms(self) -> list[torch.Tensor]:
-        """``‖W_i‖`` over the local rows, one ``(k,)`` float64 tensor per group (on the device; group order)."""
-        return [stack_weight_norms([local_tensor(w.weight) for w in g.linears]) for g in self.groups]
+        """``‖W_i‖`` over the local rows, one ``(k,)`` float64 tensor per group (on the device; group order).
+
+        A group's norms from its last merge are reused while its weights are the ones merged: same storage, and no
+        in-place write through the parameters since (their version counters, which ``load_state_dict`` and any
+        ``copy_`` advance). Otherwise they are computed from the weights (:func:`stack_weight_norms`), the same bits.
+        """
+        out = []
+        for index, group in enumerate(self.groups):
+            weights = [local_tensor(linear.weight) for linear in group.linears]
+            cached = self._merged_norms.get(index)
+            if cached is not None and cached[1] == weight_versions(weights):
+                out.append(cached[0])
+            else:
+                out.append(stack_weight_norms([w.detach() for w in weights]))
+        return out
 
     def weight_sq_norms(self) -> dict[str, float]:
         """``‖W_i‖²`` of every selected matrix, over the rows this process holds (local shards when sharded)."""
@@ -438,16 +454,32 @@ class LoGRASketcher:
         return payload
 
     def _merge(self, group: MatrixGroup, factors: torch.Tensor) -> None:
-        """``W ← W − F P`` on the local rows of the group's matrices (``factors``: the payload's ``(k, d_out, r)``)."""
-        weights = [local_tensor(linear.weight).data for linear in group.linears]
+        """``W ← W − F P`` on the local rows of the group's matrices (``factors``: the payload's ``(k, d_out, r)``);
+        keeps the merged weights' norms when the merge gives them (see :meth:`weight_norms`)."""
+        index = self.groups.index(group)
+        self._merged_norms.pop(index, None)
+        params = [local_tensor(linear.weight) for linear in group.linears]
+        weights = [p.data for p in params]
         offsets = [int(self.row_offsets.get(name, 0)) for name in group.names]
-        for offset in dict.fromkeys(offsets):  # one offset per group under FSDP (same shape, same mesh)
+        if len(set(offsets)) == 1:  # one offset per group under FSDP (same shape, same mesh)
+            norms = merge_stack_(
+                weights,
+                factors,
+                group.projection,
+                self.config.distribution,
+                row_offset=offsets[0],
+                chunk_rows=self.config.merge_chunk_rows,
+                norms=True,
+            )
+            if norms is not None:
+                self._merged_norms[index] = (norms, weight_versions(params))
+            return
+        for offset in dict.fromkeys(offsets):
             rows = [i for i, o in enumerate(offsets) if o == offset]
-            every = len(rows) == group.size
             merge_stack_(
-                weights if every else [weights[i] for i in rows],
-                factors if every else factors[rows],
-                group.projection if every else group.projection[rows],
+                [weights[i] for i in rows],
+                factors[rows],
+                group.projection[rows],
                 self.config.distribution,
                 row_offset=offset,
                 chunk_rows=self.config.merge_chunk_rows,
@@ -536,6 +568,7 @@ class LoGRASketcher:
         self.num_rejected = int(state.get("num_rejected", 0))
         self._pending = None
         self._grams.clear()
+        self._merged_norms.clear()
         self.zero_sketches()
         self._install_projections(carry=False)  # the saved moments are already in this update's basis
         moments = state.get("moments", {})
@@ -547,6 +580,12 @@ class LoGRASketcher:
         for name, moment in moments.items():
             self.moments[name].copy_(moment)
         self.moment_age = int(state.get("moment_age", 0))
+
+
+def weight_versions(weights: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(data pointer, version counter)`` of each weight: both stay the same while nothing writes the weight in
+    place through it (writes through ``.data`` are not counted: the sketcher's merge is the only one)."""
+    return [(w.data_ptr(), w._version) for w in weights]
 
 
 def scaled_(directions: torch.Tensor, scales: list[float]) -> torch.Tensor:
