@@ -324,6 +324,17 @@ ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
         "overlong_buffer": 0,
         "overlong_penalty": 1.0,
     },
+    "model.loss.init_args": {  # the settings every loss shares (issue 25: aggregation, mask_truncated, KL penalty)
+        "aggregation": "token_mean",
+        "aggregation_length": None,
+        "mask_truncated": False,
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "reference_device": "cpu",
+        "reference_dtype": None,
+    },
+    # correctness and the verifier failure policy (issue 25)
+    "model.scoring": {"correct_threshold": 1.0, "max_failure_rate": 0.5, "max_failed_updates": 2},
 }
 
 

@@ -1,8 +1,12 @@
 """One update's backward passes: the loss over its rows, microbatch by microbatch, into the gradients (or sketches).
 
-The loss of each microbatch is summed over its tokens and divided by the token count of the whole update over all
-ranks, so microbatch and rank losses add up to the token mean (algorithm.md §8). No Lightning here: the caller
-passes its backward (``manual_backward``) and the microbatch plan.
+The loss of each microbatch is a sum over its loss tokens divided by the loss-token count of the whole update over
+all ranks, with each response's terms scaled by the loss's aggregation factor (computed from the whole update's
+token and sequence counts over all ranks), so microbatch and rank losses add up to the update's loss exactly
+(algorithm.md §8). A KL-to-reference penalty, when the loss has one, is added to each microbatch's loss with the
+same weights and normaliser. A response without a reward (its verifier call failed) has no loss tokens
+(``StepContext.loss_mask``, algorithm.md §10), so it adds nothing and leaves the counts. No Lightning here: the caller
+passes its backward (``manual_backward``), the microbatch plan and the update's totals.
 """
 
 from __future__ import annotations
@@ -13,8 +17,22 @@ import torch
 
 from logra_pl.batching import select_rows
 from logra_pl.logprobs import response_logprobs
-from logra_pl.losses import Loss
+from logra_pl.losses import Loss, UpdateTotals
 from logra_pl.step import StepContext
+
+
+def update_totals(
+    ctx: StepContext,
+    rows: list[int],
+    max_new_tokens: int,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> UpdateTotals:
+    """The normalisers' counts of the update over ``rows``: its loss tokens and the responses that have any,
+    summed over all ranks in one all-reduce (so every rank divides by the same numbers)."""
+    mask = ctx.loss_mask[rows]
+    local = torch.stack([mask.sum().double(), (mask.sum(dim=1) > 0).sum().double()])
+    tokens, sequences = all_reduce_sum(local).tolist()
+    return UpdateTotals(int(tokens), int(sequences), max_new_tokens)
 
 
 def backward_over(
@@ -22,31 +40,46 @@ def backward_over(
     ctx: StepContext,
     groups: list[list[int]],
     loss_fn: Loss,
-    num_tokens: int,
+    totals: UpdateTotals,
     backward: Callable[[torch.Tensor], None],
     device: torch.device,
     trim: bool = False,
     padding: int = 0,
 ) -> float:
     """Forward, loss and ``backward`` for each microbatch of ``groups`` (rows of ``ctx``); the loss statistics are
-    added to ``ctx.loss_stats``. Returns the summed loss. REINFORCE+TIS weighs tokens by π/π_rollout (capped), PPO by
-    π/π_old with π_old the pre-update trainer (``loss_fn.reference``). The last ``padding`` microbatches only keep
-    the ranks' forward counts equal: their loss is multiplied by zero, so they add exact zeros to the gradients
-    (sketches) and nothing to the statistics."""
+    added to ``ctx.loss_stats``. Returns the summed loss. REINFORCE+TIS weighs tokens by π/π_rollout (capped), the
+    PPO family by π/π_old with π_old the pre-update trainer (``loss_fn.reference``). The last ``padding`` microbatches
+    only keep the ranks' forward counts equal: their loss (penalty included) is multiplied by zero, so they add exact
+    zeros to the gradients (sketches) and nothing to the statistics."""
     reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
+    num_tokens = max(totals.tokens, 1)
+    penalised = loss_fn.needs_reference_policy
+    if penalised and ctx.logp_reference is None:
+        raise RuntimeError("the loss has a KL penalty (kl_coef > 0) but the step has no reference log-probs")
     total = 0.0
     for i, mb in enumerate(groups):
         packed = select_rows(ctx.packed, mb, trim).to(device)
+        mask = ctx.loss_mask[mb].to(device)
         logp = response_logprobs(policy, packed, ctx.temperature)
         adv, ref = ctx.advantages[mb].to(device), reference[mb].to(device)
-        loss = loss_fn(logp, ref, adv, packed.response_mask, max(num_tokens, 1), loss_fn.weights(packed.lengths))
+        weights = loss_fn.weights(packed.lengths)
+        scale = loss_fn.row_scale(mask.sum(dim=1), totals)
+        if scale is not None:
+            weights = weights * scale.to(device=weights.device, dtype=weights.dtype)
+        loss = loss_fn(logp, ref, adv, mask, num_tokens, weights)
+        if penalised:
+            ref_policy = ctx.logp_reference[mb].to(device)
+            loss = loss + loss_fn.penalty(logp, ref_policy, mask, num_tokens, weights)
         if i >= len(groups) - padding:
             ctx.padded_microbatches += 1
             backward(loss * 0.0)
             continue
+        stats = loss_fn.stats(logp.detach(), ref, mask)
+        if penalised:
+            stats |= loss_fn.penalty_stats(logp, ref_policy, mask)
         backward(loss)
         total += float(loss.detach())
-        for name, (num, den) in loss_fn.stats(logp.detach(), ref, packed.response_mask).items():
+        for name, (num, den) in stats.items():
             acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
             acc[0] += num
             acc[1] += den

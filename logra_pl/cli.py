@@ -32,7 +32,7 @@ from logra_pl import compat, resume, run_stores
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
-from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError
+from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError, VerifierFailedError
 from logra_pl.module import LoGRAPolicyModule
 from logra_pl.rollout.registry import engine_name, max_training_processes
 from logra_pl.strategy import LoGRAStrategy  # noqa: F401  (registers `--trainer.strategy logra_fsdp`)
@@ -190,7 +190,8 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
             raise ConfigError(
                 f"model.engine={engine_name(spec)} runs one engine in the training process, but the trainer starts "
                 f"{world} processes (trainer.devices × trainer.num_nodes): use model.engine=remote (engines started "
-                "with `logra-pl serve`) or hf with several ranks, or trainer.devices=1"
+                "with `logra-pl serve`) or hf with several ranks, or one process (trainer.devices=1, "
+                "trainer.num_nodes=1)"
             )
         per_step = getattr(data, "prompts_per_step", None)
         if per_step is not None and world > 1 and per_step % world:
@@ -525,7 +526,7 @@ def main(args: list[str] | None = None) -> None:
     try:
         cli = LoGRACLI(args=args)
     except LoGRAError as err:
-        kind = "stopped" if isinstance(err, PolicyDivergedError) else "error"
+        kind = "stopped" if isinstance(err, PolicyDivergedError | VerifierFailedError) else "error"
         print(f"logra-pl: {kind}: {err}", file=sys.stderr)
         if os.environ.get("LOGRA_PL_TRACEBACK"):
             raise

@@ -33,6 +33,12 @@ class PolicyDivergedError(LoGRAError, RuntimeError):
     """Training stopped because the policy diverged (rejected updates in a row, or non-finite logits)."""
 
 
+class VerifierFailedError(LoGRAError, RuntimeError):
+    """Training stopped because the reward is broken: the verifier failed on too many responses for too many updates
+    in a row (``scoring.max_failure_rate``, ``scoring.max_failed_updates``). The message names the verifier and holds
+    its first failure, with the traceback."""
+
+
 class EngineUnavailableError(LoGRAError, ConnectionError):
     """A served rollout engine did not answer within the retry window; the message names its URL."""
 

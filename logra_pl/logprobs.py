@@ -57,12 +57,11 @@ def pack_responses(
     return PackedResponses(input_ids, attention, positions, targets, response_mask, starts)
 
 
-def response_logprobs(model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0) -> torch.Tensor:
-    """``log softmax(logits / T)`` of each response token, ``(B, R)``, zero where padded.
+def _response_log_softmax(model: torch.nn.Module, packed: PackedResponses, temperature: float) -> torch.Tensor:
+    """``log softmax(logits / T)`` over the vocabulary at each response position, ``(B, R, V)`` in float32.
 
-    Runs with whatever grad mode the caller set: under ``torch.no_grad`` for the pre-update π_train, with
-    grad for the loss. Only the response positions' logits are gathered, so the ``(B, T, V)`` log-softmax is
-    never materialised beyond the logits the model returns.
+    Only the response positions' logits are gathered, so the ``(B, T, V)`` log-softmax is never materialised beyond
+    the logits the model returns.
     """
     # No KV cache: scoring needs none, and a cache would be appended to again when a checkpointed layer replays.
     out = model(
@@ -78,5 +77,40 @@ def response_logprobs(model: torch.nn.Module, packed: PackedResponses, temperatu
     picked = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
     if temperature not in (0.0, 1.0):
         picked = picked / temperature
-    logp = torch.log_softmax(picked.float(), dim=-1).gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(picked.float(), dim=-1)
+
+
+def _gather_targets(log_probs: torch.Tensor, packed: PackedResponses) -> torch.Tensor:
+    """The sampled tokens' log-probs ``(B, R)``, zero where padded."""
+    logp = log_probs.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
     return logp * packed.response_mask
+
+
+def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """``H = −Σ_v p_v log p_v`` of each position's distribution, ``(B, R)``, from its log-probs ``(B, R, V)``.
+
+    One row at a time, so the transient ``p`` is ``(R, V)``, not another ``(B, R, V)``; ``p = 0`` adds nothing.
+    """
+    rows = []
+    for row in log_probs.detach():
+        p = row.exp()
+        rows.append(-(p * torch.where(p > 0, row, torch.zeros_like(row))).sum(dim=-1))
+    return torch.stack(rows) if rows else log_probs.new_zeros(log_probs.shape[:2])
+
+
+def response_logprobs(model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / T)`` of each response token, ``(B, R)``, zero where padded.
+
+    Runs with whatever grad mode the caller set: under ``torch.no_grad`` for the pre-update π_train, with
+    grad for the loss.
+    """
+    return _gather_targets(_response_log_softmax(model, packed, temperature), packed)
+
+
+def response_logprobs_and_entropy(
+    model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The response tokens' log-probs (as :func:`response_logprobs`) and the policy's entropy at each response
+    position (:func:`token_entropy`, zero where padded), both ``(B, R)``, from one forward pass."""
+    log_probs = _response_log_softmax(model, packed, temperature)
+    return _gather_targets(log_probs, packed), token_entropy(log_probs) * packed.response_mask

@@ -6,10 +6,14 @@ run: ``weights`` (FSDP shards every parameter by rows, padded to equal shards), 
 ``optimizer_state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` in the parameter's dtype and a ``step`` scalar per
 trained parameter, sharded like it), and for LoGRA ``sketches`` (``d_out × r`` fp32 per matrix), ``projections``
 (``r × d_in`` fp32) and ``row_statistics`` (``d_out`` fp32) — all three whole on every rank, since each rank
-sketches the full matrix and the sketches are all-reduced. Activations and the rollout engine are not training
-state and not included.
+sketches the full matrix and the sketches are all-reduced. With a KL penalty (``loss.kl_coef > 0``), the frozen
+reference policy too (``reference_policy``): every parameter and buffer in ``loss.reference_dtype``, sharded like the
+weights with ``reference: same`` (``logra_fsdp`` shards it) and whole in host memory with ``reference: cpu`` (one
+process only: the strategy refuses it on several ranks). Activations and the rollout engine are not training state
+and not included.
 
     logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --ranks 4 --rank 256     # a config.json, folder, hub id or tiny
+    logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --reference cpu --reference-dtype bfloat16    # with a KL penalty
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def plan(
     train_all: bool = False,
     logra_moments: bool = False,
     moment_dtype: str = "float32",
+    reference: str | None = None,
+    reference_dtype: str | None = None,
 ) -> dict[str, PlanRow]:
     """Predict per-rank training-state bytes for each optimizer.
 
@@ -123,6 +129,9 @@ def plan(
         train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
         logra_moments: LoGRA keeps a sketch-space first moment (``logra.beta1 > 0``): ``d_out × r`` per matrix.
         moment_dtype: its storage (``logra.moment_dtype``): ``"float32"`` (4 bytes per value) or ``"bfloat16"`` (2).
+        reference: a KL penalty's reference policy (``loss.reference_device``): ``"same"`` (sharded over ``ranks``
+            like the weights) or ``"cpu"`` (whole, in host memory; ``ranks`` must be 1); None: no KL penalty.
+        reference_dtype: its dtype (``loss.reference_dtype``); None: ``weight_dtype``.
     """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -144,6 +153,7 @@ def plan(
             raise ValueError(f"rank {rank_r} exceeds d_in={linear.in_features} of {name!r}")
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     weights = sum(_shard_bytes(p, ranks) for p in params) + sum(b.numel() * b.element_size() for b in model.buffers())
+    reference_bytes = _reference_bytes(model, params, ranks, reference, reference_dtype or weight_dtype)
     out: dict[str, PlanRow] = {}
     if "adamw" in optimizers:
         trained = params if train_all else [m.weight for m in matrices.values()]
@@ -167,7 +177,30 @@ def plan(
             report.sketch_moments += linear.out_features * rank_r * moment_bytes if logra_moments else 0
             report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
         out["logra"] = PlanRow("logra", ranks, report)
+    for row in out.values():
+        row.report.reference_policy = reference_bytes
     return out
+
+
+def _reference_bytes(
+    model: nn.Module, params: list[torch.Tensor], ranks: int, reference: str | None, dtype_name: str
+) -> int:
+    """Per-rank bytes of a KL penalty's reference policy: every parameter (in ``dtype_name``) and buffer, sharded
+    by rows over ``ranks`` when it sits with the policy (``same``), whole in host memory (``cpu``); 0 without one."""
+    if reference is None:
+        return 0
+    if reference not in ("same", "cpu"):
+        raise ValueError(f"unknown reference {reference!r}: plan 'same' (the policy's device) or 'cpu'")
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"unknown reference dtype {dtype_name!r}: use one of {sorted(_DTYPES)}")
+    if reference == "cpu" and ranks > 1:
+        raise ValueError(
+            "reference 'cpu' keeps a whole copy in every process; logra_fsdp refuses it on several ranks: plan "
+            "reference 'same' (sharded like the policy)"
+        )
+    dtype = _DTYPES[dtype_name]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return sum(_shard_bytes(p, ranks, dtype) for p in params) + buffers
 
 
 def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
@@ -182,6 +215,7 @@ def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
         "projections",
         "row_statistics",
         "sketch_moments",
+        "reference_policy",
     ]
     names = list(rows)
     lines = [title] if title else []
@@ -210,6 +244,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=sorted(MOMENT_DTYPES),
         help="LoGRA keeps a first moment (logra.beta1 > 0), stored as this dtype (logra.moment_dtype; default float32)",
     )
+    parser.add_argument(
+        "--reference",
+        choices=["same", "cpu"],
+        help="a KL penalty's reference policy (loss.reference_device): same (sharded like the weights) or cpu",
+    )
+    parser.add_argument(
+        "--reference-dtype", choices=sorted(_DTYPES), help="its dtype (loss.reference_dtype); default: --weight-dtype"
+    )
     parser.add_argument("--json", help="write the plan here too")
     args = parser.parse_args(argv)
     rows = plan(
@@ -220,8 +262,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         train_all=args.train_all,
         logra_moments=args.logra_moments is not None,
         moment_dtype=args.logra_moments or "float32",
+        reference=args.reference,
+        reference_dtype=args.reference_dtype,
     )
     title = f"{args.model}: {args.ranks} rank(s), r={args.rank}, {args.weight_dtype} weights"
+    if args.reference:
+        title += f", KL reference on {args.reference} in {args.reference_dtype or args.weight_dtype}"
     print(format_plan(rows, title))
     if args.json:
         Path(args.json).write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))

@@ -286,8 +286,14 @@ class MacroMean(Metric):
         self.add_state("sums", torch.zeros(len(tasks), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("counts", torch.zeros(len(tasks), dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, values: Tensor, tasks: Sequence[str]) -> None:
-        """Add ``values`` of shape (problems, n) — one row per problem — with each row's task."""
+    def update(self, values: Tensor, tasks: Sequence[str], mask: Tensor | None = None) -> None:
+        """Add ``values`` of shape (problems, n) — one row per problem — with each row's task.
+
+        Arguments:
+            values: the values, (problems, n).
+            tasks: one task name per row.
+            mask: (problems, n) bool, the values to count (e.g. the responses that have a reward); None: all.
+        """
         values = torch.as_tensor(values, dtype=torch.float64)
         if values.ndim != 2 or len(tasks) != values.shape[0]:
             raise ValueError(f"values must be (problems, n) with one task per row; got {tuple(values.shape)}")
@@ -295,9 +301,15 @@ class MacroMean(Metric):
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}: MacroMean was built for {list(self.tasks)}")
         index = torch.tensor([self._index[t] for t in tasks], dtype=torch.int64, device=self.sums.device)
-        self.sums += torch.zeros_like(self.sums).index_add_(0, index, values.sum(dim=1).to(self.sums.device))
-        rows = torch.full((values.shape[0],), float(values.shape[1]), dtype=torch.float64, device=self.sums.device)
-        self.counts += torch.zeros_like(self.counts).index_add_(0, index, rows)
+        if mask is None:
+            sums = values.sum(dim=1)
+            rows = torch.full((values.shape[0],), float(values.shape[1]), dtype=torch.float64)
+        else:
+            mask = torch.as_tensor(mask, dtype=torch.bool)
+            sums = torch.where(mask, values, 0.0).sum(dim=1)
+            rows = mask.sum(dim=1).to(torch.float64)
+        self.sums += torch.zeros_like(self.sums).index_add_(0, index, sums.to(self.sums.device))
+        self.counts += torch.zeros_like(self.counts).index_add_(0, index, rows.to(self.counts.device))
 
     def compute(self) -> dict[str, Tensor]:
         """``{"<task>/<name>": …, "macro_<name>": …}`` over the tasks that have samples."""

@@ -18,7 +18,7 @@ import torch
 
 from logra_pl import compat, methods
 from logra_pl.async_rollouts import AsyncRollouts
-from logra_pl.backward import backward_over
+from logra_pl.backward import backward_over, update_totals
 from logra_pl.batching import encode_prompts, microbatches, select_rows
 from logra_pl.callbacks.progress import replace_default_callbacks
 from logra_pl.checkpointing import enable_activation_checkpointing
@@ -27,7 +27,7 @@ from logra_pl.data.schema import prompt_key
 from logra_pl.engine_link import EngineLink
 from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
-from logra_pl.logprobs import PackedResponses, response_logprobs
+from logra_pl.logprobs import PackedResponses, response_logprobs, response_logprobs_and_entropy
 from logra_pl.lora import LoRAConfig
 from logra_pl.losses import AdvantageBaseline, LegacyBaselineSettings, Loss, build_baseline, build_loss
 from logra_pl.methods import UpdateMethod
@@ -35,14 +35,25 @@ from logra_pl.module_state import module_state, restore_module_state
 from logra_pl.optim import AdamWConfig
 from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
 from logra_pl.ranks import all_reduce_max, all_reduce_sum, any_rank
+from logra_pl.reference import ReferencePolicy
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
+from logra_pl.rewards.failures import FailurePolicy, Scores, merge_scores, verifier_label
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
 from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
 from logra_pl.shaping import Drawn, RefillStream, dynamic_batch, overlong_penalty
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
-from logra_pl.step import StepContext, assemble_step, sampling_seed, step_metrics
+from logra_pl.sketch.memory import MemoryReport
+from logra_pl.step import (
+    StepContext,
+    assemble_step,
+    sampling_seed,
+    score_tensors,
+    scored_advantages,
+    scored_mask,
+    step_metrics,
+)
 from logra_pl.validation import ValidationMetrics, item_task
 from logra_pl.warm_start import WarmStart
 
@@ -52,6 +63,12 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 quiet_noise()
 
 __all__ = ["LoGRAPolicyModule", "LossConfig", "RolloutSettings", "ScoringSettings", "StepContext", "item_task"]
+
+
+def _trains(trainer: Any) -> bool:
+    """Whether ``trainer`` is fitting (or absent: a module set up by hand); validation needs no reference policy."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return fn is None or fn == "fit"
 
 
 class LoGRAPolicyModule(pl.LightningModule):
@@ -67,7 +84,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         logra: LoGRA hyper-parameters (``optimizer="logra"``).
         adamw: AdamW and its schedule (``optimizer="adamw"``, or on LoRA's adapters).
         lora: adapter settings (``optimizer="lora"``).
-        loss: the surrogate, a :class:`~logra_pl.losses.Loss` by ``class_path`` or short name ``reinforce_tis | ppo``.
+        loss: the surrogate, a :class:`~logra_pl.losses.Loss` by ``class_path`` or short name ``reinforce_tis | ppo |
+            gspo | cispo``, with the settings every loss shares (aggregation, ``mask_truncated``, KL penalty).
         baseline: the advantage baseline (:class:`~logra_pl.losses.AdvantageBaseline`): ``running`` (algorithm.md
             §8), or per-prompt ``group`` / ``rloo``, or any by ``class_path``.
         rollout: sampling settings.
@@ -82,8 +100,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             ``logra-pl serve`` engines; YAML ``{class_path: ..., init_args: {...}}``), a short name ``hf | vllm |
             remote`` (default settings), a registered name, or a spec class's or builder's dotted path.
         guard: the divergence guard: oversized or non-finite updates never reach the weights.
-        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap.
-        verifier: the reward, any ``__call__(response, item) -> float``; default ``ReasoningGymVerifier``.
+        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap; what counts as
+            correct; when a failing verifier stops the run.
+        verifier: the reward, any ``__call__(response, item) -> float`` (:class:`~logra_pl.rewards.Verifier`:
+            optionally ``correct``, ``score_batch``); default ``ReasoningGymVerifier``.
     """
 
     def __init__(
@@ -130,11 +150,16 @@ class LoGRAPolicyModule(pl.LightningModule):
         verifier = verifier or ReasoningGymVerifier(answer_format, max_answer_chars=self.scoring.max_answer_chars)
         check_verifier(verifier)
         self.verifier = verifier
-        self.scorer = BoundedVerifier(self.verifier, self.scoring.timeout_s, self.scoring.workers)
+        sc = self.scoring
+        self.scorer = BoundedVerifier(self.verifier, sc.timeout_s, sc.workers, sc.correct_threshold)
+        self.failures = FailurePolicy(sc.max_failure_rate, sc.max_failed_updates)
+        self._update_scores: list[Scores] = []  # every response scored for the current update, all rounds
         self.guard = guard or DivergenceGuard()
         self.rejections = RejectionCount(self.guard.max_consecutive)
         self.set_launch(run_config=None, resume_from=None, resume_checked=False)  # outside the CLI
         self.policy: torch.nn.Module | None = None
+        self.reference_policy: ReferencePolicy | None = None  # π_ref of a KL penalty (not a submodule: never saved)
+        self.policy_folder: str | None = None  # where the policy was loaded from (the warm start's folder, or none)
         self.tokenizer: Any = None
         self.engine: Any = None
         self.link: EngineLink | None = None
@@ -160,17 +185,24 @@ class LoGRAPolicyModule(pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------- setup
     def configure_model(self) -> None:
-        """Load the policy (after the optional warm start) and give the rollout engine its own copy."""
-        if self.policy is not None:
-            return
+        """Load the policy (after the optional warm start) and give the rollout engine its own copy; for training
+        with a KL penalty, load the reference policy too (also when an earlier ``validate`` loaded the policy)."""
         trainer = compat.trainer_of(self)
         dm = getattr(trainer, "datamodule", None)
+        if self.policy is None:
+            self._load_policy(trainer, dm)
+        if self.reference_policy is None and self.loss_config.needs_reference_policy and _trains(trainer):
+            self.reference_policy = self._load_reference(trainer, self.policy_folder, dm)
+
+    def _load_policy(self, trainer: Any, dm: Any) -> None:
+        """The policy from its source (warm-started unless resuming), the engine's copy, the method's preparation."""
         source = rank_zero_first(
             trainer,
             lambda: training_source(self.policy_source, self.warm_start, self.resume_from, dm),
             lambda: self.method.check_fits(self.policy_source, self.targets),
         )
         self.policy, self.tokenizer, eos = load_training_policy(source, self.dtype_name, self.attn_implementation)
+        self.policy_folder = source
         args = (self.policy, self.tokenizer, eos, self.rollout_settings, self.dtype_name, list(self.targets))
         request = engine_request(trainer, source, *args)
         self.engine = build_engine(self.engine_spec, request)
@@ -178,6 +210,18 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.method.prepare_policy(self.policy, self.targets)  # after the engine's copy: it holds plain matrices
         if self.activation_checkpointing:  # after the engine's copy: it generates without recomputation
             enable_activation_checkpointing(self.policy)
+
+    def _load_reference(self, trainer: Any, source: str, datamodule: Any) -> ReferencePolicy:
+        """The KL penalty's ``π_ref``: the policy as RL starts, loaded from the folder the policy came from — on a
+        resume (which loads the base policy and then the checkpoint's weights) from the warm start's folder again
+        (cached; rebuilt if the cache is gone), checked against the checkpoint's digest in ``on_load_checkpoint``."""
+        if self.resume_from is not None and self.warm_start is not None:
+            source = rank_zero_first(
+                trainer, lambda: training_source(self.policy_source, self.warm_start, None, datamodule)
+            )
+        shared = self.loss_config.shared
+        dtype = shared.reference_dtype or self.dtype_name
+        return ReferencePolicy.load(source, dtype, shared.reference_device, self.attn_implementation)
 
     def configure_optimizers(self) -> Any:
         """The update method's optimizer (and schedule) for the target matrices."""
@@ -271,9 +315,24 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Chat-template each item's ``messages`` and tokenize."""
         return encode_prompts(self.tokenizer, items)
 
-    def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> torch.Tensor:
-        """Verifier reward of every response, ``(N,)`` float64 — each call bounded by ``scoring.timeout_s``."""
-        return self.scorer.score_rollout(self.tokenizer, rollout, items)
+    def score(self, rollout: Rollout, items: list[dict[str, Any]]) -> Scores:
+        """Verifier reward, correctness and failure of every response (each call bounded by ``scoring.timeout_s``;
+        scoring stops once the batch is certain to fail: ``FailurePolicy.cut``)."""
+        return self.scorer.score_rollout(self.tokenizer, rollout, items, self.failures.cut(len(rollout)))
+
+    def check_scores(self, scores: Scores, validation_batch: int | None = None) -> float:
+        """Count the responses without a reward over all ranks; one console line when there are any; stop a run whose
+        verifier keeps failing (:class:`~logra_pl.rewards.failures.FailurePolicy`), before anything trains on it.
+        Returns this rank's share of responses without a reward."""
+        counts = self._all_reduce_sum(torch.tensor([float(scores.failed), float(len(scores))], dtype=torch.float64))
+        failed, total = int(counts[0]), int(counts[1])
+        ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "the last checkpoint"
+        args = (scores, failed, total, verifier_label(self.verifier), ckpt, self.trainer.is_global_zero)
+        if validation_batch is None:
+            self.failures.record(self.global_step + 1, *args)
+        else:
+            self.failures.check_validation(validation_batch, *args)
+        return scores.failed / len(scores) if len(scores) else 0.0
 
     def _sampling_seed(self, split: str, key: str = "") -> int:
         return sampling_seed(self.seed, split, self.global_step, key)
@@ -291,33 +350,57 @@ class LoGRAPolicyModule(pl.LightningModule):
         padding = agreed - len(groups)
         return groups + [groups[0][:1]] * padding, padding
 
+    def _parts(self, packed: PackedResponses) -> tuple[list[PackedResponses], int]:
+        """The packed batch in the microbatches of every scoring pass (rows × tokens within the budget), as many on
+        every rank (:meth:`_microbatches`), and how many at the end are padding (their outputs are dropped)."""
+        trim, rows = self.max_tokens_per_microbatch is not None, list(range(packed.input_ids.shape[0]))
+        groups, padding = self._microbatches(rows, packed)
+        return [select_rows(packed, mb, trim) for mb in groups], padding
+
     @torch.no_grad()
     def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The trainer's log-probs of the packed responses, microbatched, without grad."""
-        trim, rows = self.max_tokens_per_microbatch is not None, list(range(packed.input_ids.shape[0]))
-        groups, padding = self._microbatches(rows, packed)
-        parts = [
-            response_logprobs(self.policy, select_rows(packed, mb, trim).to(self.device), temperature) for mb in groups
-        ]
-        return torch.cat(parts[: len(parts) - padding]).cpu()
+        parts, padding = self._parts(packed)
+        scored = [response_logprobs(self.policy, p.to(self.device), temperature) for p in parts]
+        return torch.cat(scored[: len(scored) - padding]).cpu()
+
+    @torch.no_grad()
+    def trainer_scores(self, packed: PackedResponses, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trainer's log-probs and entropy at each response position, from one pass without grad."""
+        parts, padding = self._parts(packed)
+        scored = [response_logprobs_and_entropy(self.policy, p.to(self.device), temperature) for p in parts]
+        scored = scored[: len(scored) - padding]
+        return torch.cat([s[0] for s in scored]).cpu(), torch.cat([s[1] for s in scored]).cpu()
+
+    def reference_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
+        """The reference policy's log-probs of the packed responses (once per rollout, without grad; a sharded
+        reference runs the padding microbatches too, as the policy does)."""
+        self.reference_policy.place(self.device)
+        parts, padding = self._parts(packed)
+        scored = [self.reference_policy.logprobs(p, temperature) for p in parts]
+        return torch.cat(scored[: len(scored) - padding])
 
     def make_step_context(self, items: list[dict[str, Any]]) -> StepContext:
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
         staleness, shaping = 0, {}
+        self._update_scores = []
         try:
             if self.async_rollouts is not None:  # sampled ahead by the worker (or again, when too stale)
                 rollout, staleness = self.async_rollouts.rollout(items)
-                rewards = self.score(rollout, items)
+                drawn = self._scored(items, rollout)
             else:
                 drawn = self._draw(items, "train")
                 if rs.dynamic_sampling:  # only prompts whose responses' raw rewards differ (DAPO)
                     rounds = rs.max_sampling_rounds
                     picked = dynamic_batch(drawn, self._draw_refill, len(items), rounds, self._any_short)
                     drawn, shaping = picked.batch, picked.metrics()
-                items, rollout, rewards = drawn.items, drawn.rollout, drawn.rewards
+            items, rollout, rewards, correct = drawn.items, drawn.rollout, drawn.rewards, drawn.correct
         except PolicyDivergedError as err:
             raise PolicyDivergedError(f"policy diverged before update {self.global_step + 1}: {err}") from None
+        # A failed response is never trained on; a verifier that keeps failing stops the run here, before training.
+        failure_rate = self.check_scores(merge_scores(self._update_scores))
+        scored = ~torch.isnan(rewards)  # a response without a reward has NaN (rewards/failures.py)
         shaped = rewards
         if rs.overlong_buffer:  # DAPO's soft overlong punishment: on the advantages' reward, never on the raw one
             lengths = torch.tensor([len(r) for r in rollout.response_ids])
@@ -325,15 +408,26 @@ class LoGRAPolicyModule(pl.LightningModule):
             shaped = rewards + penalty
             shaping["shaping/overlong_penalty"] = float(penalty.mean())
             shaping["shaping/overlong_rate"] = float((penalty < 0).double().mean())
-        advantages = self.baseline.advantages(shaped, self._all_reduce_sum, groups=rollout.prompt_index)
+        groups = list(rollout.prompt_index)
+        advantages = scored_advantages(self.baseline, shaped, scored, correct, groups, self._all_reduce_sum)
         t_logp, pad = (rs.temperature if rs.temperature > 0 else 1.0), self.tokenizer.pad_token_id
-        ctx = assemble_step(self.global_step, items, rollout, rewards, advantages, pad, self.trainer_logprobs, t_logp)
+        reference = self.reference_logprobs if self.reference_policy is not None else None
+        ctx = assemble_step(
+            self.global_step, items, rollout, rewards, advantages, pad, self.trainer_scores, t_logp, reference
+        )
+        ctx.scored, ctx.correct = scored, correct
+        # The loss's tokens: less truncated responses (loss.mask_truncated), less the responses without a reward.
+        ctx.loss_mask = scored_mask(self.loss_config.token_mask(ctx.packed.response_mask, rollout.truncated), scored)
         ctx.staleness, ctx.shaping, ctx.shaped_rewards = staleness, shaping, shaped
+        ctx.metrics["verifier/failure_rate"] = failure_rate  # over every response scored for the update
         return ctx
 
     def _any_short(self, short: bool) -> bool:
-        """Is any rank's dynamic batch still short (one all-reduce; every rank then draws the next round or none)?"""
-        return any_rank(compat.trainer_of(self), short)
+        """Is any rank's dynamic batch still short (one all-reduce; every rank then draws the next round or none)?
+        An update already certain to fail draws no further round: it will not train on them."""
+        scored = merge_scores(self._update_scores)
+        failing = self.failures.fails(scored.failed, len(scored))
+        return any_rank(compat.trainer_of(self), short and not failing)
 
     def _draw(self, items: list[dict[str, Any]], split: str) -> Drawn:
         """Sample and score ``items`` with the training settings; one seed per prompt (from its question and
@@ -341,7 +435,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         sampling = self.rollout_settings.training_sampling(self._sampling_seed(split))
         seeds = [self._sampling_seed(split, prompt_key(it)) for it in items]
         rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
-        return Drawn(items, rollout, self.score(rollout, items))
+        return self._scored(items, rollout)
+
+    def _scored(self, items: list[dict[str, Any]], rollout: Rollout) -> Drawn:
+        """``rollout`` scored: raw rewards (NaN without one) and correctness; kept for the update's failure count."""
+        scores = self.score(rollout, items)
+        self._update_scores.append(scores)
+        rewards, _, correct = score_tensors(scores)
+        return Drawn(items, rollout, rewards, correct)
 
     def _draw_refill(self, round_index: int) -> Drawn:
         """Dynamic sampling's round ``round_index`` (≥ 1): the next prompts of the refill stream, sampled and
@@ -358,12 +459,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer) | ctx.shaping
+        metrics["verifier/failure_rate"] = ctx.metrics.get("verifier/failure_rate", metrics["verifier/failure_rate"])
         if self.async_rollouts is not None:
             metrics |= self.async_rollouts.metrics()
         metrics["guard/rejected_updates"] = float(self.rejections.total)
         metrics |= self.method.metrics()
         metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
-        metrics["memory/persistent_state_bytes"] = float(self.method.memory(self.policy).persistent)
+        metrics["memory/persistent_state_bytes"] = float(self.state_memory().persistent)
         metrics |= {f"train/{name}": num / den if den else 0.0 for name, (num, den) in ctx.loss_stats.items()}
         ctx.metrics.update(metrics)
         bs = len(ctx.rollout)
@@ -393,11 +495,12 @@ class LoGRAPolicyModule(pl.LightningModule):
     def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
         """Microbatched loss/backward over ``rows``, then one update through the method and the engine sync."""
         t0 = time.perf_counter()
-        # The token count of the whole update, over all ranks: microbatch and rank losses add up to the token mean.
-        tokens = int(self._all_reduce_sum(ctx.packed.response_mask[rows].sum().double().reshape(1)).item())
+        # The loss tokens and sequences of the whole update, over all ranks: microbatch and rank losses add up to the
+        # update's loss under every aggregation.
+        totals = update_totals(ctx, rows, self.rollout_settings.max_new_tokens, self._all_reduce_sum)
         (groups, padding), trim = self._microbatches(rows, ctx.packed), self.max_tokens_per_microbatch is not None
         total = backward_over(
-            self.policy, ctx, groups, self.loss_config, tokens, self.manual_backward, self.device, trim, padding
+            self.policy, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim, padding
         )
         t1 = time.perf_counter()
         result = self.method.step(self.optimizers(), self.lr_schedulers(), self._all_reduce_sum)
@@ -418,11 +521,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         rs = self.rollout_settings
         sampling = rs.validation_sampling(self._sampling_seed(f"val{batch_idx}"))
         rollout = self.generate_rollout(self.encode_prompts(batch), sampling)
-        rewards = self.score(rollout, batch)
+        scores = self.score(rollout, batch)
+        self.check_scores(scores, validation_batch=batch_idx)
+        rewards, scored, correct = score_tensors(scores)
         texts = []
         if batch_idx == 0:
             texts = self.tokenizer.batch_decode(rollout.response_ids[: 4 * rs.val_responses], skip_special_tokens=True)
-        self.validation.update(batch, rewards, texts, self.device)
+        self.validation.update(batch, rewards, texts, self.device, correct=correct, scored=scored)
         self.log("val/reward_mean", self.validation.reward, on_step=False, on_epoch=True, batch_size=len(rewards))
 
     def on_validation_epoch_end(self) -> None:
@@ -457,6 +562,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Show progress in updates and an honest model summary (replacing Lightning's defaults of those kinds)."""
         trainer = compat.trainer_of(self)
         return replace_default_callbacks(trainer.callbacks if trainer is not None else [])
+
+    def state_memory(self) -> MemoryReport:
+        """Training state by kind: the update method's, and the KL penalty's reference policy (``reference_policy``,
+        wherever it is kept: a ``cpu`` copy is host memory)."""
+        report = self.method.memory(self.policy)
+        if self.reference_policy is not None:
+            report.reference_policy = self.reference_policy.nbytes  # this rank's (its shard, when sharded)
+        return report
 
     def trained_parameter_count(self) -> int:
         """Parameters the update method changes."""

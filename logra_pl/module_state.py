@@ -1,10 +1,11 @@
 """What a policy module keeps in a checkpoint beyond weights and optimizer state, and the checks a resume makes.
 
-``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts, the
-guard's rejection counts, the module's settings, the CLI's resolved config and each logger's run (its id: what a
-resume continues, :mod:`logra_pl.run_stores`). A checkpoint written under
-structurally different settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
-(:mod:`logra_pl.resume`).
+``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts (and its
+own state when it keeps one: ``verifier_state``), the failing updates in a row, the guard's rejection counts, the
+module's settings, the CLI's resolved config, each logger's run (its id: what a resume continues,
+:mod:`logra_pl.run_stores`) and — with a KL penalty — the reference policy's source and digest (not its weights: it
+is rebuilt on resume and must match, :mod:`logra_pl.reference`). A checkpoint written under structurally different
+settings (another method, LoGRA rank, loss, data…) is refused with the list of differences (:mod:`logra_pl.resume`).
 """
 
 from __future__ import annotations
@@ -19,17 +20,24 @@ CHECKPOINT_FORMAT = "logra-pl/module/v2"
 
 def module_state(module: Any) -> dict[str, Any]:
     """The module's own state, for ``checkpoint["logra_pl"]``."""
-    return {
+    state = {
         "format": CHECKPOINT_FORMAT,
         "optimizer": module.method.name,
         "baseline": module.baseline.state_dict(),
         "verifier_errors": module.scorer.errors,
         "scoring": module.scorer.state_dict(),
         **module.rejections.state_dict(),
+        **module.failures.state_dict(),
         "settings": resume.plain(module.hparams),
         "run_config": module.run_config,  # the CLI's resolved config (None outside the CLI)
         "loggers": run_stores.records(compat.trainer_of(module)),  # each logger's run, for --ckpt_path last
     }
+    if callable(getattr(module.verifier, "state_dict", None)):  # e.g. a reward model's running normalisation
+        state["verifier_state"] = module.verifier.state_dict()
+    reference = getattr(module, "reference_policy", None)
+    if reference is not None:
+        state["reference"] = reference.state_dict()
+    return state
 
 
 def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
@@ -49,3 +57,9 @@ def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
         if "scoring" in state:
             module.scorer.load_state_dict(state["scoring"])
         module.rejections.load_state_dict(state)
+        module.failures.load_state_dict(state)
+        if "verifier_state" in state and callable(getattr(module.verifier, "load_state_dict", None)):
+            module.verifier.load_state_dict(state["verifier_state"])
+    reference = getattr(module, "reference_policy", None)
+    if reference is not None and "reference" in state:
+        reference.check(state["reference"], hint)

@@ -252,22 +252,44 @@ class LossConfig:
 
 @dataclass
 class ScoringSettings:
-    """How responses are scored: in worker processes, with a time limit per call and a cap on answer length.
+    """How responses are scored: in worker processes, with a time limit per call and a cap on answer length; which
+    responses count as correct; when a failing verifier stops the run (algorithm.md §10).
 
     Arguments:
-        timeout_s: seconds one verifier call may take; a call past it scores 0 and counts in ``verifier/timeouts``
-            (its worker is killed and replaced). None scores in the training process without a limit (debugging).
+        timeout_s: seconds one verifier call may take; a call past it has no reward and counts in
+            ``verifier/timeouts`` (its worker is killed and replaced). None scores in the training process without a
+            limit (debugging).
         workers: scoring processes.
         max_answer_chars: an extracted answer longer than this scores 0 without reaching the scorer
             (``verifier/long_answers``): scorers such as sympy can take unbounded time on huge inputs.
+        correct_threshold: a scored response is correct (``val/pass@k``, per-task pass@1; the baselines' outcome by
+            default) when ``reward >= correct_threshold``, unless the verifier has its own ``correct``. 1.0 keeps a
+            [0, 1] verifier's meaning: full credit.
+        max_failure_rate: an update fails when at least this share of its responses have no reward (the verifier
+            raised, returned a non-finite value, or timed out); scoring stops early once that is certain.
+        max_failed_updates: failing updates in a row that stop the run (exit ≠ 0, the verifier's first failure
+            printed); a validation batch that fails stops it at once.
     """
 
     timeout_s: float | None = 5.0
     workers: int = 2
     max_answer_chars: int = 1000
+    correct_threshold: float = 1.0
+    max_failure_rate: float = 0.5
+    max_failed_updates: int = 2
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None:
             check_range("scoring.timeout_s", self.timeout_s, 0.0, low_open=True)
         check_int("scoring.workers", self.workers, 1)
         check_int("scoring.max_answer_chars", self.max_answer_chars, 1)
+        check_range("scoring.correct_threshold", self.correct_threshold, hint="any finite reward")
+        check_range(
+            "scoring.max_failure_rate",
+            self.max_failure_rate,
+            0.0,
+            1.0,
+            low_open=True,
+            hint="the share of an update's responses without a reward at which the update fails",
+        )
+        check_int("scoring.max_failed_updates", self.max_failed_updates, 1)

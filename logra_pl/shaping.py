@@ -60,10 +60,12 @@ def group_rows(rollout: Rollout) -> list[list[int]]:
 
 
 def mixed_groups(rewards: torch.Tensor, groups: Sequence[Sequence[int]]) -> list[bool]:
-    """Per group: do its responses' raw rewards differ (``max > min``)? A group of one response is never mixed."""
+    """Per group: do its responses' raw rewards differ (``max > min``)? Only responses with a reward count (a failed
+    verifier call's NaN is left out, as it is of the update); a group with fewer than two of them is never mixed."""
     out = []
     for rows in groups:
         values = rewards[list(rows)]
+        values = values[~torch.isnan(values)]
         out.append(bool(values.numel() > 1 and values.max() > values.min()))
     return out
 
@@ -85,21 +87,24 @@ def take_rows(rollout: Rollout, items: Sequence[dict[str, Any]], groups: Sequenc
 
 @dataclass
 class Drawn:
-    """One round's prompts (``items``), their responses and the responses' raw rewards (``(N,)`` float64)."""
+    """One round's prompts (``items``), their responses, the responses' raw rewards (``(N,)`` float64, NaN for a
+    response the verifier failed on) and the verifier's correctness (``(N,)`` bool; None: not recorded)."""
 
     items: list[dict[str, Any]]
     rollout: Rollout
     rewards: torch.Tensor
+    correct: torch.Tensor | None = None
 
 
 def concat(parts: Sequence[Drawn]) -> Drawn:
     """Several rounds' responses as one, prompts renumbered in order; timings summed."""
-    items, rewards = [], []
+    items, rewards, correct = [], [], []
     rollout = Rollout([], [], [], [], [], {})
     for part in parts:
         offset = len(items)
         items += part.items
         rewards.append(part.rewards)
+        correct.append(part.correct)
         r = part.rollout
         rollout.prompt_ids += r.prompt_ids
         rollout.response_ids += r.response_ids
@@ -108,7 +113,9 @@ def concat(parts: Sequence[Drawn]) -> Drawn:
         rollout.prompt_index += [offset + i for i in r.prompt_index]
         for name, seconds in r.timings.items():
             rollout.timings[name] = rollout.timings.get(name, 0.0) + seconds
-    return Drawn(items, rollout, torch.cat(rewards) if rewards else torch.empty(0, dtype=torch.float64))
+    joined = torch.cat(rewards) if rewards else torch.empty(0, dtype=torch.float64)
+    verdicts = torch.cat(correct) if correct and all(c is not None for c in correct) else None
+    return Drawn(items, rollout, joined, verdicts)
 
 
 # ---------------------------------------------------------------------------------------------- the selection
@@ -136,6 +143,7 @@ class DynamicBatch:
         """``shaping/*`` scalars of this rank (the share of uniform groups among those sampled, rounds drawn…)."""
         uniform = self.groups_sampled - self.groups_mixed
         sampled = torch.cat(self.sampled_rewards) if self.sampled_rewards else torch.zeros(1, dtype=torch.float64)
+        sampled = sampled[~torch.isnan(sampled)]  # responses without a reward left out
         return {
             "shaping/rounds": float(self.rounds),
             "shaping/groups_sampled": float(self.groups_sampled),
@@ -180,6 +188,8 @@ def dynamic_batch(
     for index, rows in (*chosen, *filled):
         part = take_rows(rounds[index].rollout, rounds[index].items, [rows])
         part.rewards = rounds[index].rewards[rows]
+        if rounds[index].correct is not None:
+            part.correct = rounds[index].correct[rows]
         parts.append(part)
     return DynamicBatch(concat(parts), len(rounds), sampled, len(mixed), len(filled), [r.rewards for r in rounds])
 

@@ -7,6 +7,8 @@ implements it; a module of your own that does can run the same callbacks).
 from __future__ import annotations
 
 import hashlib
+import inspect
+import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,7 +27,12 @@ class StepContext:
     """What one training step produced, for callbacks (KL control, mismatch, sync) to read.
 
     ``logp_rollout``/``logp_trainer``/``packed.response_mask`` are ``(N, R)`` over the ``N`` responses;
-    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update.
+    ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update. ``entropy`` is the
+    policy's entropy at each response position from that same pass (None when the caller gave only log-probs),
+    ``logp_reference`` the reference policy's log-probs (None without a KL penalty), and ``loss_mask`` the tokens
+    the loss counts (the response mask, less truncated responses under ``loss.mask_truncated``, less the responses
+    without a reward: ``scored`` False, a failed verifier call, never trained on: algorithm.md §10; set it through
+    :func:`scored_mask`).
     """
 
     update_index: int
@@ -42,14 +49,29 @@ class StepContext:
     loss_stats: dict[str, list[float]] = field(default_factory=dict)  # loss statistics: [numerator, denominator]
     staleness: int = 0  # updates between the weights that sampled the rollout and the trainer's (asynchronous)
     update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
+    scored: torch.Tensor | None = None  # (N,) bool: the response has a reward (None: all have); rewards are NaN else
+    correct: torch.Tensor | None = None  # (N,) bool: the verifier calls the response correct (None: not recorded)
     shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
     shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
     padded_microbatches: int = 0  # zero-loss microbatches that kept this rank's forward count equal to the others'
+    entropy: torch.Tensor | None = None  # (N, R) policy entropy before the update, zero where padded
+    logp_reference: torch.Tensor | None = None  # (N, R) reference-policy log-probs (a KL penalty is on)
+    loss_mask: torch.Tensor | None = None  # (N, R) the tokens the loss counts; None: packed.response_mask
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.packed.response_mask
+        self.loss_mask = scored_mask(self.loss_mask, self.scored)
 
     @property
     def eos_terminated(self) -> torch.Tensor:
         """``(N,)`` bool: responses that ended with EOS (not truncated)."""
         return torch.tensor([not t for t in self.rollout.truncated])
+
+    @property
+    def all_scored(self) -> bool:
+        """Every response has a reward."""
+        return self.scored is None or bool(self.scored.all())
 
 
 def assemble_step(
@@ -59,15 +81,95 @@ def assemble_step(
     rewards: torch.Tensor,
     advantages: torch.Tensor,
     pad_id: int,
-    trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor],
+    trainer_logprobs: Callable[[PackedResponses, float], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     temperature: float,
+    reference_logprobs: Callable[[PackedResponses, float], torch.Tensor] | None = None,
+    scored: torch.Tensor | None = None,
+    correct: torch.Tensor | None = None,
 ) -> StepContext:
     """A step's context from its rollout, rewards and advantages: the responses packed for the trainer, the rollout
-    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``)."""
+    log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``: the
+    log-probs, or ``(log-probs, entropy)`` from the same pass) and, with ``reference_logprobs``, the reference
+    policy's; ``scored``/``correct`` as :class:`StepContext` keeps them (the loss mask then leaves out the responses
+    without a reward)."""
     packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id)
-    logp_trainer = trainer_logprobs(packed, temperature)
+    computed = trainer_logprobs(packed, temperature)
+    logp_trainer, entropy = computed if isinstance(computed, tuple) else (computed, None)
     logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)
-    return StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
+    ctx = StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
+    ctx.entropy = entropy
+    if reference_logprobs is not None:
+        ctx.logp_reference = reference_logprobs(packed, temperature)
+    ctx.scored, ctx.correct = scored, correct
+    ctx.loss_mask = scored_mask(ctx.loss_mask, scored)
+    return ctx
+
+
+def scored_mask(mask: torch.Tensor, scored: torch.Tensor | None) -> torch.Tensor:
+    """``mask`` (N, R) with the rows of responses without a reward zeroed (``scored`` False); ``mask`` itself when
+    every response has one (or ``scored`` is None), so a run without failures computes exactly as before."""
+    if scored is None or bool(scored.all()):
+        return mask
+    return mask * scored.to(mask.dtype).unsqueeze(1)
+
+
+def score_tensors(scores: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's :class:`~logra_pl.rewards.failures.Scores` as tensors: rewards ``(N,)`` float64 (NaN where there is
+    none), scored and correct ``(N,)`` bool."""
+    rewards = torch.tensor(scores.rewards, dtype=torch.float64)
+    return rewards, torch.tensor(scores.scored, dtype=torch.bool), torch.tensor(scores.correct, dtype=torch.bool)
+
+
+def scored_advantages(
+    baseline: Any,
+    rewards: torch.Tensor,
+    scored: torch.Tensor,
+    correct: torch.Tensor | None,
+    groups: list[int],
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The advantages of a batch in which some responses may have no reward: the baseline sees only the scored ones
+    (its statistics, group means and running value leave the others out) and the others get advantage 0.
+
+    Arguments:
+        baseline: the :class:`~logra_pl.losses.AdvantageBaseline`.
+        rewards: ``(N,)`` float64, NaN where ``scored`` is False.
+        scored: ``(N,)`` bool.
+        correct: ``(N,)`` bool, the verifier's correctness (the baselines' outcome); None: ``reward >= 1``.
+        groups: each response's prompt.
+        all_reduce_sum: the ranks' sum (every rank calls the baseline once, with no rows when none scored).
+
+    A group baseline needs others to compare with: a scored response whose prompt has no other scored response gets
+    advantage 0 and stays out of the baseline (a group mean of itself is 0 anyway; leave-one-out has none).
+    """
+    keep = scored.clone()
+    if baseline.needs_groups and not bool(scored.all()):
+        g = torch.as_tensor(groups, dtype=torch.long)
+        per_group = torch.zeros(int(g.max()) + 1 if g.numel() else 0, dtype=torch.long).index_add_(0, g, scored.long())
+        keep &= per_group[g] >= 2
+    if bool(keep.all()):
+        return _call_baseline(baseline, rewards, correct, groups, all_reduce_sum)
+    rows = keep.nonzero().flatten()
+    advantages = torch.zeros(len(rewards), dtype=torch.float64)
+    verdicts = correct[rows] if correct is not None else None
+    chosen = _call_baseline(baseline, rewards[rows], verdicts, [groups[i] for i in rows.tolist()], all_reduce_sum)
+    advantages[rows] = chosen.to(torch.float64)
+    return advantages
+
+
+def _call_baseline(
+    baseline: Any,
+    rewards: torch.Tensor,
+    correct: torch.Tensor | None,
+    groups: list[int],
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``baseline.advantages``, given the correctness when it takes it (a baseline written before it existed does
+    not: it then sees rewards and groups only)."""
+    params = inspect.signature(baseline.advantages).parameters
+    if "correct" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return baseline.advantages(rewards, all_reduce_sum, groups=groups, correct=correct)
+    return baseline.advantages(rewards, all_reduce_sum, groups=groups)
 
 
 def sampling_seed(seed: int, split: str, update: int, key: str = "") -> int:
@@ -133,13 +235,18 @@ def step_metrics(
     baseline: Any,
     scorer: Any,
 ) -> dict[str, float]:
-    """The per-update scalars of one step: reward and advantages, response lengths, loss and update size, times,
-    verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s, update_norm)`` per update."""
+    """The per-update scalars of one step: reward and advantages, response lengths, the policy's entropy, loss and
+    update size, times, verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s,
+    update_norm)`` per update. Reward and advantage means are over the scored responses (NaN reward mean when none
+    scored); the ``verifier/*`` counts are run totals (``errors``, ``timeouts``, ``nan``, ``long_answers``),
+    ``verifier/failure_rate`` this update's share of responses without a reward."""
+    rows = ctx.scored if not ctx.all_scored else slice(None)  # a response without a reward is left out of the means
+    rewards, advantages = ctx.rewards[rows], ctx.advantages[rows]
     metrics = {
-        "train/reward_mean": float(ctx.rewards.mean()),
+        "train/reward_mean": float(rewards.mean()) if len(rewards) else math.nan,
         "train/baseline": baseline.value,
-        "train/advantage_mean": float(ctx.advantages.mean()),
-        "train/advantage_std": float(ctx.advantages.std()) if len(ctx.advantages) > 1 else 0.0,
+        "train/advantage_mean": float(advantages.mean()) if len(advantages) else 0.0,
+        "train/advantage_std": float(advantages.std()) if len(advantages) > 1 else 0.0,
         "train/response_length": float(ctx.packed.lengths.float().mean()),
         "train/truncation_rate": float(sum(ctx.rollout.truncated)) / max(len(ctx.rollout), 1),
         "train/loss": sum(r[0] for r in results) / len(results),
@@ -152,9 +259,19 @@ def step_metrics(
         "time/step_s": step_s,
         "verifier/errors": float(scorer.errors),
         "verifier/timeouts": float(scorer.timeouts),
+        "verifier/nan": float(scorer.nan),
         "verifier/long_answers": float(scorer.long_answers),
+        "verifier/failure_rate": 0.0 if ctx.all_scored else 1.0 - float(ctx.scored.double().mean()),
     }
+    if ctx.entropy is not None:
+        metrics["train/entropy"] = mean_entropy(ctx)
     return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}
+
+
+def mean_entropy(ctx: StepContext) -> float:
+    """The policy's mean entropy per response token of this step (before its update)."""
+    mask = ctx.packed.response_mask
+    return float((ctx.entropy * mask).sum() / mask.sum().clamp(min=1))
 
 
 def view_of(pl_module: Any) -> PolicyModuleView | None:

@@ -9,6 +9,9 @@ does not need to know), and wires the sketch core to the process group:
   every rank forms the identical proposal;
 - each rank merges only its local row shard, at the shard's global row offset (dim-0 sharding).
 
+A KL penalty's reference policy (``loss.reference_device: same``) is sharded the same way (:meth:`shard_reference`);
+one kept on the CPU is refused here, since every process would hold all of it.
+
 World size 1 runs through the same code, so a config does not change between a laptop and a node.
 """
 
@@ -26,7 +29,9 @@ from typing_extensions import override
 
 from logra_pl import compat
 from logra_pl.checkpointing import checkpointed_layers, decoder_layers, enable_activation_checkpointing
+from logra_pl.errors import ConfigError
 from logra_pl.optim import LoGRAOptimizer
+from logra_pl.sketch.memory import local_state_bytes
 
 __all__ = ["LoGRAStrategy", "decoder_layers", "row_offset"]
 
@@ -110,6 +115,31 @@ class LoGRAStrategy(ModelParallelStrategy):
             fully_shard(layer, **kwargs)
         fully_shard(policy, **kwargs)
 
+    @staticmethod
+    def check_reference(reference: Any) -> None:
+        """A KL penalty's reference policy can be sharded here only where the policy is: ``reference_device: cpu``
+        would keep a whole copy in every process (:class:`~logra_pl.errors.ConfigError` naming the alternative)."""
+        if reference.placement != "same":
+            raise ConfigError(
+                f"loss.reference_device: {reference.placement} keeps a whole copy of the KL penalty's reference policy "
+                "in every process; under the logra_fsdp strategy set loss.reference_device: same, which shards it over "
+                "the ranks like the policy (1/N of it per rank; loss.reference_dtype: bfloat16 halves that again)"
+            )
+
+    def shard_reference(self, reference: Any) -> None:
+        """``fully_shard`` the reference policy's decoder layers and root on the data-parallel mesh, as the policy's
+        (frozen: no gradients, no mixed precision beyond its own dtype), and move its shards to this rank's device."""
+        from torch.distributed.fsdp import fully_shard
+
+        self.check_reference(reference)
+        mesh = self.device_mesh["data_parallel"]
+        for layer in decoder_layers(reference.model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(reference.model, mesh=mesh)
+        reference.model.to(self.root_device)
+        reference.sharded = True
+        reference.nbytes = local_state_bytes(reference.model)
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -120,6 +150,9 @@ class LoGRAStrategy(ModelParallelStrategy):
 
         if not isinstance(policy, FSDPModule):  # a second setup (validate after fit) finds it sharded already
             self.shard(policy)
+        reference = getattr(module, "reference_policy", None)
+        if reference is not None and not reference.sharded:
+            self.shard_reference(reference)
         super().setup(trainer)
         self._wire_optimizers()
 

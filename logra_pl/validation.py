@@ -54,23 +54,42 @@ class ValidationMetrics(nn.Module):
         self.shown = []
 
     def update(
-        self, batch: Sequence[dict[str, Any]], rewards: torch.Tensor, texts: Sequence[str], device: torch.device
+        self,
+        batch: Sequence[dict[str, Any]],
+        rewards: torch.Tensor,
+        texts: Sequence[str],
+        device: torch.device,
+        correct: torch.Tensor | None = None,
+        scored: torch.Tensor | None = None,
     ) -> None:
         """One batch: ``rewards`` ``(len(batch)·samples,)`` grouped by prompt; ``texts`` the decoded responses of the
-        first four problems (for the panel, first batch only; pass ``[]`` otherwise)."""
+        first four problems (for the panel, first batch only; pass ``[]`` otherwise).
+
+        Arguments:
+            correct: ``(len(batch)·samples,)`` bool, the verifier's correctness (pass@j, per-task pass@1); None:
+                ``reward >= 1``.
+            scored: ``(len(batch)·samples,)`` bool, the responses that have a reward (None: all); the others count as
+                not correct and stay out of the reward means.
+        """
         n = self.samples
-        correct = (rewards >= 1.0).reshape(len(batch), n)  # rows are grouped by prompt
+        if correct is None:
+            correct = rewards >= 1.0
+        correct = correct.reshape(len(batch), n)  # rows are grouped by prompt
+        mask = None if scored is None or bool(scored.all()) else scored.reshape(len(batch), n)
         self.passes.update(correct.to(device))
         if self.tasks is not None and self.task_rewards is not None:
             tasks = [item_task(it) for it in batch]
             self.tasks.update(correct.to(device), tasks)
-            self.task_rewards.update(rewards.reshape(len(batch), n), tasks)
+            self.task_rewards.update(rewards.reshape(len(batch), n), tasks, mask)
         if self.subsets is not None:
             rows = [i for i, it in enumerate(batch) if it.get(EVAL_SUBSET_KEY)]
             if rows:
                 names = [str(batch[i][EVAL_SUBSET_KEY]) for i in rows]
                 self.subsets.update(correct[rows].to(device), names)
-        self.reward.update(rewards.float())
+        if mask is None:
+            self.reward.update(rewards.float())
+        elif bool(mask.any()):
+            self.reward.update(rewards[mask.reshape(-1)].float())
         for k, text in enumerate(texts[::n][:4]):
             self.shown.append((prompt_key(batch[k]), text, float(rewards[k * n])))
 

@@ -135,7 +135,14 @@ def evaluate(args: argparse.Namespace) -> list[TaskResult]:
                 n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=limit, seed=args.seed
             )
             rollout = module.engine.generate(prompts, sampling)
-            rewards = module.score(rollout, items).tolist()
+            found = module.score(rollout, items)
+            if found.failed:  # a response without a reward would pass as 0 and bias the selection: stop instead
+                first = found.first()
+                raise SystemExit(
+                    f"{task}: {found.failed} responses could not be scored ({found.counts()}); "
+                    f"first: {first.message if first else 'unscored'}"
+                )
+            rewards = found.rewards
             texts = module.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
             scores, truncated, no_answer = [], 0, 0
             for reward, text, cut in zip(rewards, texts, rollout.truncated, strict=True):

@@ -11,6 +11,8 @@ memory aside), every weight's digest and the checkpoint's computed contents must
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,11 +21,29 @@ from tests.behaviour.scenarios import SCENARIOS, capture, comparable, fingerprin
 
 pytestmark = pytest.mark.slow
 
+
+def _zero(values: list[float]) -> bool:
+    return set(values) <= {0.0}
+
+
+def _entropy(values: list[float]) -> bool:
+    """A mean token entropy of the 97-token tiny policy: finite, in (0, log 97]."""
+    return all(math.isfinite(v) and 0.0 < v <= math.log(97) + 1e-6 for v in values)
+
+
 # What the code logs or saves beyond the records, added since they were written, with the value it must have in these
 # runs (they use none of the new options) and why it exists. Everything else must be as recorded.
-ADDED_SCALARS = {
-    "memory/state/sketch_moments": "issue 23: bytes of LoGRA's sketch-space first moment (logra.beta1 > 0)",
-    "train/padded_microbatches": "issue 25: zero-loss microbatches that equal the ranks' forward counts (0: one rank)",
+ADDED_SCALARS: dict[str, tuple[str, Callable[[list[float]], bool]]] = {
+    "memory/state/sketch_moments": ("issue 23: bytes of LoGRA's sketch-space first moment (logra.beta1 > 0)", _zero),
+    "train/padded_microbatches": (
+        "issue 25: zero-loss microbatches that equal the ranks' forward counts (0: one rank)",
+        _zero,
+    ),
+    "memory/state/reference_policy": ("issue 25: bytes of a KL penalty's reference policy (loss.kl_coef > 0)", _zero),
+    # Computed from the pre-update log-prob pass that already runs: a new reading, no change to what is trained.
+    "train/entropy": ("issue 25: the policy's mean token entropy over the step's responses", _entropy),
+    "verifier/nan": ("issue 25: verifier calls that returned a non-finite reward (run total)", _zero),
+    "verifier/failure_rate": ("issue 25: the update's share of responses without a reward", _zero),
 }
 ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
     "beta1": 0.0,
@@ -34,6 +54,10 @@ ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options
     "lr_min_ratio": 1.0,
     "moments": {},
     "moment_age": 0,
+    # issue 25: the runner's count of non-finite rewards and the failure policy's failing updates
+    "nan": 0,
+    "failed_updates": 0,
+    "failed_in_a_row": 0,
 }
 
 
@@ -94,9 +118,9 @@ def test_reference_run_reproduces(name: str, tmp_path: Path) -> None:
             server.kill()
     else:
         mine = capture(run(scenario, tmp_path / "run"))
-    for tag in ADDED_SCALARS:
+    for tag, (_, check) in ADDED_SCALARS.items():
         values = mine["scalars"].pop(tag, None)
-        assert tag in ref["scalars"] or values is None or set(values.values()) <= {0.0}, (tag, values)
+        assert tag in ref["scalars"] or values is None or check(list(values.values())), (tag, values)
     found: dict[str, list[object]] = {}
     mine["checkpoint"] = _without_additions(mine["checkpoint"], found)
     for key, values in found.items():

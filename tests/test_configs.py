@@ -33,11 +33,19 @@ OVERLAYS = {"adamw": CONFIGS / "tiny_cpu_adamw.yaml", "vllm": CONFIGS / "tiny_cp
 # Overlays with no full config of their own (the parity protocol's methods: benchmarks/ablate.py --grid parity), and
 # the overlays each one is applied after (on the base).
 PROTOCOL_OVERLAYS = {"paper_logra": (), "logra_levers": ("paper_logra",)}
-# Overlays that switch a feature on over the base (no full config of their own): they parse, instantiate and hold
-# only what differs from the base.
-FEATURE_OVERLAYS = ("dapo_shaping",)
+# Overlays that switch a feature on, or swap one part (the reward), over the base (no full config of their own): they
+# parse, instantiate and hold only what differs from the base.
+FEATURE_OVERLAYS = ("dapo_shaping", "reward_model", "llm_judge")
 # Overlays that replace the base's logger (no full config of their own) -> the Lightning logger class they build.
 LOGGER_OVERLAYS = {"wandb": "WandbLogger", "mlflow": "MLFlowLogger"}
+# The loss menu's recipes (issue 25), each on the base alone: the loss class, its arguments (every one written out,
+# since a later file's new class_path keeps an earlier file's same-named arguments), the group baseline.
+LOSS_OVERLAYS = {
+    "gspo": ("GSPO", {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean_token_mean"}),
+    "cispo": ("CISPO", {"eps_high": 0.28, "eps_low": None, "aggregation": "token_mean"}),
+    "dapo_clip_higher": ("PPOClip", {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean"}),
+    "dr_grpo": ("PPOClip", {"clip_eps": 0.2, "aggregation": "seq_mean_token_sum_norm", "aggregation_length": None}),
+}
 # configs/paper/ are GPU recipes (and overlays on them): tests/test_paper_recipes.py covers them.
 CONFIG_FILES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] != "paper")
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
@@ -143,7 +151,7 @@ def _skip_unmerged_logra_keys(config: Path) -> None:
 
 def test_every_overlay_has_its_full_config() -> None:
     stems = sorted(p.stem for p in (CONFIGS / "overlays").glob("*.yaml"))
-    assert stems == sorted([*OVERLAYS, *PROTOCOL_OVERLAYS, *FEATURE_OVERLAYS, *LOGGER_OVERLAYS])
+    assert stems == sorted([*OVERLAYS, *PROTOCOL_OVERLAYS, *FEATURE_OVERLAYS, *LOGGER_OVERLAYS, *LOSS_OVERLAYS])
 
 
 @pytest.mark.parametrize("overlay", sorted(LOGGER_OVERLAYS))
@@ -155,6 +163,35 @@ def test_logger_overlay_replaces_only_the_logger(overlay: str, tmp_path: Path, m
     assert changed and all(key.startswith("trainer.logger.") for key in changed), changed
     cli = LoGRACLI(args=_args(BASE, path), run=False)
     assert type(cli.trainer.logger).__name__ == LOGGER_OVERLAYS[overlay]
+
+
+@pytest.mark.parametrize("overlay", sorted(LOSS_OVERLAYS))
+def test_loss_overlay_builds_its_loss_with_every_argument_written_out(overlay: str) -> None:
+    """Base + overlay builds the named loss with the named values, a GroupBaseline over 4 responses per prompt; the
+    overlay lists every argument of the class (so no value of the base's ReinforceTIS section leaks into it)."""
+    cls_name, expected = LOSS_OVERLAYS[overlay]
+    path = CONFIGS / "overlays" / f"{overlay}.yaml"
+    cli = LoGRACLI(args=_args(BASE, path), run=False)
+    loss = cli.model.loss_config
+    assert type(loss).__name__ == cls_name
+    assert {k: loss.init_args()[k] for k in expected} == expected
+    assert type(cli.model.baseline).__name__ == "GroupBaseline"
+    assert cli.model.rollout_settings.responses_per_prompt == 4
+    written = yaml.safe_load(path.read_text())["model"]["loss"]["init_args"]
+    assert list(written) == list(loss.init_args()), "the overlay must list every argument, in the class's order"
+
+
+def test_a_loss_class_changed_in_a_file_keeps_same_named_arguments_one_named_on_the_command_line_does_not(
+    tmp_path: Path,
+) -> None:
+    """Why the loss overlays write every argument out (docs/algorithm.md §8, GSPO): a later file's new class_path
+    keeps the base's `aggregation: token_mean`; `--model.loss GSPO` builds GSPO's own defaults."""
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("model:\n  loss:\n    class_path: logra_pl.losses.GSPO\n    init_args:\n      eps_low: 0.001\n")
+    kept = LoGRACLI(args=_args(BASE, partial), run=False).model.loss_config
+    assert type(kept).__name__ == "GSPO" and kept.eps_low == 0.001 and kept.shared.aggregation == "token_mean"
+    named = LoGRACLI(args=[*_args(BASE), "--model.loss=GSPO"], run=False).model.loss_config
+    assert named.shared.aggregation == "seq_mean_token_mean" and named.eps_low == 3e-4
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))

@@ -32,9 +32,9 @@ def test_pass_at_k_and_per_task_pass_at_1(tmp_path: Path) -> None:
     original = module.score
 
     def spy(rollout, items):  # record what validation scored, to recompute the metrics independently
-        rewards = original(rollout, items)
-        scored.append(rewards.tolist())
-        return rewards
+        scores = original(rollout, items)
+        scored.append(list(scores.rewards))
+        return scores
 
     module.score = spy
     logger = TensorBoardLogger(tmp_path, name="eval")

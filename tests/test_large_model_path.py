@@ -45,11 +45,13 @@ def fit(rl_run):
 def _fit(rl_run, tmp: Path, steps: int, callbacks, precision: str | None, **module_args) -> LoGRAPolicyModule:
     pl.seed_everything(0)
     module = LoGRAPolicyModule(
-        policy="tiny",
-        logra=LoGRAConfig(rank=16, update_ratio=1e-2),
-        rollout=RolloutSettings(max_new_tokens=6),
-        microbatch_size=4,
-        **module_args,
+        **{
+            "policy": "tiny",
+            "logra": LoGRAConfig(rank=16, update_ratio=1e-2),
+            "rollout": RolloutSettings(max_new_tokens=6),
+            "microbatch_size": 4,
+            **module_args,
+        }
     )
     overrides = {"precision": precision} if precision else {}
     rl_run(module, tmp, steps, callbacks, **overrides)
@@ -74,11 +76,27 @@ def test_activation_checkpointing_in_one_process(fit, tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_dense_adamw_with_activation_checkpointing_keeps_its_engine_in_sync(fit, tmp_path: Path) -> None:
+    """Dense AdamW sends its trained tensors to the engine by name. Activation checkpointing puts
+    ``_checkpoint_wrapped_module.`` into the policy's parameter names (the HF engine's private copy, made before the
+    wrapping, has none): the first sync stopped the run with a KeyError. The engine now holds the trainer's weights."""
+    module = fit(tmp_path, steps=2, optimizer="adamw", activation_checkpointing=True)
+    assert checkpointed_layers(module.policy)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in module.policy.named_parameters())
+    trained = module.method.trained_tensors(module.policy)
+    engine = dict(module.engine.model.named_parameters())
+    assert len(trained) == 14 and set(trained) <= set(engine)
+    before = load_policy("tiny")[0].state_dict()
+    assert all(not torch.equal(trained[n], before[n]) for n in trained)  # two AdamW steps moved each matrix
+    assert all(torch.equal(trained[n], engine[n]) for n in trained)
+
+
 def test_token_budget_microbatches(fit, tmp_path: Path) -> None:
     module = LoGRAPolicyModule(policy="tiny", microbatch_size=8, max_tokens_per_microbatch=40)
     prompts = [[1] * n for n in (5, 5, 30, 6, 6, 6, 6, 6, 6, 6)]
     packed = pack_responses(prompts, [[2, 3]] * len(prompts), 0)
-    groups = module._microbatches(list(range(len(prompts))), packed)
+    groups, padding = module._microbatches(list(range(len(prompts))), packed)
+    assert padding == 0  # one process: no padding microbatches
     assert [r for g in groups for r in g] == list(range(len(prompts)))  # consecutive, every row once
     lengths = packed.attention_mask.sum(dim=1).tolist()
     for g in groups:
@@ -102,11 +120,32 @@ def test_bf16_mixed_keeps_fp32_master_and_sketches(fit, tmp_path: Path) -> None:
     moved = [k for k in after if k.endswith("proj.weight") and not torch.equal(before[k], after[k])]
     assert len(moved) == 14 and all(bool(torch.isfinite(after[k]).all()) for k in after)
     # The KL controller still predicts what happens: measured over 6 updates of this setup, |realized − α²·pred| /
-    # realized stayed ≤ 2.4% in bf16-mixed (≤ 2.2% in fp32): the probe and the realized KL both see bf16 logits, whose
-    # rounding (~4e-3 relative) is far below the 1e-4 step's effect averaged over the probe. 10% leaves CPU-to-CPU room.
+    # realized stayed ≤ 2.4% in bf16-mixed (≤ 2.2% in fp32). 10% leaves CPU-to-CPU room.
     for h in kl.history:
         assert h["realized"] > 0
         assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.1
+
+
+def test_bf16_mixed_kl_probe_and_calibration_run_in_fp32(fit, tmp_path: Path) -> None:
+    """On a policy whose logits span several units, as a trained one's do, bf16 rounds each logit by ~0.03: enough to
+    swamp a 1e-4 update. The KL probe (inside Lightning's autocast, in the optimizer step) and the calibration forward
+    (after the step, outside it) both run with autocast off, so under bf16-mixed the realized KL matches α²·pred as in
+    fp32 (measured: ≤ 1.9%). Before, the probe's logits were bf16 and the calibration's fp32: 12%, 48% and 29% off."""
+    from logra_pl.export import save_policy_folder
+
+    model, tokenizer = load_policy("tiny")
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)  # the final RMSNorm's gain scales every logit: a peaked policy
+    policy = save_policy_folder(model, tokenizer, tmp_path / "peaked")
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(3, 40).reshape(1, -1)).logits
+    assert float(logits.std()) > 1.0
+    kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True)
+    fit(tmp_path / "bf16", callbacks=[kl], precision="bf16-mixed", policy=str(policy))
+    assert len(kl.history) == 3
+    for h in kl.history:
+        assert h["realized"] > 0
+        assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.05
 
 
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])

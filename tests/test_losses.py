@@ -280,9 +280,14 @@ def test_build_loss_accepts_every_form() -> None:
     assert build_loss("{class_path: PPOClip, init_args: {clip_eps: 0.1, epochs: 3}}").to_config() == built.to_config()
     same = PPOClip(minibatches=4)
     assert build_loss(same) is same
+    # The settings every loss shares (issue 25) follow its own, at their defaults; repr leaves those out.
+    shared = {"aggregation": "token_mean", "aggregation_length": None, "mask_truncated": False, "kl_coef": 0.0}
+    shared |= {"kl_estimator": "k3", "reference_device": "cpu", "reference_dtype": None}
     assert built.to_config() == {
         "class_path": "logra_pl.losses.PPOClip",
-        "init_args": {"clip_eps": 0.1, "epochs": 3, "minibatches": 2, "length_reference": None},
+        "init_args": {"clip_eps": 0.1, "epochs": 3, "minibatches": 2, "length_reference": None}
+        | {"eps_low": None, "eps_high": None}
+        | shared,
     }
     assert repr(built) == "PPOClip(clip_eps=0.1, epochs=3, minibatches=2, length_reference=None)"
 

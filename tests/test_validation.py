@@ -46,6 +46,10 @@ def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (["--data.prompts_per_step=0"], "data.prompts_per_step must be an integer >= 1, got 0"),
         (["--checkpoint.every_n_updates=-1"], "checkpoint.every_n_updates must be an integer >= 0, got -1"),
         (["--model.engine=vllm", "--trainer.devices=2"], "model.engine=vllm runs one engine in the training process"),
+        (
+            ["--model.engine=vllm", "--trainer.num_nodes=2"],
+            "the trainer starts 2 processes (trainer.devices × trainer.num",
+        ),
         (["--model.engine=no_such_engine"], "unknown model.engine 'no_such_engine'"),
         (["--data.prompts_per_step=63", "--trainer.devices=2"], "data.prompts_per_step=63 is not divisible by the 2"),
     ],

@@ -27,7 +27,10 @@ class RewardHistogram(pl.Callback):
         ctx = getattr(pl_module, "step_context", None)  # what this update produced (LoGRAPolicyModule)
         if ctx is None:
             return
-        rewards = ctx.rewards.to(torch.float64).clamp(0.0, 1.0)
+        rewards = ctx.rewards.to(torch.float64)
+        rewards = rewards[~rewards.isnan()].clamp(0.0, 1.0)  # responses the verifier failed on have no reward (NaN)
+        if not len(rewards):
+            return
         index = (rewards * self.bins).long().clamp(max=self.bins - 1)  # a reward of 1 goes to the last bin
         counts = torch.bincount(index, minlength=self.bins).tolist()
         for k, count in enumerate(counts):

@@ -25,6 +25,7 @@ from typing_extensions import override
 from logra_pl import compat
 from logra_pl.errors import ConfigError, check_int
 from logra_pl.logprobs import PackedResponses, response_logprobs
+from logra_pl.losses import UpdateTotals
 from logra_pl.sketch.diagnostics import SketchFidelity, sketch_fidelity
 from logra_pl.sketch.projection import make_projection
 
@@ -125,11 +126,12 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
     """``{name: G}``: the dense gradient of the module's policy-gradient loss on ``probe`` for every sketched matrix.
 
     One forward+backward over the probe rows (in microbatches of ``model.microbatch_size``) at the current weights,
-    in eval mode, with the sketch hooks removed; the loss is the module's registered loss normalised by the probe's
-    token count. Losses referenced to the rollout (REINFORCE+TIS) use the probe's stored rollout log-probs; losses
-    referenced to the trainer (PPO) use the current log-probs (ratio 1: the unclipped policy gradient). Weights,
-    their ``requires_grad`` flags and ``.grad``, other parameters' ``.grad``, the sketch accumulators and the global
-    RNG streams are left as they were.
+    in eval mode, with the sketch hooks removed; the loss is the module's loss aggregated (``loss.aggregation``) over
+    the probe as if it were one update, without a KL penalty (the policy-gradient term alone). Losses referenced to
+    the rollout (REINFORCE+TIS) use the probe's stored rollout log-probs; losses referenced to the trainer (the PPO
+    family) use the current log-probs (ratio 1: the unclipped policy gradient). Weights, their ``requires_grad``
+    flags and ``.grad``, other parameters' ``.grad``, the sketch accumulators and the global RNG streams are left as
+    they were.
 
     Arguments:
         trainer: the Lightning trainer (its precision plugin gives the forward's autocast context, if any).
@@ -142,7 +144,10 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
     loss_fn = pl_module.loss_config
     packed = probe_packed(probe)
     rows = packed.input_ids.shape[0]
-    num_tokens = max(int(packed.response_mask.sum()), 1)
+    lengths = packed.response_mask.sum(dim=1)
+    limit = getattr(getattr(pl_module, "rollout_settings", None), "max_new_tokens", packed.response_mask.shape[1])
+    totals = UpdateTotals(int(lengths.sum()), int((lengths > 0).sum()), int(limit))
+    num_tokens = max(totals.tokens, 1)
     size = max(1, int(getattr(pl_module, "microbatch_size", rows)))
     forward = trainer.precision_plugin.forward_context if trainer is not None else contextlib.nullcontext
     devices = [device] if device.type == "cuda" else []
@@ -159,7 +164,11 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
                 logp = response_logprobs(pl_module.policy, mb, probe["temperature"])
                 reference = probe["logp_rollout"][part].to(device) if loss_fn.reference == "rollout" else logp.detach()
                 advantages = probe["advantages"][part].to(device)
-                loss = loss_fn(logp, reference, advantages, mb.response_mask, num_tokens, loss_fn.weights(mb.lengths))
+                row_weights = loss_fn.weights(mb.lengths)
+                scale = loss_fn.row_scale(mb.lengths, totals)
+                if scale is not None:
+                    row_weights = row_weights * scale.to(device=row_weights.device, dtype=row_weights.dtype)
+                loss = loss_fn(logp, reference, advantages, mb.response_mask, num_tokens, row_weights)
             torch.autograd.backward(loss, inputs=list(weights.values()))
         grads = {n: w.grad for n, w in weights.items() if w.grad is not None}
     return grads

@@ -14,6 +14,7 @@ from typing_extensions import override
 from logra_pl import compat
 from logra_pl.callbacks.mismatch import RolloutMismatch
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
+from logra_pl.ranks import all_reduce_sum
 from logra_pl.sketch.probe import ProbeMode, predicted_kl_terms, realized_kl_terms
 from logra_pl.step import view_of
 
@@ -67,6 +68,18 @@ def step_multiplier(pred: float, budget: float, alpha_max: float) -> float:
     if pred == 0.0:
         return 1.0
     return min(alpha_max, math.sqrt(budget / pred))
+
+
+def _full_precision(device: torch.device) -> torch.autocast:
+    """Autocast off: the probe's and the calibration's forwards in the policy's own dtype.
+
+    Under ``bf16-mixed`` the optimizer step (where the probe runs) is inside Lightning's autocast and the calibration
+    forward (``on_train_batch_end``) is not. bf16 keeps 8 bits of mantissa: on a policy whose logits span a few units,
+    as a trained one's do, the rounding swamps a 1e-4 update, and the realized KL of bf16 "before" against fp32 "after"
+    logits was 12-48% off α²·pred (≤ 1.9% in fp32; ``tests/test_large_model_path.py``). Under FSDP's ``param_dtype``
+    the gathered parameters stay bf16 for both forwards.
+    """
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 def _rank_world(trainer: Any) -> tuple[int, int]:
@@ -170,15 +183,14 @@ class PredictedKLControl(pl.Callback):
         """Mean predicted KL per probed position at α = 1 (averaged over ranks), and what calibration needs."""
         inputs, flat = self._probe_inputs(ctx, pl_module.device, compat.trainer_of(pl_module))
         method = pl_module.method
-        logits, tangent = method.logit_tangent(pl_module.policy, proposal, inputs, self.probe, self.fd_step)
+        with _full_precision(pl_module.device):
+            logits, tangent = method.logit_tangent(pl_module.policy, proposal, inputs, self.probe, self.fd_step)
         vocab = logits.shape[-1]
         z = logits.reshape(-1, vocab)[flat]
         t = tangent.reshape(-1, vocab)[flat]
         terms = predicted_kl_terms(z, t, ctx.temperature)
         total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
-        trainer = pl_module.trainer
-        if trainer.world_size > 1:
-            total = trainer.strategy.reduce(total, reduce_op="sum")
+        total = all_reduce_sum(pl_module.trainer, total, pl_module.device)  # on the device: NCCL has no CPU tensors
         pred = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
         return pred, {"inputs": inputs, "flat": flat, "logits": z.detach(), "temperature": ctx.temperature}
 
@@ -268,13 +280,12 @@ class PredictedKLControl(pl.Callback):
         view = view_of(pl_module)
         if pending is None or view is None or not view.method.applied(pending["proposal"]):
             return  # not the step's last update, or not applied (rejected by the guard, skipped): nothing changed
-        with torch.no_grad():
+        with torch.no_grad(), _full_precision(pl_module.device):
             after = pl_module.policy(**pending["inputs"], use_cache=False).logits
         after = after.reshape(-1, after.shape[-1])[pending["flat"]]
         terms = realized_kl_terms(pending["logits"], after, pending["temperature"])
         total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
-        if trainer.world_size > 1:
-            total = trainer.strategy.reduce(total, reduce_op="sum")
+        total = all_reduce_sum(trainer, total, pl_module.device)
         realized = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
         pl_module.log("kl/realized", realized, on_step=True, batch_size=1)
         ctx = view.step_context
@@ -285,8 +296,11 @@ class PredictedKLControl(pl.Callback):
             self.history[-1]["predicted_scaled"] = pending["predicted_scaled"]
 
     def calibration(self) -> dict[str, float]:
-        """Over calibrated updates: median ``|realized − α²·pred| / realized`` and mean realized / mean budget."""
-        rows = [h for h in self.history if "realized" in h and h["realized"] > 0]
+        """Over calibrated updates: median ``|realized − α²·pred| / realized`` and mean realized / mean budget.
+
+        An update predicted to move nothing (``α²·pred = 0``: a zero proposal, e.g. a minibatch whose every sequence
+        GSPO's clip stopped) is left out: its realized KL is floating-point noise, not a calibration error."""
+        rows = [h for h in self.history if "realized" in h and h["realized"] > 0 and h["predicted_scaled"] > 0]
         if not rows:
             return {}
         errors = sorted(abs(h["realized"] - h["predicted_scaled"]) / h["realized"] for h in rows)

@@ -4,9 +4,9 @@ On CUDA the peak allocated and reserved bytes of each update (the peak counters 
 On CPU the process's peak resident set size during the update: Linux keeps a resettable high-water mark
 (``VmHWM`` in ``/proc/self/status``, reset by writing ``5`` to ``/proc/self/clear_refs``); where that is not
 available the lifetime peak (``ru_maxrss``) is logged instead and ``memory/peak_rss_is_lifetime`` is 1. On both,
-the bytes of training state by kind (weights, gradients, optimizer state, sketches, projections, row statistics)
-from :func:`logra_pl.sketch.memory.memory_report`, counted just before the (last) optimizer step of the update,
-when gradients and filled sketches exist.
+the bytes of training state by kind (weights, gradients, optimizer state, sketches, projections, row statistics,
+a KL penalty's reference policy) from :func:`logra_pl.sketch.memory.memory_report`, counted just before the (last)
+optimizer step of the update, when gradients and filled sketches exist.
 """
 
 from __future__ import annotations
@@ -147,8 +147,10 @@ class MemoryMonitor(pl.Callback):
         return out
 
     def state(self, pl_module: Any) -> MemoryReport:
-        """Training state by kind from the module's policy, optimizer and sketcher."""
-        return pl_module.method.memory(pl_module.policy)
+        """Training state by kind from the module's policy, optimizer and sketcher (and its reference policy, when
+        the module counts one: ``state_memory``)."""
+        state_memory = getattr(pl_module, "state_memory", None)
+        return state_memory() if callable(state_memory) else pl_module.method.memory(pl_module.policy)
 
     @override
     def on_train_batch_end(

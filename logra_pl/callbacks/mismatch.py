@@ -9,6 +9,7 @@ import torch
 from typing_extensions import override
 
 from logra_pl.errors import check_range
+from logra_pl.ranks import all_reduce_sum
 from logra_pl.step import view_of
 
 
@@ -58,7 +59,9 @@ class RolloutMismatch(pl.Callback):
             ctx.logp_rollout, ctx.logp_trainer, ctx.packed.response_mask, ctx.eos_terminated
         )
         if trainer is not None and trainer.world_size > 1:
-            summed = trainer.strategy.reduce(torch.tensor([total, float(count)], dtype=torch.float64), reduce_op="sum")
+            # Summed on the strategy's device: NCCL, the process group of GPU runs, reduces no CPU tensors.
+            both = torch.tensor([total, float(count)], dtype=torch.float64)
+            summed = all_reduce_sum(trainer, both, trainer.strategy.root_device)
             total, count = float(summed[0]), int(summed[1])
         if count == 0:
             self.last_observed = None

@@ -7,13 +7,15 @@ and the trainer scored the tokens. ``RolloutLog`` appends one JSON object per re
 ``{"update", "rank", "write", "item_id", "task", "prompt_index", "prompt_ids", "response_ids", "response", "reward",
 "advantage", "finish_reason", "rollout_logprobs"}``
 
-``update`` is the 1-based index of the update the response trained; ``write`` identifies one call. A resumed run
+``update`` is the 1-based index of the update the response trained; ``write`` identifies one call. ``reward`` is
+null for a response the verifier failed on (it was left out of the update). A resumed run
 appends to the same files; :func:`read_rollouts` keeps, per update, the rows of its last write.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from pathlib import Path
 from typing import Any
@@ -75,7 +77,7 @@ class RolloutLog(pl.Callback):
                     "prompt_index": i,
                     "prompt_ids": r.prompt_ids[row],
                     "response_ids": r.response_ids[row],
-                    "reward": float(ctx.rewards[row]),
+                    "reward": reward if math.isfinite(reward := float(ctx.rewards[row])) else None,  # None: failed
                     "advantage": float(ctx.advantages[row]),
                     "finish_reason": r.finish_reasons[row],
                     "rollout_logprobs": r.logprobs[row],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -10,6 +11,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from logra_pl.step import view_of
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of the finite values (an update whose responses all failed to score has a NaN reward mean)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return math.fsum(finite) / len(finite) if finite else math.nan
 
 
 class RunSummary(pl.Callback):
@@ -57,14 +64,14 @@ class RunSummary(pl.Callback):
             f"updates: {n} in {elapsed:.0f} s" + (f" (over {self._resumes + 1} sessions)" if self._resumes else "")
         ]
         if n < 2 * w:
-            mean = sum(self.rewards) / n
+            mean = _mean(self.rewards)
             lines.append(
                 f"train/reward_mean: {mean:.3f} over {n} updates (too short to compare the first and last {w}: "
                 f"needs {2 * w})"
             )
         else:
-            first = sum(self.rewards[:w]) / w
-            last = sum(self.rewards[-w:]) / w
+            first = _mean(self.rewards[:w])
+            last = _mean(self.rewards[-w:])
             lines.append(
                 f"train/reward_mean: first {w} updates {first:.3f} -> last {w} updates {last:.3f} ({last - first:+.3f})"
             )

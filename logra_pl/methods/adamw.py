@@ -25,6 +25,7 @@ from logra_pl.sketch import select_targets
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, parameter_logit_tangent
+from logra_pl.sketch.targets import canonical_name
 
 
 class DenseAdamW(UpdateMethod):
@@ -126,7 +127,9 @@ class DenseAdamW(UpdateMethod):
 
     @override
     def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
-        return {n: full_tensor(p).detach() for n, p in policy.named_parameters() if p.requires_grad}
+        # Engine names: activation checkpointing puts `_checkpoint_wrapped_module.` into the policy's parameter names.
+        trained = ((n, p) for n, p in policy.named_parameters() if p.requires_grad)
+        return {canonical_name(n): full_tensor(p).detach() for n, p in trained}
 
     @override
     def changed_numel(self, policy: nn.Module) -> int:

@@ -86,6 +86,20 @@ def _offline() -> bool:
     ).lower() in ("1", "true", "yes")
 
 
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` has the form of a hub repository id (``name`` or ``org/name``)."""
+    return _HUB_ID.fullmatch(text) is not None
+
+
+def hub_unavailable(location: str) -> str:
+    """Why a hub id could not be loaded and the way out, for an error message (its caller adds its own options)."""
+    where = "HF_HUB_OFFLINE=1 is set" if _offline() else "the hub could not be reached"
+    return (
+        f"model {location!r} is not in the local Hugging Face cache and {where}. Download it on a machine with "
+        f"access (`hf download {location}`) and copy the cache (HF_HOME)"
+    )
+
+
 def load_policy(
     source: str | os.PathLike[str], dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -112,11 +126,9 @@ def load_policy(
     except OSError as err:
         if not resolved.is_hub_id:
             raise
-        where = "HF_HUB_OFFLINE=1 is set" if _offline() else "the hub could not be reached"
         raise PolicyLoadError(
-            f"model {resolved.location!r} is not in the local Hugging Face cache and {where}. Download it on a "
-            f"machine with access (`hf download {resolved.location}`) and copy the cache (HF_HOME), or pass a "
-            "local folder, a .gguf file, 'smollm2' or 'tiny' as the policy"
+            f"{hub_unavailable(resolved.location)}, or pass a local folder, a .gguf file, 'smollm2' or 'tiny' as the "
+            "policy"
         ) from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

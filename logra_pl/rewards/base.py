@@ -43,35 +43,69 @@ class Verifier(Protocol):
 
     The contract:
 
-    - **Range.** Return a reward in [0, 1]. The runner (:class:`~logra_pl.rewards.BoundedVerifier`) clamps values
-      outside it, and a non-finite value scores 0 and counts as an error.
-    - **Failures cost a reward, not a run.** An exception scores 0 and is counted in ``errors`` by the runner; a
-      verifier may instead catch it itself, return 0 and count it.
-    - **Picklable.** The runner sends the verifier to worker processes once each, so it must pickle: a module-level
+    - **Range.** Return any finite float: a 0/1 check, partial credit, a reward model's logit. Nothing clamps it.
+    - **Failures are never trained on.** Raise when a response cannot be scored: the runner
+      (:class:`~logra_pl.rewards.BoundedVerifier`) counts the call in ``verifier/errors``, a non-finite value in
+      ``verifier/nan``, a call past the time limit in ``verifier/timeouts``, and leaves the response out of the
+      update (:mod:`logra_pl.rewards.failures`); too many failing updates in a row stop the run
+      (``scoring.max_failure_rate``, ``scoring.max_failed_updates``). A value you return is a reward, even one you
+      chose after catching an error. Raise a :class:`~logra_pl.errors.ConfigError` when the verifier cannot work at
+      all (a missing model): that stops the run at once, with your message.
+    - **Correctness (optional).** A method ``correct(response, item, reward) -> bool`` says whether a scored response
+      counts as correct for ``val/pass@k`` (and the baselines' outcome, when they take it from the verifier). Without
+      it, or when it returns None, a response is correct when ``reward >= scoring.correct_threshold`` (1.0 by
+      default, so a [0, 1] verifier's 1 means "right").
+    - **Batches (optional).** A method ``score_batch(responses, items) -> list`` scores a whole batch at once, in
+      the training process (a reward model on a GPU, concurrent requests to a judge): the runner then calls it,
+      once per batch, instead of ``__call__`` in worker processes, so the model is loaded once, not in every worker.
+      Return one value per response; an element may be an exception instance for a response that failed (a
+      ``TimeoutError`` counts as a timeout), and raising fails the whole batch. There is no runner time limit on
+      it (a thread cannot be killed): bound its own time (request timeouts). ``__call__`` stays the one-response
+      form of the same reward.
+    - **Picklable.** Per-call verifiers are sent to worker processes once each, so they must pickle: a module-level
       class instance or function, not a lambda or closure (drop unpicklable caches in ``__getstate__``).
     - **Counters (optional).** Integer attributes ``errors`` (malformed items, scorer failures) and
       ``long_answers`` (answers over a length cap, rejected unscored). Incremented inside a worker, they are sent
       back with each reward and added to the caller's copy, which is logged as ``verifier/errors`` and
       ``verifier/long_answers``; the runner may also set them (checkpoint restore).
     - **Components (optional).** A method ``components(response, item) -> dict[str, float]`` reports named parts of
-      the reward, which the runner averages over each batch (``BoundedVerifier.last_components``) and the module
-      logs as ``reward/<name>``. It is called after ``__call__`` on the same ``(response, item)``, so a verifier
-      may reuse what that call computed.
-    - **Time.** A call may be killed after the runner's time limit; it then scores 0 and counts as a timeout.
+      the reward, which the runner averages over each batch's scored responses (``BoundedVerifier.last_components``)
+      and the module logs as ``reward/<name>``. It is called after the reward on the same ``(response, item)``, so a
+      verifier may reuse what that call computed.
+    - **State (optional).** ``state_dict() -> dict`` and ``load_state_dict(state)``: kept in checkpoints (e.g. a
+      reward model's running normalisation), restored on resume.
+    - **Time.** A per-call verifier's call may be killed after ``scoring.timeout_s``; it then counts as a timeout.
 
     Example — a complete verifier::
 
         class LengthPenalty:
             def __call__(self, response: str, item: Mapping[str, Any]) -> float:
-                return 1.0 if len(response) < 200 else 0.0
+                return 1.0 if len(response) < 200 else -0.5
     """
 
     # Positional-only and typed ``Any`` on purpose: the contract is "called as verifier(response, item)", so a user's
     # class matches whatever it names its parameters and whether or not it annotates them (jsonargparse checks
     # a class_path against this signature when a config chooses the verifier).
     def __call__(self, response: Any, item: Any, /) -> Any:
-        """The reward for ``response`` (str) to ``item`` (the item mapping), a float in [0, 1]."""
+        """The reward for ``response`` (str) to ``item`` (the item mapping): a finite float."""
         ...
+
+
+def batch_scorer(verifier: Any) -> Any:
+    """The verifier's ``score_batch`` when it has a callable one (it is then scored in batches, in this process),
+    else None."""
+    found = getattr(verifier, "score_batch", None)
+    return found if callable(found) else None
+
+
+def ask_correct(verifier: Any, response: str, item: Any, reward: float) -> bool | None:
+    """The verifier's own verdict on a scored response: its ``correct(response, item, reward)`` as a bool, or None
+    when it has no such method or returns None (the runner then compares the reward with the threshold)."""
+    found = getattr(verifier, "correct", None)
+    if not callable(found):
+        return None
+    said = found(response, item, reward)
+    return None if said is None else bool(said)
 
 
 def check_verifier(obj: Any) -> None:
@@ -331,13 +365,22 @@ class WeightedRewards:
     Arguments:
         verifiers: the parts, by name (the names become ``reward/<name>`` in the logs). Each value is a verifier
             object, or — as LightningCLI YAML gives it — a ``{class_path: ..., init_args: ...}`` dict, built here.
-        weights: a weight per name, finite and >= 0, summing to at most 1 (so the reward stays in [0, 1]); the names
-            must be those of ``verifiers``. Default: ``1/n`` each (the mean of the parts).
+        weights: a finite weight per name (any sign: a part may be a penalty); the names must be those of
+            ``verifiers``. Default: ``1/n`` each (the mean of the parts).
+        correct_part: the name of the part whose verdict is the response's correctness (pass@k): that part's own
+            ``correct(response, item, part_reward)`` when it has one, else full credit (``part_reward >= 1``) — e.g.
+            the rule-based check in a sum with a reward model. None: the weighted sum against
+            ``scoring.correct_threshold``, like any verifier without ``correct``.
 
-    Each part's reward is clamped to [0, 1] first. A part that raises or returns a non-finite value contributes 0,
-    increments :attr:`errors` and logs a warning; the other parts still count. :meth:`components` returns
-    ``{name: rᵢ}`` (unweighted, clamped). :attr:`errors` and :attr:`long_answers` are the sums of the parts'
-    counters plus the failures counted here; setting them (as the runner does) keeps the parts' own counts.
+    The parts' rewards are used as they are (no clamp). A part that raises fails the whole call (the exception
+    carries a note naming the part), and a part's non-finite value makes the sum non-finite: either way the
+    response has no reward and is left out of the update, as for any verifier (:mod:`logra_pl.rewards.failures`).
+    :meth:`components` returns ``{name: rᵢ}`` (unweighted). :attr:`errors` and :attr:`long_answers` are the sums of
+    the parts' counters; setting them (as the runner does) keeps the parts' own counts.
+
+    When a part scores in batches (``score_batch``: a reward model, a judge), so does the sum: :attr:`score_batch` is
+    then callable, the runner calls it in the training process, and the other parts are called response by response
+    there too (without the worker time limit). Parts' state (``state_dict``) is kept in checkpoints by name.
 
     Example (Python)::
 
@@ -352,12 +395,14 @@ class WeightedRewards:
               math: {class_path: logra_pl.rewards.MathVerifier}
               exact: {class_path: logra_pl.rewards.ExactMatch, init_args: {normalize: true}}
             weights: {math: 0.8, exact: 0.2}
+            correct_part: math
     """
 
     def __init__(
         self,
         verifiers: Mapping[str, Verifier | dict[str, Any]],
         weights: Mapping[str, float] | None = None,
+        correct_part: str | None = None,
     ) -> None:
         if not isinstance(verifiers, Mapping) or not verifiers:
             raise ConfigError(f"WeightedRewards needs a non-empty mapping of name -> verifier, got {verifiers!r}")
@@ -384,19 +429,18 @@ class WeightedRewards:
         for name, weight in weights.items():
             if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
                 raise ConfigError(f"WeightedRewards weight {name!r} must be a finite number, got {weight!r}")
-            if weight < 0:
-                raise ConfigError(f"WeightedRewards weight {name!r} must be >= 0, got {weight!r}")
-        total = math.fsum(weights.values())
-        if total > 1 + 1e-9:
+        if correct_part is not None and correct_part not in built:
             raise ConfigError(
-                f"WeightedRewards weights sum to {total:g} > 1, so the reward could leave [0, 1]: scale them down "
-                f"(weights: {dict(weights)})"
+                f"WeightedRewards correct_part {correct_part!r} is not one of the parts {sorted(built)}: name one, "
+                "or leave it null (the weighted sum against scoring.correct_threshold)"
             )
         self.verifiers = built
         self.weights = {name: float(weights[name]) for name in built}
+        self.correct_part = correct_part
         self._errors = 0
         self._long_answers = 0
         self._last: tuple[str, Any, dict[str, float]] | None = None
+        self._batch_parts: dict[tuple[str, int], dict[str, float]] = {}  # the last batch's parts, by (response, item)
 
     # -- counters: the parts' plus this object's own -------------------------------------------------------------
 
@@ -405,7 +449,7 @@ class WeightedRewards:
 
     @property
     def errors(self) -> int:
-        """Failures of the parts: their own ``errors`` counters plus the calls that raised or gave non-finite values."""
+        """The sum of the parts' ``errors`` counters."""
         return self._parts_count("errors") + self._errors
 
     @errors.setter
@@ -427,41 +471,100 @@ class WeightedRewards:
         parts: dict[str, float] = {}
         for name, verifier in self.verifiers.items():
             try:
-                reward = float(verifier(response, item))
-                if not math.isfinite(reward):
-                    raise ValueError(f"returned {reward}")
-            except Exception as err:  # one failing part costs its own share only
-                self._errors += 1
-                log.warning(
-                    "reward part %r failed on %s: %s: %s (part 0)", name, _item_label(item), type(err).__name__, err
-                )
-                reward = 0.0
-            parts[name] = min(max(reward, 0.0), 1.0)
+                parts[name] = float(verifier(response, item))
+            except Exception as err:  # the whole call fails: say which part
+                err.add_note(f"in WeightedRewards part {name!r}")
+                raise
         self._last = (response, item, parts)
         return parts
 
+    def _total(self, parts: Mapping[str, float]) -> float:
+        return math.fsum(self.weights[name] * reward for name, reward in parts.items())
+
     def components(self, response: str, item: Mapping[str, Any]) -> dict[str, float]:
-        """``{name: rᵢ}``, each part's clamped reward (reused from the preceding ``__call__`` on an equal pair).
+        """``{name: rᵢ}``, each part's reward (reused from the preceding call or batch on an equal pair).
 
         Arguments:
             response: the model's response.
             item: the item it answers.
         """
+        batched = self._batch_parts.get((response, id(item)))
+        if batched is not None:
+            return dict(batched)
         last = self._last
         if last is not None and last[0] == response and _same_item(last[1], item):
             return dict(last[2])
         return dict(self._score_parts(response, item))
 
     def __call__(self, response: str, item: Mapping[str, Any]) -> float:
-        """``Σ wᵢ·rᵢ`` over the parts (in [0, 1])."""
-        parts = self._score_parts(response, item)
-        return min(math.fsum(self.weights[name] * reward for name, reward in parts.items()), 1.0)
+        """``Σ wᵢ·rᵢ`` over the parts."""
+        return self._total(self._score_parts(response, item))
+
+    def correct(self, response: str, item: Mapping[str, Any], reward: float) -> bool | None:
+        """The verdict of :attr:`correct_part` (its ``correct``, else full credit ``rᵢ >= 1``); None without one (the
+        runner then compares the sum with ``scoring.correct_threshold``)."""
+        if self.correct_part is None:
+            return None
+        value = self.components(response, item)[self.correct_part]
+        said = ask_correct(self.verifiers[self.correct_part], response, item, value)
+        return value >= 1.0 if said is None else said
+
+    @property
+    def score_batch(self) -> Any:
+        """:meth:`_score_batch` when a part scores in batches, else None (the sum is then scored call by call)."""
+        return self._score_batch if any(batch_scorer(v) is not None for v in self.verifiers.values()) else None
+
+    def _score_batch(self, responses: list[str], items: list[Mapping[str, Any]]) -> list[Any]:
+        """The sums of a batch: batch parts through their ``score_batch``, the others call by call; a response that
+        failed in any part is that part's exception (with a note naming it)."""
+        columns: dict[str, list[Any]] = {}
+        for name, verifier in self.verifiers.items():
+            batch = batch_scorer(verifier)
+            if batch is not None:
+                values = list(batch(responses, items))
+                if len(values) != len(responses):
+                    raise ValueError(f"part {name!r}: score_batch returned {len(values)} values for {len(responses)}")
+            else:
+                values = [_call_or_error(verifier, r, i) for r, i in zip(responses, items, strict=True)]
+            columns[name] = values
+        self._batch_parts = {}
+        out: list[Any] = []
+        for k, (response, item) in enumerate(zip(responses, items, strict=True)):
+            failed = next(((n, c[k]) for n, c in columns.items() if isinstance(c[k], BaseException)), None)
+            if failed is not None:
+                failed[1].add_note(f"in WeightedRewards part {failed[0]!r}")
+                out.append(failed[1])
+                continue
+            parts = {name: float(column[k]) for name, column in columns.items()}
+            self._batch_parts[(response, id(item))] = parts
+            out.append(self._total(parts))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The parts' state, by name (parts without ``state_dict`` left out)."""
+        return {name: v.state_dict() for name, v in self.verifiers.items() if callable(getattr(v, "state_dict", None))}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        for name, part_state in state.items():
+            if name in self.verifiers and callable(getattr(self.verifiers[name], "load_state_dict", None)):
+                self.verifiers[name].load_state_dict(part_state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_last"] = None  # the cached last item is not part of the verifier
+        state["_batch_parts"] = {}
         return state
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}: {self.weights[name]:g}·{verifier!r}" for name, verifier in self.verifiers.items())
-        return f"{type(self).__name__}({{{parts}}})"
+        extra = f", correct_part={self.correct_part!r}" if self.correct_part is not None else ""
+        return f"{type(self).__name__}({{{parts}}}{extra})"
+
+
+def _call_or_error(verifier: Any, response: str, item: Mapping[str, Any]) -> Any:
+    """``float(verifier(response, item))``, or the exception it raised (a batch element that failed)."""
+    try:
+        return float(verifier(response, item))
+    except Exception as err:
+        return err

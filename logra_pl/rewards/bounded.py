@@ -3,7 +3,9 @@
 Some scorers can run for minutes on one adversarial answer (sympy evaluating ``9**9**9`` is a single big-integer
 power in C), and neither a thread nor a signal interrupts C code. :class:`BoundedVerifier` therefore runs the
 wrapped verifier in a small pool of worker processes (`pebble <https://pypi.org/project/Pebble/>`_): a call that
-exceeds ``timeout_s`` scores 0, and its worker is killed and replaced.
+exceeds ``timeout_s`` gives its response no reward (a timeout), and its worker is killed and replaced. A verifier
+that scores whole batches (``score_batch``: a reward model, a judge) is called in this process instead, once per
+batch. Every response without a reward is reported with why (:mod:`logra_pl.rewards.failures`).
 
 The workers are started by a ``forkserver`` — a clean, single-threaded process that imports the verifier's module
 and the main script's imports once and forks the workers from itself — never forked from the trainer, which holds
@@ -28,19 +30,21 @@ import multiprocessing
 import pickle
 import signal
 import sys
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any
 
-import torch
 from pebble import ProcessPool
 
-from logra_pl.rewards.base import Verifier, read_counter
+from logra_pl.errors import LoGRAError
+from logra_pl.rewards.base import Verifier, ask_correct, batch_scorer, read_counter
+from logra_pl.rewards.failures import Failure, Scores, exception_failure
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("errors", "timeouts", "long_answers")
+COUNTERS = ("errors", "timeouts", "long_answers", "nan")
 
 # Last-resort bound on one `score` call, in case the pool itself stops answering: a start-up allowance plus, per
 # round of `workers` calls, the time limit and a margin for killing and replacing a worker.
@@ -73,16 +77,51 @@ def _components(verifier: object, response: str, item: Mapping[str, Any]) -> dic
     return {str(name): float(value) for name, value in parts.items()}
 
 
-def _score_in_worker(response: str, item: Mapping[str, Any]) -> tuple[float, int, int, dict[str, float] | None]:
-    """One call of the installed verifier: ``(reward, errors added, long answers added, components or None)``."""
+def _score_in_worker(response: str, item: Mapping[str, Any]) -> _Outcome:
+    """One call of the installed verifier (see :func:`_score_call`)."""
     verifier = _worker_verifier
     if verifier is None:
         raise RuntimeError("no verifier installed in this worker process")
+    return _score_call(verifier, response, item, count=True)
+
+
+# What one call sends back: (reward, correct or None, errors added, long answers added, components or None, failure
+# as (kind, message, traceback) or None). Plain values, so that any exception of the verifier comes back as text,
+# picklable or not.
+_Outcome = tuple[float, bool | None, int, int, dict[str, float] | None, tuple[str, str, str] | None]
+
+
+def _failed(kind: str, message: str, trace: str = "") -> _Outcome:
+    """The outcome of a call that gave no reward."""
+    return math.nan, None, 0, 0, None, (kind, message, trace)
+
+
+_UNSCORED = _failed("unscored", "not scored: the batch was already certain to fail")
+
+
+def _score_call(verifier: Any, response: str, item: Mapping[str, Any], count: bool) -> _Outcome:
+    """Call ``verifier(response, item)``, then its ``components`` and ``correct`` when it has them; a raise or a
+    non-finite reward is returned as a failure. A :class:`~logra_pl.errors.LoGRAError` (a verifier that cannot work
+    at all: a missing model, a bad setting) is raised: it stops the run at once. ``count``: report how much the
+    verifier's own counters moved (a worker's copy; in the calling process they moved on the verifier itself)."""
     before = read_counter(verifier, "errors"), read_counter(verifier, "long_answers")
-    reward = float(verifier(response, item))
-    parts = _components(verifier, response, item)
+    reward, correct, parts, failure = math.nan, None, None, None
+    try:
+        reward = float(verifier(response, item))
+        if math.isfinite(reward):
+            parts = _components(verifier, response, item)
+            correct = ask_correct(verifier, response, item, reward)
+        else:
+            failure = ("nan", f"returned {reward}", "")
+    except LoGRAError:
+        raise
+    except Exception as err:
+        found = exception_failure(err, "", skip_file=__file__)
+        reward, parts, correct, failure = math.nan, None, None, ("errors", found.message, found.traceback)
     after = read_counter(verifier, "errors"), read_counter(verifier, "long_answers")
-    return reward, after[0] - before[0], after[1] - before[1], parts
+    if not count:
+        return reward, correct, 0, 0, parts, failure
+    return reward, correct, after[0] - before[0], after[1] - before[1], parts, failure
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -163,43 +202,61 @@ def _task_name(item: object) -> str:
 
 
 def _mean_components(parts: Sequence[dict[str, float] | None]) -> dict[str, float]:
-    """Per name, the mean over all calls of a batch; a call that did not report a name (it failed) counts as 0."""
+    """Per name, the mean over the scored calls of a batch (a failed call reports none and is left out, as it is of
+    the reward mean); a scored call that did not report a name, or reported a non-finite value, counts 0 for it."""
     reported = [p for p in parts if p is not None]
     if not reported:
         return {}
     names = dict.fromkeys(name for p in reported for name in p)
-    return {name: math.fsum(v for p in reported if math.isfinite(v := p.get(name, 0.0))) / len(parts) for name in names}
+    return {
+        name: math.fsum(v for p in reported if math.isfinite(v := p.get(name, 0.0))) / len(reported) for name in names
+    }
 
 
 class BoundedVerifier:
-    """Score responses in a pool of worker processes, each call under a time limit.
+    """Score responses — per call in a pool of worker processes, each call under a time limit, or in one batch call
+    in this process — and report every response without a reward.
 
     Arguments:
-        verifier: any picklable callable ``(response, item) -> float``, e.g. a
-            :class:`~logra_pl.rewards.ReasoningGymVerifier`. Its ``errors`` and ``long_answers`` counters, when it
-            has them, are the ones this object reads and updates.
-        timeout_s: seconds one call may run before it scores 0 and its worker is killed and replaced (the clock
-            starts when a worker picks the call up). ``None`` scores in the calling process without a limit (for
-            debugging).
+        verifier: the reward (:class:`~logra_pl.rewards.Verifier`): any picklable callable ``(response, item) ->
+            float``, e.g. a :class:`~logra_pl.rewards.ReasoningGymVerifier`. Its ``errors`` and ``long_answers``
+            counters, when it has them, are the ones this object reads and updates. A verifier with a callable
+            ``score_batch`` (a reward model, a judge) is called through it, once per batch, in this process.
+        timeout_s: seconds one per-call verifier call may run before its worker is killed and replaced and the
+            response counts as a timeout (the clock starts when a worker picks the call up). ``None`` scores in the
+            calling process without a limit (for debugging).
         workers: number of worker processes.
+        correct_threshold: a response is correct (pass@k) when ``reward >= correct_threshold``, unless the verifier
+            says otherwise with its own ``correct(response, item, reward)``.
 
-    Rewards are clamped to [0, 1]. A call that times out increments :attr:`timeouts`; a call whose worker dies or
-    raises, or that returns a non-finite reward, increments :attr:`errors`; every such call scores 0.0 and logs a
-    warning. The pool starts on the first :meth:`score` and is restarted if it was closed or broke; :meth:`close`
-    (or leaving a ``with`` block) stops it, and a pool that is never closed is stopped at interpreter exit.
+    Rewards are the verifier's, any finite float (no clamp). A response has no reward — NaN in :attr:`Scores.rewards
+    <logra_pl.rewards.failures.Scores>`, its :class:`~logra_pl.rewards.failures.Failure` in ``failures`` — when its
+    call timed out (:attr:`timeouts`), raised or its worker died (:attr:`errors`), or returned a non-finite value
+    (:attr:`nan`); each failure is logged at debug level only (the module prints one line per update). The pool
+    starts on the first :meth:`score` and is restarted if it was closed or broke; :meth:`close` (or leaving a
+    ``with`` block) stops it, and a pool that is never closed is stopped at interpreter exit.
+
+    A :class:`~logra_pl.errors.LoGRAError` raised by the verifier (it cannot work at all: a missing reward model, a
+    bad setting) is not a failure of one response: it propagates and stops the run with its message.
 
     When the verifier has a ``components(response, item)`` method (see :class:`~logra_pl.rewards.Verifier`), it is
     called after each reward, in the same worker, and :attr:`last_components` is ``{name: mean}`` over the last
-    :meth:`score` call's responses (a call that failed or timed out counts 0 for every name, and so does a
-    non-finite value; ``{}`` for a verifier without components). A ``components`` that raises fails its call.
+    batch's scored responses (``{}`` for a verifier without components). A ``components`` that raises fails its
+    call, and so does a ``correct`` that raises.
 
     Example::
 
         with BoundedVerifier(ReasoningGymVerifier("tags"), timeout_s=5.0, workers=2) as bounded:
-            rewards = bounded.score(responses, items)
+            scores = bounded.run(responses, items)
     """
 
-    def __init__(self, verifier: Verifier, timeout_s: float | None = 5.0, workers: int = 2) -> None:
+    def __init__(
+        self,
+        verifier: Verifier,
+        timeout_s: float | None = 5.0,
+        workers: int = 2,
+        correct_threshold: float = 1.0,
+    ) -> None:
         if not callable(verifier):
             raise TypeError(f"verifier must be callable as verifier(response, item), got {type(verifier).__name__}")
         if timeout_s is not None:
@@ -209,7 +266,9 @@ class BoundedVerifier:
                 raise ValueError(f"timeout_s must be finite and > 0 (or None for no limit), got {timeout_s!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-        if timeout_s is not None:
+        if isinstance(correct_threshold, bool) or not isinstance(correct_threshold, int | float):
+            raise TypeError(f"correct_threshold must be a number, got {correct_threshold!r}")
+        if timeout_s is not None and batch_scorer(verifier) is None:
             try:
                 pickle.dumps(verifier)
             except Exception as err:
@@ -221,7 +280,9 @@ class BoundedVerifier:
         self.verifier = verifier
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.workers = workers
+        self.correct_threshold = float(correct_threshold)
         self.timeouts = 0
+        self.nan = 0
         self.last_components: dict[str, float] = {}
         self._own_counts = {"errors": 0, "long_answers": 0}  # for verifiers without counters of their own
         self._pool: ProcessPool | None = None
@@ -242,7 +303,7 @@ class BoundedVerifier:
 
     @property
     def errors(self) -> int:
-        """Calls that raised, died, were malformed or gave a non-finite reward (the wrapped verifier's counter)."""
+        """Calls that raised or whose worker died, plus the failures the verifier counts itself (its ``errors``)."""
         return self._get("errors")
 
     @errors.setter
@@ -259,7 +320,8 @@ class BoundedVerifier:
         self._set("long_answers", value)
 
     def counters(self) -> dict[str, int]:
-        """``{"errors": …, "timeouts": …, "long_answers": …}``, totals since construction (or the loaded state)."""
+        """``{"errors": …, "timeouts": …, "long_answers": …, "nan": …}``, totals since construction (or the loaded
+        state)."""
         return {name: int(getattr(self, name)) for name in COUNTERS}
 
     def state_dict(self) -> dict[str, int]:
@@ -274,47 +336,150 @@ class BoundedVerifier:
     # -- scoring ----------------------------------------------------------------------------------------------------
 
     def __call__(self, response: str, item: Mapping[str, Any]) -> float:
-        """Score one response (a batch of one; prefer :meth:`score` for batches, whose calls run in parallel)."""
+        """Score one response (a batch of one; prefer :meth:`run` for batches, whose calls run in parallel); NaN when
+        it has no reward."""
         return self.score([response], [item])[0]
 
     def score(self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[float]:
-        """Rewards in [0, 1] for ``responses[i]`` against ``items[i]``, in order.
+        """The reward of ``responses[i]`` against ``items[i]``, in order; NaN for a response without one (see
+        :meth:`run` for why, and for correctness)."""
+        return self.run(responses, items).rewards
+
+    def run(self, responses: Sequence[str], items: Sequence[Mapping[str, Any]], stop_at: int | None = None) -> Scores:
+        """Score a batch: rewards, correctness and failures (:class:`~logra_pl.rewards.failures.Scores`).
 
         Arguments:
             responses: the model's responses.
             items: the matching task items (for reasoning-gym: entries with ``metadata.source_dataset``).
+            stop_at: once this many responses failed, the batch is certain to fail
+                (:meth:`~logra_pl.rewards.failures.FailurePolicy.cut`): per-call scoring cancels the calls not yet
+                done, and their responses are ``unscored``. None: score every response.
         """
         if len(responses) != len(items):
             raise ValueError(f"got {len(responses)} responses but {len(items)} items")
-        if self.timeout_s is None:
-            results = [self._score_here(response, item) for response, item in zip(responses, items, strict=True)]
-        elif not responses:
-            results = []
+        if not responses:
+            outcomes: list[_Outcome | None] = []
+        elif (batch := batch_scorer(self.verifier)) is not None:
+            outcomes = list(self._score_batch(batch, responses, items))
+        elif self.timeout_s is None:
+            outcomes, failed = [], 0
+            for response, item in zip(responses, items, strict=True):
+                outcome = None if stop_at is not None and failed >= stop_at else self._here(response, item)
+                failed += outcome is not None and outcome[5] is not None
+                outcomes.append(outcome)
         else:
-            results = self._score_in_pool(responses, items)
-        self.last_components = _mean_components([parts for _, parts in results])
-        return [reward for reward, _ in results]
+            outcomes = self._score_in_pool(responses, items, stop_at)
+        return self._collect(outcomes, items)
 
-    def score_rollout(self, tokenizer: Any, rollout: Any, items: Sequence[Mapping[str, Any]]) -> Any:
-        """Rewards ``(N,)`` float64 of a rollout's responses (decoded with ``tokenizer``), each against the item of its
-        prompt. (torch is imported here, not at the top: the scoring workers import this module and need no torch.)"""
-
+    def score_rollout(
+        self, tokenizer: Any, rollout: Any, items: Sequence[Mapping[str, Any]], stop_at: int | None = None
+    ) -> Scores:
+        """:meth:`run` on a rollout's responses (decoded with ``tokenizer``), each against the item of its prompt."""
         texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        return torch.tensor(self.score(texts, [items[i] for i in rollout.prompt_index]), dtype=torch.float64)
+        return self.run(texts, [items[i] for i in rollout.prompt_index], stop_at)
+
+    def _collect(self, outcomes: Sequence[_Outcome | None], items: Sequence[Mapping[str, Any]]) -> Scores:
+        """Count each outcome and build the batch's :class:`Scores` (``None``: a call cancelled, unscored)."""
+        rewards: list[float] = []
+        correct: list[bool] = []
+        failures: list[Failure | None] = []
+        parts: list[dict[str, float] | None] = []
+        for outcome, item in zip(outcomes, items, strict=True):
+            reward, says, errors, long_answers, components, failed = outcome or _UNSCORED
+            self.errors += errors
+            self.long_answers += long_answers
+            failure = None
+            if failed is not None:
+                kind, message, trace = failed
+                if kind != "unscored":
+                    setattr(self, kind, getattr(self, kind) + 1)
+                failure = Failure(kind, message, trace, _task_name(item))  # type: ignore[arg-type]
+                log.debug("verifier failed (%s): %s", kind, failure.describe())
+            rewards.append(reward if failure is None else math.nan)
+            correct.append(failure is None and (bool(says) if says is not None else reward >= self.correct_threshold))
+            failures.append(failure)
+            parts.append(components if failure is None else None)
+        self.last_components = _mean_components(parts)
+        return Scores(rewards, correct, failures, dict(self.last_components))
+
+    def _here(self, response: str, item: Mapping[str, Any]) -> _Outcome:
+        return _score_call(self.verifier, response, item, count=False)
+
+    def _score_batch(
+        self, batch: Callable[..., Any], responses: Sequence[str], items: Sequence[Mapping[str, Any]]
+    ) -> list[_Outcome]:
+        """One ``score_batch`` call in this process. An element that is an exception fails its response (a
+        ``TimeoutError`` as a timeout); a raise fails every response of the batch."""
+        n = len(responses)
+        try:
+            values = list(batch(list(responses), list(items)))
+            if len(values) != n:
+                raise ValueError(f"score_batch returned {len(values)} values for {n} responses")
+        except LoGRAError:
+            raise
+        except Exception as err:
+            found = exception_failure(err, "", skip_file=__file__)
+            values = [err] * n
+            failure_all: tuple[str, str, str] | None = ("errors", found.message, found.traceback)
+        else:
+            failure_all = None
+        # (The verifier's own counters moved on the verifier itself: nothing to add.)
+        return [self._batch_outcome(v, r, i, failure_all) for v, r, i in zip(values, responses, items, strict=True)]
+
+    def _batch_outcome(
+        self,
+        value: Any,
+        response: str,
+        item: Mapping[str, Any],
+        failure_all: tuple[str, str, str] | None,
+    ) -> _Outcome:
+        if failure_all is not None:
+            return _failed(*failure_all)
+        if isinstance(value, BaseException):
+            found = exception_failure(value, "", skip_file=__file__)
+            kind = "timeouts" if isinstance(value, TimeoutError) else "errors"
+            return _failed(kind, found.message, found.traceback)
+        try:
+            reward = float(value)
+            if not math.isfinite(reward):
+                return _failed("nan", f"returned {reward}")
+            parts = _components(self.verifier, response, item)
+            correct = ask_correct(self.verifier, response, item, reward)
+        except LoGRAError:
+            raise
+        except Exception as err:
+            found = exception_failure(err, "", skip_file=__file__)
+            return _failed("errors", found.message, found.traceback)
+        return reward, correct, 0, 0, parts, None
 
     def _score_in_pool(
-        self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]
-    ) -> list[tuple[float, dict[str, float] | None]]:
+        self, responses: Sequence[str], items: Sequence[Mapping[str, Any]], stop_at: int | None
+    ) -> list[_Outcome | None]:
         futures = self._submit(responses, items)
         rounds = math.ceil(len(futures) / self.workers)
         limit = _STARTUP_GRACE_S + rounds * (self.timeout_s + _PER_CALL_GRACE_S)
-        _, not_done = concurrent.futures.wait(futures, timeout=limit)
-        if not_done:  # the pool stopped answering: give up on it, restart on the next call
-            log.warning("verifier pool gave no result for %d calls in %.0f s: restarting it", len(not_done), limit)
-            for future in not_done:
-                future.cancel()
+        deadline = time.monotonic() + limit
+        outcomes: dict[int, _Outcome] = {}
+        index = {future: k for k, future in enumerate(futures)}
+        pending = set(futures)
+        failed = 0
+        while pending and (stop_at is None or failed < stop_at):
+            done, pending = concurrent.futures.wait(
+                pending, timeout=max(deadline - time.monotonic(), 0.0), return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            if not done:  # the pool stopped answering: give up on it, restart on the next call
+                log.warning("verifier pool gave no result for %d calls in %.0f s: restarting it", len(pending), limit)
+                break
+            for future in done:
+                outcomes[index[future]] = outcome = self._result(future)
+                failed += outcome[5] is not None
+        for future in pending:  # cancelled: a running call's worker is stopped
+            future.cancel()
+        if pending and (stop_at is None or failed < stop_at):
             self.close()
-        return [self._result(f, r, i) for f, r, i in zip(futures, responses, items, strict=True)]
+            for future in pending:
+                outcomes[index[future]] = _failed("errors", "the scoring pool gave no result")
+        return [outcomes.get(k) for k in range(len(futures))]
 
     def _submit(self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[concurrent.futures.Future]:
         for attempt in range(2):
@@ -348,58 +513,18 @@ class BoundedVerifier:
             self._finalizer = weakref.finalize(self, _shutdown, pool)
         return self._pool
 
-    def _result(
-        self, future: concurrent.futures.Future, response: str, item: Mapping[str, Any]
-    ) -> tuple[float, dict[str, float] | None]:
-        if future.cancelled() or not future.done():  # given up on after the batch's last-resort limit
-            self.errors += 1
-            log.warning("verifier for task %r gave no result (reward 0)", _task_name(item))
-            return 0.0, None
+    def _result(self, future: concurrent.futures.Future) -> _Outcome:
+        """A finished call's outcome: its own, or a timeout, or an error when the worker raised outside the verifier
+        or died."""
         try:
-            reward, errors, long_answers, parts = future.result()
+            return future.result()
+        except LoGRAError:
+            raise
         except TimeoutError:
-            self.timeouts += 1
-            log.warning(
-                "verifier for task %r timed out after %g s (reward 0); answer starts %r",
-                _task_name(item),
-                self.timeout_s,
-                self._answer(response)[:80],
-            )
-            return 0.0, None
-        except Exception as err:  # the worker raised, died, or the pool broke
-            self.errors += 1
-            log.warning("verifier for task %r failed: %s: %s (reward 0)", _task_name(item), type(err).__name__, err)
-            return 0.0, None
-        self.errors += errors
-        self.long_answers += long_answers
-        return self._clamp(reward, parts, item)
-
-    def _score_here(self, response: str, item: Mapping[str, Any]) -> tuple[float, dict[str, float] | None]:
-        try:
-            reward = float(self.verifier(response, item))
-            parts = _components(self.verifier, response, item)
-        except Exception as err:  # a verifier bug must not crash a long run
-            self.errors += 1
-            log.warning("verifier for task %r raised %s: %s (reward 0)", _task_name(item), type(err).__name__, err)
-            return 0.0, None
-        return self._clamp(reward, parts, item)
-
-    def _clamp(
-        self, reward: float, parts: dict[str, float] | None, item: Mapping[str, Any]
-    ) -> tuple[float, dict[str, float] | None]:
-        if not math.isfinite(reward):
-            self.errors += 1
-            log.warning("verifier for task %r returned %s (reward 0)", _task_name(item), reward)
-            return 0.0, None
-        return min(max(reward, 0.0), 1.0), parts
-
-    def _answer(self, response: str) -> str:
-        extract = getattr(self.verifier, "extract", None)
-        try:
-            answer = extract(response) if callable(extract) else None
-        except Exception:
-            answer = None
-        return response if answer is None else answer
+            return _failed("timeouts", f"no reward within scoring.timeout_s = {self.timeout_s:g} s")
+        except Exception as err:  # the worker died, or the pool broke
+            found = exception_failure(err, "", skip_file=__file__)
+            return _failed("errors", found.message, found.traceback)
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
 

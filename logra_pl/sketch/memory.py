@@ -2,7 +2,8 @@
 
 Counts each storage once (tied weights, views), by what it is for: ``weights``, ``gradients``,
 ``optimizer_state``, ``sketches``, ``projections``, ``row_statistics``, ``sketch_moments`` (LoGRA's first
-moment). ``dense_gradient_equivalent`` is what fp32 dense gradients of the sketched weights would have cost — the
+moment), ``reference_policy`` (the KL penalty's frozen initial policy, counted by the module: it is not part of the
+trained model). ``dense_gradient_equivalent`` is what fp32 dense gradients of the sketched weights would have cost — the
 memory LoGRA does not spend.
 """
 
@@ -33,6 +34,7 @@ class MemoryReport:
     projections: int = 0
     row_statistics: int = 0
     sketch_moments: int = 0
+    reference_policy: int = 0
     dense_gradient_equivalent: int = 0
 
     @property
@@ -42,13 +44,13 @@ class MemoryReport:
 
     @property
     def persistent(self) -> int:
-        """Bytes that live across updates: weights, gradients, optimizer state (adapters and theirs), row statistics
-        and sketch-space first moments.
+        """Bytes that live across updates: weights, gradients, optimizer state (adapters and theirs), row statistics,
+        sketch-space first moments and a KL penalty's reference policy.
 
         Sketches and projections are per-update working buffers (reset every update), so they are not counted.
         """
         held = self.weights + self.gradients + self.optimizer_state + self.row_statistics + self.sketch_moments
-        return held + self.adapters + self.adapter_optimizer_state
+        return held + self.adapters + self.adapter_optimizer_state + self.reference_policy
 
     def as_mib(self) -> dict[str, float]:
         """Every field and the total in MiB."""
@@ -75,6 +77,12 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) 
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def local_state_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers held by this process (a sharded tensor's local shard), each
+    storage once."""
+    return _storage_bytes([*module.parameters(), *module.buffers()], set())
 
 
 def memory_report(

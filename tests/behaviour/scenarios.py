@@ -160,7 +160,7 @@ def plain(value: Any) -> Any:
 
 # Checkpoint keys that record where and how a run was launched rather than what it computed.
 LAUNCH_KEYS = ("hyper_parameters", "hparams_name", "pytorch-lightning_version", "datamodule_hyper_parameters")
-MODULE_LAUNCH_KEYS = ("settings", "run_config")
+MODULE_LAUNCH_KEYS = ("settings", "run_config", "loggers")  # loggers: each logger's run id (where it is logged)
 
 
 def checkpoint_image(path: Path) -> dict[str, Any]:

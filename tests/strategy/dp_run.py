@@ -1,7 +1,7 @@
 """A LoGRA run under LoGRAStrategy, launched as its own script (Lightning re-launches it once per rank).
 
     python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH] [--hf-export DIR]
-        [--optimizer adamw] [--kl-control] [--snapshot-at K] [--per-matrix]
+        [--optimizer adamw] [--kl-control] [--snapshot-at K] [--loss-menu] [--per-matrix]
 
 Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT (and, with ``--kl-control``, the KL
 controller's history).
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from logra_pl.callbacks import BudgetSchedule, HFExport, PredictedKLControl
 from logra_pl.data import ReasoningGymDataModule
+from logra_pl.losses import ReinforceTIS
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.optim import AdamWConfig
 from logra_pl.sketch import LoGRAConfig, memory_report
@@ -100,6 +101,11 @@ def main() -> None:
     parser.add_argument("--kl-control", action="store_true", help="PredictedKLControl (constant budget, calibrating)")
     parser.add_argument("--max-tokens", type=int, default=None, help="model.max_tokens_per_microbatch")
     parser.add_argument(
+        "--loss-menu",
+        action="store_true",
+        help="sequence-mean aggregation and a k3 KL penalty to a reference kept with the policy (sharded)",
+    )
+    parser.add_argument(
         "--per-matrix", action="store_true", help="LoGRA's step one matrix at a time (the reference, not the grouped)"
     )
     args = parser.parse_args()
@@ -118,6 +124,9 @@ def main() -> None:
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
         max_tokens_per_microbatch=args.max_tokens,
+        loss=ReinforceTIS(aggregation="seq_mean_token_mean", kl_coef=0.05, reference_device="same")
+        if args.loss_menu
+        else None,
     )
     data = ReasoningGymDataModule({"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8)
     callbacks: list[pl.Callback] = [record := Record(), counter := CountLayerForwards()]
@@ -171,6 +180,14 @@ def main() -> None:
                     module.policy, optimizer=module.optimizers().optimizer, sketcher=module.sketcher
                 ).persistent,
                 "kl": kl.history if kl is not None else None,
+                "reference": None
+                if module.reference_policy is None
+                else {
+                    "sharded": module.reference_policy.sharded,
+                    "nbytes": module.reference_policy.nbytes,
+                    "digest": module.reference_policy.digest,
+                    "kl_reference": module.step_context.metrics.get("train/kl_reference"),
+                },
                 "snapshot": snapshot.taken if snapshot is not None else None,
             },
             args.out,

@@ -177,6 +177,41 @@ def test_persistent_state_halves(runs) -> None:
         assert abs(predicted - measured) <= 0.05 * measured, (ranks, predicted, measured)
 
 
+@pytest.fixture(scope="module")
+def menu_runs(tmp_path_factory, tiny_model_dir) -> dict:
+    """Sequence-mean aggregation and a KL penalty (reference kept with the policy) on 1 and 2 ranks, with a token
+    budget per microbatch that makes one rank pad (tests the reference's padded forwards). (The random
+    tiny policy of these runs rarely ends a response with EOS, so mask_truncated would mask almost everything; its
+    normalisers' rank invariance is tested in-process: tests/test_loss_menu.py.)"""
+    tmp = tmp_path_factory.mktemp("menu")
+    budget = ("--loss-menu", "--max-tokens", "70")  # token budgets that pad one rank: the reference pads with it
+    return {"one": _run(tmp, 1, 3, "menu_one", *budget), "two": _run(tmp, 2, 3, "menu_two", *budget)}
+
+
+def test_loss_normalisers_and_the_sharded_reference_are_the_same_on_two_ranks(menu_runs) -> None:
+    """The sequence and token counts of seq_mean_token_mean are all-reduced, so two ranks train the one-rank run
+    (up to float order); the reference policy is sharded over the ranks (half per rank) and the same on both."""
+    one, two = menu_runs["one"], menu_runs["two"]
+    assert sum(two["padded"]) > 0  # a rank ran padding microbatches: the sharded reference's forwards too, no hang
+    assert one["rows"] == two["rows"]
+    for key, value in one["policy"].items():
+        assert float((value - two["policy"][key]).abs().max()) <= 1e-6, key
+    initial = _initial()
+    assert any(not torch.equal(v, initial[k]) for k, v in one["policy"].items())  # it trained (not a vacuous match)
+    ref1, ref2 = one["reference"], two["reference"]
+    assert ref1["sharded"] and ref2["sharded"] and ref1["digest"] == ref2["digest"]
+    assert abs(ref2["nbytes"] / ref1["nbytes"] - 0.5) <= 0.05, (ref1["nbytes"], ref2["nbytes"])
+    assert ref1["kl_reference"] > 0 and ref2["kl_reference"] > 0
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    """The tiny policy's weights before training (what the menu runs started from)."""
+    from logra_pl.models.load import load_policy
+
+    model, _ = load_policy("tiny")
+    return dict(model.state_dict())
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
         LoGRAStrategy(tensor_parallel_size=2)
