@@ -271,6 +271,11 @@ def merge_stack_(
         w64_buf = scratch[f_size + op_size + chunk :]
         with_norms = norms and copy_w and rows == n
         out_norms = []
+        # The views of a full batch of whole-row chunks, made once and reused by every such batch.
+        full = batch * rows * width
+        full_delta = delta_buf[:full].view(batch, rows, width)
+        full_current = w64_buf[:full].view(batch, rows, width) if copy_w else None
+        full_slots = full_current.unbind(0) if full_current is not None else ()
         for i0 in range(0, count, batch):
             i1 = min(count, i0 + batch)
             k = i1 - i0
@@ -282,21 +287,25 @@ def merge_stack_(
                 stop = min(start + rows, n)
                 size = (stop - start) * width
                 every_row = (start, stop) == (0, n)
+                reuse = k == batch and stop - start == rows
                 delta = torch.bmm(
                     f_batch if every_row else f_batch[:, start:stop],
                     operand,
-                    out=delta_buf[: k * size].view(k, stop - start, width),
+                    out=full_delta if reuse else delta_buf[: k * size].view(k, stop - start, width),
                 )
                 if scale != 1.0:
                     delta.mul_(scale)
                 w_rows = batch_weights if every_row else [w[start:stop] for w in batch_weights]
                 if copy_w:
-                    current = w64_buf[: k * size].view(k, stop - start, width)
-                    each = current.unbind(0)
-                    for w, c in zip(w_rows, each, strict=True):
+                    if reuse:
+                        current, slots = full_current, full_slots
+                    else:
+                        current = w64_buf[: k * size].view(k, stop - start, width)
+                        slots = current.unbind(0)
+                    for w, c in zip(w_rows, slots, strict=True):
                         c.copy_(w)  # float64(W), exact
                     current.sub_(delta)  # float64(W) − ΔW, one rounding
-                    for w, c in zip(w_rows, each, strict=True):
+                    for w, c in zip(w_rows, slots, strict=True):
                         w.copy_(c)  # rounded once to W's dtype
                         if with_norms:
                             c.copy_(w)  # float64 of the rounded W, exact
