@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from logra_pl.sketch.merge import float64_scratch, per_batch
-from logra_pl.sketch.update import lifted_sq_norm, projection_gram, transfer_moment
+from logra_pl.sketch.update import transfer_moment
 
 # Most bytes of fp32 sketches one group stacks (larger sets of same-shaped matrices split into several groups). The
 # RowAdam formulas hold one or two stack-sized temporaries, so this also bounds their transient memory.
@@ -148,22 +148,36 @@ def stack_weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def stack_grams(projections: torch.Tensor) -> torch.Tensor:
     """``P_i P_iᵀ`` in float64 (:func:`~logra_pl.sketch.update.projection_gram`) of a ``(k, r, d_in)`` stack:
-    ``(k, r, r)``, the float64 copies of ``P`` made a budget's worth of matrices at a time."""
+    ``(k, r, r)``. The float64 copies of ``P`` live in one scratch block
+    (:func:`~logra_pl.sketch.merge.float64_scratch`), a budget's worth of matrices at a time."""
     count, rank, d_in = projections.shape
     batch = per_batch(count, 8 * rank * d_in, projections.device)
-    parts = [projection_gram(projections[i0 : i0 + batch]) for i0 in range(0, count, batch)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    scratch = float64_scratch(batch * rank * d_in, projections.device)
+    out = torch.empty(count, rank, rank, dtype=torch.float64, device=projections.device)
+    for i0 in range(0, count, batch):
+        i1 = min(count, i0 + batch)
+        p64 = scratch[: (i1 - i0) * rank * d_in].view(i1 - i0, rank, d_in).copy_(projections[i0:i1])  # exact
+        torch.bmm(p64, p64.mT, out=out[i0:i1])  # what projection_gram computes
+    return out
 
 
 def stack_lifted_sq_norms(directions: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
     """``‖D_i P_i‖²`` (:func:`~logra_pl.sketch.update.lifted_sq_norm`) of a ``(k, d_out, r)`` stack (any float dtype)
-    through its Grams: ``(k,)`` float64, a budget's worth of matrices at a time."""
+    through its Grams: ``(k,)`` float64. ``D`` in float64 and ``D·(P Pᵀ)`` live in one scratch block
+    (:func:`~logra_pl.sketch.merge.float64_scratch`), a budget's worth of matrices at a time; every entry is the
+    value ``lifted_sq_norm`` computes (the product formed in place, the same sum)."""
     count, d_out, rank = directions.shape
-    batch = per_batch(count, 16 * d_out * rank, directions.device)  # D in float64 and D·(P Pᵀ)
-    if batch == count:
-        return lifted_sq_norm(directions, gram=grams)
-    parts = [lifted_sq_norm(directions[i0 : i0 + batch], gram=grams[i0 : i0 + batch]) for i0 in range(0, count, batch)]
-    return torch.cat(parts)
+    batch = per_batch(count, 16 * d_out * rank, directions.device)
+    size = batch * d_out * rank
+    scratch = float64_scratch(2 * size, directions.device)
+    parts = []
+    for i0 in range(0, count, batch):
+        i1 = min(count, i0 + batch)
+        n = (i1 - i0) * d_out * rank
+        d64 = scratch[:n].view(i1 - i0, d_out, rank).copy_(directions[i0:i1])  # exact
+        product = torch.bmm(d64, grams[i0:i1], out=scratch[size : size + n].view(i1 - i0, d_out, rank))
+        parts.append(product.mul_(d64).sum(dim=(-2, -1)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def stack_transfer(moments: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -187,3 +187,62 @@ def test_operator_calls_of_one_step_are_bounded(qwen2_factory) -> None:
     assert calls <= 8 * len(grouped.matrices) + 120 * len(grouped.groups), calls
     events = _calls(model, grouped, _profiler)
     assert events <= 0.35 * _calls(reference, per_matrix, _profiler), events
+
+
+def test_medium_step_makes_at_most_two_thousand_operator_calls(qwen2_factory) -> None:
+    """Issue 26's bound: ``tiny:medium``'s 70 matrices (10 layers) at r = 64, one ``propose()`` + ``apply()`` after
+    a backward, counted as ``torch.profiler`` counts (every ``aten::`` event, nested ones included)."""
+    model = qwen2_factory(seed=0, num_hidden_layers=10, **MEDIUM_SHAPES)
+    reference = copy.deepcopy(model)
+    cfg = LoGRAConfig(rank=64, update_ratio=1e-3)
+    grouped = LoGRASketcher(model, cfg)
+    assert len(grouped.matrices) == 70
+    calls = _calls(model, grouped, _profiler)
+    assert calls <= 2000, calls
+    assert calls <= 0.2 * _calls(reference, PerMatrixSketcher(reference, cfg), _profiler), calls
+
+
+def test_weights_written_between_updates_are_normed_again(qwen2_factory) -> None:
+    """A merge leaves the merged weights' norms for the next update; a weight written in place after it (here a
+    scaling, as ``load_state_dict`` or any ``copy_`` would) is normed again: the next update's scale, factors and
+    payload are the reference's, which norms every weight every time."""
+    cfg = LoGRAConfig(rank=8, update_ratio=1e-3)
+    model = qwen2_factory(seed=0)
+    reference = copy.deepcopy(model)
+    grouped, per_matrix = LoGRASketcher(model, cfg), PerMatrixSketcher(reference, cfg)
+    _assert_same(_updates(model, grouped, 2), _updates(reference, per_matrix, 2))
+    assert grouped._merged_norms  # the CPU merge of whole matrices gave them
+    with torch.no_grad():
+        for m in (model, reference):
+            m.model.layers[1].self_attn.o_proj.weight.mul_(1.5)
+    _assert_same(_updates(model, grouped, 1, seed=3), _updates(reference, per_matrix, 1, seed=3))
+    # A state loaded into the module (in place, through the parameters) is normed again too.
+    state = {k: v * 0.5 if k.endswith("mlp.down_proj.weight") else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    reference.load_state_dict(state)
+    _assert_same(_updates(model, grouped, 1, seed=4), _updates(reference, per_matrix, 1, seed=4))
+
+
+def test_a_factor_replaced_in_the_payload_is_merged_as_replaced(qwen2_factory) -> None:
+    """A payload's factors are rows of its groups' stacks until one is set: then that matrix merges the new value
+    and the others their rows (compared with a payload built from plain per-matrix tensors)."""
+    model = qwen2_factory(seed=1)
+    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, update_ratio=1e-3))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    proposal = sketcher.propose()
+    assert proposal is not None
+    payload = proposal.to_payload()
+    name = "model.layers.0.mlp.gate_proj"
+    assert list(payload.factors) == list(sketcher.matrices)  # the model's order
+    plain = Payload.from_bytes(payload.to_bytes())
+    payload.factors[name] = torch.zeros_like(payload.factors[name])
+    plain.factors[name] = torch.zeros_like(plain.factors[name])
+    assert not plain.stacks and payload.stacks
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    stacked, flat = copy.deepcopy(start), copy.deepcopy(start)
+    apply_payload(payload, stacked)
+    apply_payload(plain, flat)
+    assert all(torch.equal(stacked[k], flat[k]) for k in start)
+    assert torch.equal(stacked[name + ".weight"], start[name + ".weight"])
+    assert not torch.equal(stacked["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
