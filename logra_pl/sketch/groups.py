@@ -10,8 +10,9 @@ update once per group on the stack instead of once per matrix. Each matrix's own
 A group holds at most :data:`GROUP_SKETCH_BYTES` of sketches, which bounds the transient memory of its batched
 formulas (a stack-sized temporary or two), and it never mixes weight dtypes or devices. The float64 formulas (the
 Gram matrices, ``‖D P‖²``, ``‖W‖``, the moment transfer) run on as many matrices of a stack at a time as their
-float64 temporaries fit the merge's budget (:func:`~logra_pl.sketch.merge.float64_budget`: 4 MiB on a CPU, 64 MiB
-on a GPU), at least one: a process never holds several matrices' float64 copies beyond that.
+float64 temporaries fit the merge's budget (:func:`~logra_pl.sketch.merge.float64_budget`: 32 MiB on a CPU, 1 GiB
+on a GPU), at least one, in scratch blocks (:func:`~logra_pl.sketch.merge.float64_scratch`) where they are large:
+a process never holds several matrices' float64 copies beyond that.
 """
 
 from __future__ import annotations

@@ -25,17 +25,17 @@ import torch
 from logra_pl.sketch.projection import make_projection, sign_scale
 
 # The float64 temporaries of one merge batch (the ``rows × d_in`` deltas, and on a CPU the float64 copies of W's
-# rows) stay within this many bytes. GPUs: large chunks, few launches. CPUs: 32 MiB, in one block that glibc maps
-# on its own (see :func:`float64_scratch`): whole matrices of a 50M-parameter model merge in one batched GEMM, and
-# the block leaves the process when freed.
+# rows) stay within this many bytes. GPUs: large chunks, few launches. CPUs: 32 MiB, in one scratch block (see
+# :func:`float64_scratch`): whole matrices of a 50M-parameter model merge in one batched GEMM.
 MERGE_BUFFER_BYTES = 1024 * 2**20
 MERGE_BUFFER_BYTES_CPU = 32 * 2**20
 # glibc's malloc serves a block of at least its mmap threshold with a mapping of its own and unmaps it when freed;
 # the threshold is dynamic (freeing a mapped block raises it to that block's size) up to 32 MiB on 64-bit systems.
 # Freed blocks below it stay in the heap, where they fragment: LoGRA's peak RSS in a 50M-parameter run was 1,186 MiB
 # with 32 MiB temporaries from the heap and 923 MiB with 4 MiB ones (benchmarks/compare.py --model-size medium).
-# A CPU scratch block asks for more than the ceiling, so it is always mapped, never raises the threshold and never
-# stays in the heap; pages it does not touch are never resident.
+# A CPU scratch block asks for more than the ceiling: glibc serves it from a free heap chunk large enough when it
+# has one (memory the process holds anyway), else maps it on its own and unmaps it when freed. Either way it never
+# raises the threshold and never grows the heap; pages it does not touch are never resident.
 MMAP_CEILING_BYTES = 32 * 2**20 + 2**16
 
 
@@ -92,9 +92,11 @@ def float64_budget(device: torch.device | str) -> int:
 def float64_scratch(numel: int, device: torch.device | str) -> torch.Tensor:
     """An uninitialised float64 buffer of ``numel`` entries on ``device``, for temporaries that live one step.
 
-    On a CPU the allocation asks for at least :data:`MMAP_CEILING_BYTES`, so that glibc maps it on its own and
-    returns it to the system when it is freed (heap blocks would raise the allocator's mmap threshold and stay in
-    the process); only the ``numel`` entries used are ever touched, so only they become resident.
+    On a CPU the allocation asks for at least :data:`MMAP_CEILING_BYTES`, above glibc's largest dynamic mmap
+    threshold: glibc reuses a free heap chunk of that size if it holds one, else maps the block on its own and
+    unmaps it when freed; it never raises the threshold (as freeing a mapped block below the ceiling does, after
+    which every smaller temporary of the process comes from, and stays in, the heap). Only the ``numel`` entries
+    used are ever touched, so only they become resident.
     """
     device = torch.device(device)
     size = max(numel, MMAP_CEILING_BYTES // 8 + 1) if device.type == "cpu" else numel
