@@ -220,8 +220,8 @@ def merge_stack_(
             weights. ``None`` otherwise.
 
     Matrices are merged several at a time (one batched GEMM per chunk of rows): the deltas (and on a CPU the
-    float64 copies of W's rows) of a batch within :func:`float64_budget`, plus the stack's factors and operands in
-    float64 (``O(k·(d_out + d_in)·r)``, converted once), all in one :func:`float64_scratch` block.
+    float64 copies of W's rows) of a batch within :func:`float64_budget`, plus the stack's operands (``O(k·d_in·r)``,
+    converted once) and the batch's factors in float64, all in one :func:`float64_scratch` block.
     ``W`` is rounded once, from ``float64(W) − F M c``. Each matrix's result does not depend on the others in the
     stack, on the chunking or on the batching: with Rademacher and Hadamard projections every sum is exact.
     """
@@ -260,21 +260,21 @@ def merge_stack_(
     rows = max(1, min(n, budget // (8 * width * copies) if chunk_rows is None else chunk_rows))
     batch = max(1, min(count, budget // (8 * width * copies * rows)))  # the chunks of a batch of matrices
     with torch.no_grad():
-        # One float64 block: the factors' local rows and the operands of the whole stack, then a batch's deltas
-        # (and copies of W). Factors and operands are converted once, not per batch.
-        f_size, op_size, chunk = count * n * rank, count * rank * width, batch * rows * width
-        scratch = float64_scratch(f_size + op_size + copies * chunk, device)
-        f = factors if (row_offset, n) == (0, factors.shape[1]) else factors[:, row_offset : row_offset + n]
-        f64 = scratch[:f_size].view(count, n, rank).copy_(f)  # bf16 → float64, exact
+        # One float64 block: the operands of the whole stack (converted once), then a batch's factors (their local
+        # rows), deltas (and copies of W).
+        op_size, f_size, chunk = count * rank * width, batch * n * rank, batch * rows * width
+        scratch = float64_scratch(op_size + f_size + copies * chunk, device)
         p = projections if whole else projections[:, :, c0:c1]
-        op_out = scratch[f_size : f_size + op_size].view(count, rank, width)
-        operands, scale = stack_operand(p, distribution, d_in, out=op_out)
-        delta_buf = scratch[f_size + op_size : f_size + op_size + chunk]
-        w64_buf = scratch[f_size + op_size + chunk :]
+        operands, scale = stack_operand(p, distribution, d_in, out=scratch[:op_size].view(count, rank, width))
+        f_buf = scratch[op_size : op_size + f_size]
+        delta_buf = scratch[op_size + f_size : op_size + f_size + chunk]
+        w64_buf = scratch[op_size + f_size + chunk :]
+        f = factors if (row_offset, n) == (0, factors.shape[1]) else factors[:, row_offset : row_offset + n]
         with_norms = norms and copy_w and rows == n
         out_norms = []
-        # The views of a full batch of whole-row chunks, made once and reused by every such batch.
+        # The views of a full batch (of whole-row chunks), made once and reused by every such batch.
         full = batch * rows * width
+        full_f64 = f_buf.view(batch, n, rank)
         full_delta = delta_buf[:full].view(batch, rows, width)
         full_current = w64_buf[:full].view(batch, rows, width) if copy_w else None
         full_slots = full_current.unbind(0) if full_current is not None else ()
@@ -284,7 +284,8 @@ def merge_stack_(
             batch_weights = weights[i0:i1]
             every_matrix = (i0, i1) == (0, count)
             operand = operands if every_matrix else operands[i0:i1]
-            f_batch = f64 if every_matrix else f64[i0:i1]
+            f_out = full_f64 if k == batch else f_buf[: k * n * rank].view(k, n, rank)
+            f_batch = f_out.copy_(f if every_matrix else f[i0:i1])  # bf16 → float64, exact
             for start in range(0, n, rows):
                 stop = min(start + rows, n)
                 size = (stop - start) * width
