@@ -167,17 +167,14 @@ class LoGRAStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------------------- LoGRA collectives
     def reduce_sketches(self, optimizer: LoGRAOptimizer) -> None:
-        """All-reduce (sum) every sketch in one flat buffer; record bytes and seconds."""
+        """All-reduce (sum) every sketch, one call per group of same-shaped matrices (each group's sketches are one
+        stacked buffer, :meth:`~logra_pl.sketch.LoGRASketcher.sketch_stacks`); record bytes and seconds."""
         start = time.perf_counter()
-        sketches = list(optimizer.sketcher.sketches().values())
-        nbytes = sum(s.numel() * s.element_size() for s in sketches)
+        stacks = optimizer.sketcher.sketch_stacks()
+        nbytes = sum(s.numel() * s.element_size() for s in stacks)
         if self.world_size > 1:
-            flat = torch.cat([s.reshape(-1) for s in sketches])
-            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-            offset = 0
-            for s in sketches:
-                s.copy_(flat[offset : offset + s.numel()].view_as(s))
-                offset += s.numel()
+            for stack in stacks:
+                torch.distributed.all_reduce(stack, op=torch.distributed.ReduceOp.SUM)
         self.stats["logra/sketch_allreduce_bytes"] = float(nbytes if self.world_size > 1 else 0)
         self.stats["logra/sketch_allreduce_s"] = time.perf_counter() - start
 

@@ -4,8 +4,8 @@ Engines such as vLLM fuse ``q/k/v`` into one ``qkv_proj`` and ``gate/up`` into o
 of one tensor), and with tensor parallelism split rows (column-parallel layers) or columns (``o_proj``,
 ``down_proj``). A LoGRA update ``ΔW = −F P`` is applied to such a slice exactly: rows ``[r0, r1)`` of the
 trainer matrix need rows ``[r0, r1)`` of ``F``; columns ``[c0, c1)`` need columns ``[c0, c1)`` of ``P``. The
-merge (:func:`logra_pl.sketch.merge.merge_rows_`) forms every entry from the same exact float64 sums, so a sliced
-receiver ends bit-identical to the trainer's whole matrix.
+merge (:func:`logra_pl.sketch.merge.merge_stack_`, the trainer's) forms every entry from the same exact float64
+sums, so a sliced receiver ends bit-identical to the trainer's whole matrix.
 
 Pure PyTorch: the vLLM worker extension reads the shapes from vLLM's layers and calls these functions.
 """
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from logra_pl.sketch.merge import merge_operand, merge_rows_
-from logra_pl.sketch.payload import Payload
+from logra_pl.sketch.merge import merge_stack_
+from logra_pl.sketch.payload import Payload, stacked_factors
+from logra_pl.sketch.projection import make_projections
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,28 @@ def apply_payload_to_slices(
             f"payload matrices {missing[:5]}{'...' if len(missing) > 5 else ''} have no slice in the engine; "
             "was the payload made for another model, or is this layer type not supported for factor sync?"
         )
+    # Blocks of one shape at the same place in their matrices (the same layer kind on every layer) merge together.
+    groups: dict[tuple[Any, ...], list[str]] = {}
     for name, factor in payload.factors.items():
-        sl = slices[name]
-        weight = params[sl.param]
-        c0, c1 = sl.cols
-        operand, scale = merge_operand(payload.seed(name), payload.rank, sl.d_in, payload.distribution, weight.device)
-        block = weight.data[sl.local_row : sl.local_row + sl.num_rows]
-        merge_rows_(block, factor, operand[:, c0:c1], scale, row_offset=sl.rows[0], chunk_rows=chunk_rows)
+        sl, weight = slices[name], params[slices[name].param]
+        key = (tuple(factor.shape), sl.num_rows, sl.rows[0], sl.cols, sl.d_in, weight.dtype, weight.device)
+        groups.setdefault(key, []).append(name)
+    for names in groups.values():
+        first = slices[names[0]]
+        device = params[first.param].device
+        blocks = [
+            params[slices[n].param].data[slices[n].local_row : slices[n].local_row + slices[n].num_rows] for n in names
+        ]
+        projections = make_projections(
+            [payload.seed(n) for n in names], payload.rank, first.d_in, payload.distribution, device=device
+        )
+        merge_stack_(
+            blocks,
+            stacked_factors(payload, names),
+            projections,
+            payload.distribution,
+            row_offset=first.rows[0],
+            chunk_rows=chunk_rows,
+            cols=first.cols,
+        )
     return list(payload.factors)

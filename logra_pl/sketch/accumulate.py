@@ -24,29 +24,56 @@ class MatrixSketch:
         name: wrapper-free module name (the key of its projection seed and of its payload entry).
         module: the ``nn.Linear`` holding ``W``.
         rank: sketch rank ``r``.
+        sketch: the ``(d_out, r)`` fp32 buffer to accumulate into (the sketcher passes its row of a group's stack,
+            :mod:`logra_pl.sketch.groups`); default: a zero buffer of its own on the weight's device.
 
-    Holds the current projection ``P`` (r × d_in, fp32), its seed, and the sketch buffer ``S`` (d_out × r, fp32).
+    Holds the current projection ``P`` (r × d_in, fp32; installed by the sketcher), its seed, and the sketch
+    buffer ``S`` (d_out × r, fp32).
     """
 
-    def __init__(self, name: str, module: nn.Linear, rank: int) -> None:
+    def __init__(self, name: str, module: nn.Linear, rank: int, sketch: torch.Tensor | None = None) -> None:
         self.name = name
         self.module = module
         self.rank = rank
         self.d_out, self.d_in = module.out_features, module.in_features
         device = module.weight.device
-        if device.type == "meta":
-            device = torch.device("cpu")
-        self.sketch = torch.zeros(self.d_out, rank, dtype=torch.float32, device=device)
-        self.projection = torch.empty(0)
+        if sketch is None:
+            sketch = torch.zeros(self.d_out, rank, dtype=torch.float32, device=device)
+        elif tuple(sketch.shape) != (self.d_out, rank):
+            raise ValueError(
+                f"sketch buffer of {name!r} has shape {tuple(sketch.shape)}, expected {(self.d_out, rank)}"
+            )
+        self.sketch = sketch
+        self._projection: torch.Tensor | None = torch.empty(0, device=sketch.device)
+        self._projection_row: tuple[torch.Tensor, int] | None = None  # (stack, row) until first read
         self.seed = -1
         # A grad-requiring leaf routed into SketchGrad so backward reaches the hook even when nothing
         # below this layer requires grad (frozen embeddings, algorithm.md §1). It never receives a gradient.
-        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.anchor = torch.zeros((), device=sketch.device, requires_grad=True)
         self.handle: Any = None
 
+    @property
+    def projection(self) -> torch.Tensor:
+        """``P`` (r × d_in, fp32) of the current update: its row of the group's stack, viewed when first read."""
+        if self._projection is None:
+            assert self._projection_row is not None
+            stack, row = self._projection_row
+            self._projection = stack[row]
+        return self._projection
+
+    @projection.setter
+    def projection(self, value: torch.Tensor) -> None:
+        self._projection, self._projection_row = value, None
+
     def set_projection(self, projection: torch.Tensor, seed: int) -> None:
-        """Install ``P`` (moved to the sketch's device) for the coming update."""
-        self.projection = projection.to(self.sketch.device)
+        """Install ``P`` (on the sketch's device) and its seed for the coming update."""
+        self.projection = projection if projection.device == self.sketch.device else projection.to(self.sketch.device)
+        self.seed = seed
+
+    def set_stacked_projection(self, stack: torch.Tensor, row: int, seed: int) -> None:
+        """Install row ``row`` of a ``(k, r, d_in)`` stack (on the sketch's device) as ``P``, and its seed; the row
+        is viewed when ``P`` is first read (the sketcher installs whole groups at once)."""
+        self._projection, self._projection_row = None, (stack, row)
         self.seed = seed
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:

@@ -8,23 +8,35 @@ how rows are chunked or sharded, nor on the BLAS kernel. ``W`` is rounded once, 
 
 Chunks are as large as a float64 budget allows (:func:`merge_chunk_rows`): on a GPU most matrices merge in one
 GEMM and the largest in a few, instead of dozens of small kernels, each with its launch cost on the host.
+
+:func:`merge_stack_` merges a stack of same-shaped matrices (a group, :mod:`logra_pl.sketch.groups`) with batched
+GEMMs, as many matrices per GEMM as the budget holds: every entry is the same exact sum, so each matrix gets the
+bits a merge of it alone gives. It is the merge of the trainer and of every receiver; :func:`merge_rows_` merges
+one matrix, as the per-matrix reference step does.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from logra_pl.sketch.projection import make_projection, sign_scale
 
-# The float64 ``rows × d_in`` delta of one merge chunk stays within this many bytes. GPUs: large chunks, few
-# launches. CPUs: 4 MiB. A 32 MiB budget kept the merge's buffers in the process after each update (glibc serves
-# blocks below its dynamic mmap threshold, which rises to 32 MiB, from a heap it does not give back): peak RSS of
-# a 50M-parameter LoGRA run was 1,186 MiB at 32 MiB and 923 MiB at 4 MiB (benchmarks/compare.py --model-size
-# medium --optimizers logra), and 4 MiB chunks merged in 0.34-0.55x the time (one thread, the medium shapes).
-MERGE_BUFFER_BYTES = 64 * 2**20
-MERGE_BUFFER_BYTES_CPU = 4 * 2**20
+# The float64 temporaries of one merge batch (the ``rows × d_in`` deltas, and on a CPU the float64 copies of W's
+# rows) stay within this many bytes. GPUs: large chunks, few launches. CPUs: 32 MiB, in one scratch block (see
+# :func:`float64_scratch`): whole matrices of a 50M-parameter model merge in one batched GEMM.
+MERGE_BUFFER_BYTES = 1024 * 2**20
+MERGE_BUFFER_BYTES_CPU = 32 * 2**20
+# glibc's malloc serves a block of at least its mmap threshold with a mapping of its own and unmaps it when freed;
+# the threshold is dynamic (freeing a mapped block raises it to that block's size) up to 32 MiB on 64-bit systems.
+# Freed blocks below it stay in the heap, where they fragment: LoGRA's peak RSS in a 50M-parameter run was 1,186 MiB
+# with 32 MiB temporaries from the heap and 923 MiB with 4 MiB ones (benchmarks/compare.py --model-size medium).
+# A CPU scratch block asks for more than the ceiling: glibc serves it from a free heap chunk large enough when it
+# has one (memory the process holds anyway), else maps it on its own and unmaps it when freed. Either way it never
+# raises the threshold and never grows the heap; pages it does not touch are never resident.
+MMAP_CEILING_BYTES = 32 * 2**20 + 2**16
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -70,6 +82,33 @@ def merge_operand(
     return proj.to(torch.float64), 1.0
 
 
+def float64_budget(device: torch.device | str) -> int:
+    """Bytes of float64 temporaries one step of the merge (or of the grouped sketch step) may hold on ``device``:
+    :data:`MERGE_BUFFER_BYTES_CPU` on a CPU, :data:`MERGE_BUFFER_BYTES` elsewhere. Shape and device type only, never
+    free memory, so processes on the same kind of device cut their work alike."""
+    return MERGE_BUFFER_BYTES_CPU if torch.device(device).type == "cpu" else MERGE_BUFFER_BYTES
+
+
+def float64_scratch(numel: int, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised float64 buffer of ``numel`` entries on ``device``, for temporaries that live one step.
+
+    On a CPU the allocation asks for at least :data:`MMAP_CEILING_BYTES`, above glibc's largest dynamic mmap
+    threshold: glibc reuses a free heap chunk of that size if it holds one, else maps the block on its own and
+    unmaps it when freed; it never raises the threshold (as freeing a mapped block below the ceiling does, after
+    which every smaller temporary of the process comes from, and stays in, the heap). Only the ``numel`` entries
+    used are ever touched, so only they become resident.
+    """
+    device = torch.device(device)
+    size = max(numel, MMAP_CEILING_BYTES // 8 + 1) if device.type == "cpu" else numel
+    return torch.empty(size, dtype=torch.float64, device=device)[:numel]
+
+
+def per_batch(count: int, item_bytes: int, device: torch.device | str) -> int:
+    """How many of ``count`` items, each with ``item_bytes`` of float64 temporaries, one batch takes within
+    :func:`float64_budget` (at least one, at most ``count``)."""
+    return max(1, min(count, float64_budget(device) // max(item_bytes, 1)))
+
+
 def merge_chunk_rows(num_rows: int, d_in: int, device: torch.device | str = "cpu") -> int:
     """Rows per merge chunk on ``device``: as many as keep the float64 ``rows × d_in`` delta within its budget.
 
@@ -79,8 +118,7 @@ def merge_chunk_rows(num_rows: int, d_in: int, device: torch.device | str = "cpu
     chunking cannot change a bit; with Gaussian ones only a BLAS that picks another summation order for another
     shape could.
     """
-    budget = MERGE_BUFFER_BYTES_CPU if torch.device(device).type == "cpu" else MERGE_BUFFER_BYTES
-    return max(1, min(num_rows, budget // (8 * d_in)))
+    return max(1, min(num_rows, float64_budget(device) // (8 * d_in)))
 
 
 def merge_rows_(
@@ -131,3 +169,155 @@ def merge_rows_(
             rows = weight_rows[start:stop]
             torch.sub(rows, delta, out=delta)  # float64(W) − ΔW, one rounding, into the same buffer
             rows.copy_(delta)  # rounded once to W's dtype
+
+
+def stack_operand(
+    projections: torch.Tensor, distribution: str, d_in: int, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
+    """``(M, c)`` of a stack of projections ``(k, r, width)`` (``width`` ≤ ``d_in``: a column slice): float64
+    ``M`` with ``P = c·M`` entry for entry, as :func:`merge_operand` forms it for one matrix.
+
+    Rademacher and Hadamard: ``M = sign(P)`` (``0``/``±1``) and ``c`` from
+    :func:`~logra_pl.sketch.projection.sign_scale` at the full width ``d_in``; a power-of-two ``c`` is folded into
+    ``M`` (exact), leaving ``c = 1``. Gaussian: ``M = P`` in float64, ``c = 1``. ``out``: a float64 buffer of
+    ``projections``' shape to form ``M`` in (the values are the same: every step is exact).
+    """
+    rank = projections.shape[-2]
+    scale = sign_scale(distribution, rank, d_in)
+    operand = projections.to(torch.float64) if out is None else out.copy_(projections)
+    if scale is None:
+        return operand, 1.0
+    operand.sign_()
+    if scale != 1.0 and math.frexp(scale)[0] == 0.5:
+        return operand.mul_(scale), 1.0
+    return operand, scale
+
+
+def merge_stack_(
+    weights: Sequence[torch.Tensor],
+    factors: torch.Tensor,
+    projections: torch.Tensor,
+    distribution: str,
+    *,
+    row_offset: int = 0,
+    chunk_rows: int | None = None,
+    cols: tuple[int, int] | None = None,
+    norms: bool = False,
+) -> torch.Tensor | None:
+    """In place, for every ``i``: ``weights[i][j] -= (factors[i, row_offset + j] @ M_i) · c`` over its local rows ``j``.
+
+    Arguments:
+        weights: same-shaped local rows of ``W`` (whole matrices, dim-0 shards or engine blocks), one dtype and device.
+        factors: ``(k, d_out, r)`` factors ``bf16(U·α)``, row ``i`` for ``weights[i]``.
+        projections: ``(k, r, d_in)`` fp32 projections, as drawn (:func:`~logra_pl.sketch.projection.make_projections`).
+        distribution: what the projections were drawn from (the exact ``0``/``±1`` operand of §5, or Gaussian).
+        row_offset: global index of every weight's first local row (a shard's offset; the same for the stack).
+        chunk_rows: rows per chunk (``None``: :func:`merge_chunk_rows`, the most within the device's budget).
+        cols: ``[c0, c1)`` of ``P``'s columns the weights hold (a tensor-parallel column shard); default all.
+        norms: also return ``‖W_i‖`` (float64, ``(k,)``) of the merged weights when the merge holds their float64
+            values anyway (on a CPU, whole matrices per chunk): the norms
+            :func:`~logra_pl.sketch.groups.stack_weight_norms` computes, bit for bit, without another pass over the
+            weights. ``None`` otherwise.
+
+    Matrices are merged several at a time (one batched GEMM per chunk of rows): the deltas (and on a CPU the
+    float64 copies of W's rows) of a batch within :func:`float64_budget`, plus the stack's operands (``O(k·d_in·r)``,
+    converted once) and the batch's factors in float64, all in one :func:`float64_scratch` block.
+    ``W`` is rounded once, from ``float64(W) − F M c``. Each matrix's result does not depend on the others in the
+    stack, on the chunking or on the batching: with Rademacher and Hadamard projections every sum is exact.
+    """
+    count = len(weights)
+    if count == 0:
+        return None
+    if factors.shape[0] != count or projections.shape[0] != count:
+        raise ValueError(
+            f"{count} weights, {factors.shape[0]} factors and {projections.shape[0]} projections: "
+            "one of each per matrix"
+        )
+    n, width = weights[0].shape
+    d_in = projections.shape[-1]
+    c0, c1 = cols if cols is not None else (0, d_in)
+    if any(tuple(w.shape) != (n, width) for w in weights) or len({(w.dtype, w.device) for w in weights}) != 1:
+        raise ValueError("merge_stack_ merges weights of one shape, dtype and device; group them first")
+    if row_offset < 0 or row_offset + n > factors.shape[1]:
+        raise ValueError(
+            f"rows [{row_offset}, {row_offset + n}) lie outside the factors' {factors.shape[1]} rows: "
+            "pass the shard's global row offset"
+        )
+    if width != c1 - c0 or factors.shape[2] != projections.shape[1]:
+        raise ValueError(
+            f"shape mismatch: weight rows {(n, width)}, factors {tuple(factors.shape)}, "
+            f"projections {tuple(projections.shape)}, columns {(c0, c1)}"
+        )
+    device = weights[0].device
+    rank = factors.shape[2]
+    whole = (c0, c1) == (0, d_in)
+    # A CPU subtraction of float32 W from a float64 delta first copies W to float64 (TensorIterator promotes inputs
+    # by copying on a CPU): the copies go into a buffer of the batch's rows instead, subtracted from in one call.
+    # CUDA kernels cast as they read: there W is subtracted from the delta matrix by matrix.
+    copy_w = device.type == "cpu"
+    copies = 2 if copy_w else 1  # float64 values per entry of a chunk: the delta (and the copy of W)
+    budget = float64_budget(device)
+    rows = max(1, min(n, budget // (8 * width * copies) if chunk_rows is None else chunk_rows))
+    batch = max(1, min(count, budget // (8 * width * copies * rows)))  # the chunks of a batch of matrices
+    with torch.no_grad():
+        # One float64 block: the operands of the whole stack (converted once), then a batch's factors (their local
+        # rows), deltas (and copies of W).
+        op_size, f_size, chunk = count * rank * width, batch * n * rank, batch * rows * width
+        scratch = float64_scratch(op_size + f_size + copies * chunk, device)
+        p = projections if whole else projections[:, :, c0:c1]
+        operands, scale = stack_operand(p, distribution, d_in, out=scratch[:op_size].view(count, rank, width))
+        f_buf = scratch[op_size : op_size + f_size]
+        delta_buf = scratch[op_size + f_size : op_size + f_size + chunk]
+        w64_buf = scratch[op_size + f_size + chunk :]
+        f = factors if (row_offset, n) == (0, factors.shape[1]) else factors[:, row_offset : row_offset + n]
+        with_norms = norms and copy_w and rows == n
+        out_norms = []
+        # The views of a full batch (of whole-row chunks), made once and reused by every such batch.
+        full = batch * rows * width
+        full_f64 = f_buf.view(batch, n, rank)
+        full_delta = delta_buf[:full].view(batch, rows, width)
+        full_current = w64_buf[:full].view(batch, rows, width) if copy_w else None
+        full_slots = full_current.unbind(0) if full_current is not None else ()
+        for i0 in range(0, count, batch):
+            i1 = min(count, i0 + batch)
+            k = i1 - i0
+            batch_weights = weights[i0:i1]
+            every_matrix = (i0, i1) == (0, count)
+            operand = operands if every_matrix else operands[i0:i1]
+            f_out = full_f64 if k == batch else f_buf[: k * n * rank].view(k, n, rank)
+            f_batch = f_out.copy_(f if every_matrix else f[i0:i1])  # bf16 → float64, exact
+            for start in range(0, n, rows):
+                stop = min(start + rows, n)
+                size = (stop - start) * width
+                every_row = (start, stop) == (0, n)
+                reuse = k == batch and stop - start == rows
+                delta = torch.bmm(
+                    f_batch if every_row else f_batch[:, start:stop],
+                    operand,
+                    out=full_delta if reuse else delta_buf[: k * size].view(k, stop - start, width),
+                )
+                if scale != 1.0:
+                    delta.mul_(scale)
+                w_rows = batch_weights if every_row else [w[start:stop] for w in batch_weights]
+                if copy_w:
+                    if reuse:
+                        current, slots = full_current, full_slots
+                    else:
+                        current = w64_buf[: k * size].view(k, stop - start, width)
+                        slots = current.unbind(0)
+                    for w, c in zip(w_rows, slots, strict=True):
+                        c.copy_(w)  # float64(W), exact
+                    current.sub_(delta)  # float64(W) − ΔW, one rounding
+                    for w, c in zip(w_rows, slots, strict=True):
+                        w.copy_(c)  # rounded once to W's dtype
+                        if with_norms:
+                            c.copy_(w)  # float64 of the rounded W, exact
+                    if with_norms:
+                        out_norms.append(torch.linalg.vector_norm(current, dim=(-2, -1)))
+                else:
+                    for w, d in zip(w_rows, delta.unbind(0), strict=True):
+                        torch.sub(w, d, out=d)  # float64(W) − ΔW, one rounding
+                        w.copy_(d)  # rounded once to W's dtype
+    if not with_norms:
+        return None
+    return out_norms[0] if len(out_norms) == 1 else torch.cat(out_norms)

@@ -10,7 +10,7 @@ The payload is ``O(d_out·r)`` per matrix plus a few integers, instead of ``d_ou
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,8 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from logra_pl.sketch.config import resolve_refresh_every
-from logra_pl.sketch.merge import local_tensor, merge_operand, merge_rows_
-from logra_pl.sketch.projection import projection_index, projection_seed
+from logra_pl.sketch.merge import local_tensor, merge_stack_
+from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
 from logra_pl.sketch.targets import canonical_name
 
 PAYLOAD_FORMAT = "logra-pl/payload/v1"
@@ -29,12 +29,152 @@ DENSE_PREFIX = "dense::"  # safetensors names of dense parameter values in a ser
 
 
 @dataclass
-class MatrixProposal:
-    """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed``."""
+class FactorStack:
+    """Factors of same-shaped matrices stacked along a first dimension: ``tensor[i]`` belongs to ``names[i]``.
 
-    factor: torch.Tensor  # U, fp32, (d_out, r)
-    seed: int
-    projection: torch.Tensor  # P, fp32, (r, d_in): kept for probing; never serialised
+    The sketcher forms its factors one group of matrices at a time (:mod:`logra_pl.sketch.groups`); a stack lets
+    the rounding to the payload dtype and the merge run once per group. Each matrix's own factor (in
+    :attr:`Proposal.matrices` or :attr:`Payload.factors`) is a view of its row.
+    """
+
+    names: tuple[str, ...]
+    tensor: torch.Tensor
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """``{name: its row of the stack}`` (views, no copy)."""
+        return dict(zip(self.names, self.tensor.unbind(0), strict=True))
+
+    def holds(self, factors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether every ``factors[name]`` of the stack is still its row (not replaced since the stack was made)."""
+        t = self.tensor
+        step = t.stride(0) * t.element_size()
+        return all(
+            name in factors
+            and factors[name].data_ptr() == t.data_ptr() + i * step
+            and factors[name].shape == t.shape[1:]
+            and factors[name].dtype == t.dtype
+            for i, name in enumerate(self.names)
+        )
+
+
+class StackedFactors(MutableMapping[str, torch.Tensor]):
+    """``{name: factor}`` whose factors are rows of :class:`FactorStack` s, each row viewed when first read.
+
+    A payload of the grouped sketch step holds its factors this way: iterating names, checking membership and
+    handing a whole stack to the merge (:func:`stacked_factors`) take no per-matrix view. Setting a name stores that
+    tensor instead (it is then no longer its stack's row).
+
+    Arguments:
+        stacks: the stacks; their names, in order, are the mapping's keys.
+        extra: further ``{name: factor}`` not in a stack.
+        order: the keys in this order (e.g. the model's); default: the stacks' names, then ``extra``'s.
+    """
+
+    def __init__(
+        self,
+        stacks: list[FactorStack],
+        extra: Mapping[str, torch.Tensor] | None = None,
+        order: list[str] | None = None,
+    ) -> None:
+        self._rows: dict[str, tuple[FactorStack, int]] = {
+            name: (st, i) for st in stacks for i, name in enumerate(st.names)
+        }
+        extra = dict(extra or {})
+        keys = order if order is not None else [*self._rows, *extra]
+        if sorted(keys) != sorted([*self._rows, *extra]):
+            raise ValueError("StackedFactors: order must list every stacked and extra name once")
+        self._tensors: dict[str, torch.Tensor | None] = {name: extra.get(name) for name in keys}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._tensors[name]
+        if tensor is None:
+            st, row = self._rows[name]
+            tensor = self._tensors[name] = st.tensor[row]
+        return tensor
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._rows.pop(name, None)
+        self._tensors[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        self._rows.pop(name, None)
+        del self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def stack_of(self, names: list[str]) -> torch.Tensor | None:
+        """The stack whose rows are exactly the factors of ``names``, in this order, or ``None``."""
+        rows = [self._rows.get(name) for name in names]
+        if not rows or rows[0] is None:
+            return None
+        st = rows[0][0]
+        same = all(r is not None and r[0] is st and r[1] == i for i, r in enumerate(rows))
+        return st.tensor if same and len(st.names) == len(names) else None
+
+    def __repr__(self) -> str:
+        return f"StackedFactors({list(self._tensors)})"
+
+
+class MatrixProposal:
+    """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed``.
+
+    Arguments:
+        factor: ``U``, fp32, ``(d_out, r)``. Or leave it out and pass ``stack`` and ``row``: ``U`` is then row
+            ``row`` of a group's stacked factors, viewed when first read (the sketcher's own steps read the stack).
+        seed: the seed of ``P``.
+        projection: ``P``, fp32, ``(r, d_in)``: kept for probing; never serialised. Or ``projections``: the group's
+            ``(k, r, d_in)`` stack, of which ``P`` is row ``row``, viewed when first read.
+    """
+
+    def __init__(
+        self,
+        factor: torch.Tensor | None = None,
+        seed: int = -1,
+        projection: torch.Tensor | None = None,
+        *,
+        stack: FactorStack | None = None,
+        row: int = 0,
+        projections: torch.Tensor | None = None,
+    ) -> None:
+        if factor is None and stack is None:
+            raise ValueError("a MatrixProposal needs its factor, or the stack and row that hold it")
+        self._factor = factor
+        self.stack = None if factor is not None else stack
+        self.row = row
+        self.seed = seed
+        self._projection = projection if projection is not None or projections is not None else torch.empty(0)
+        self._projections = None if projection is not None else projections
+
+    @property
+    def factor(self) -> torch.Tensor:
+        """``U`` (fp32, ``(d_out, r)``)."""
+        if self._factor is None:
+            assert self.stack is not None
+            self._factor = self.stack.tensor[self.row]
+        return self._factor
+
+    @factor.setter
+    def factor(self, value: torch.Tensor) -> None:
+        self._factor, self.stack = value, None  # no longer the stack's row
+
+    @property
+    def projection(self) -> torch.Tensor:
+        """``P`` (fp32, ``(r, d_in)``)."""
+        if self._projection is None:
+            assert self._projections is not None
+            self._projection = self._projections[self.row]
+        return self._projection
+
+    @projection.setter
+    def projection(self, value: torch.Tensor) -> None:
+        self._projection, self._projections = value, None
+
+    def __repr__(self) -> str:
+        return f"MatrixProposal(seed={self.seed}, factor={tuple(self.factor.shape)})"
 
 
 @dataclass
@@ -67,6 +207,8 @@ class Proposal:
         weight_sq_norms: ``{name: ‖W_i‖²}`` the scale was formed from (whole matrices, summed over shards); the
             divergence guard compares the update with them before merging.
         dense: ``{parameter name: DenseProposal}`` of ``logra.dense_params`` (empty by default).
+        stacks: the factors ``U`` stacked by group (:class:`FactorStack`; each ``matrices[name].factor`` is a view of
+            one): :meth:`to_payload` rounds a stack at once. Matrices in no stack are rounded one by one.
     """
 
     matrices: dict[str, MatrixProposal]
@@ -83,6 +225,7 @@ class Proposal:
     weight_sq_norms: dict[str, float] = field(default_factory=dict)
     dense: dict[str, DenseProposal] = field(default_factory=dict)
     refresh_every: int | None = None
+    stacks: list[FactorStack] = field(default_factory=list)
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
@@ -91,7 +234,21 @@ class Proposal:
     def to_payload(self, alpha: float | None = None) -> Payload:
         """Round ``U·α`` (``alpha`` defaults to ``self.alpha``) to ``factor_dtype``: the exact merged update."""
         a = self.alpha if alpha is None else float(alpha)
-        factors = {name: (m.factor * a).to(self.factor_dtype) for name, m in self.matrices.items()}
+        # Elementwise, so a stack rounds to the bits its matrices would round to one by one.
+        stacks = [
+            FactorStack(st.names, (st.tensor * a).to(self.factor_dtype))
+            for st in self.stacks
+            if all(
+                name in self.matrices and self.matrices[name].stack is st and self.matrices[name].row == i
+                for i, name in enumerate(st.names)
+            )
+        ]
+        stacked = {name for st in stacks for name in st.names}
+        factors = StackedFactors(
+            stacks,
+            {name: (m.factor * a).to(self.factor_dtype) for name, m in self.matrices.items() if name not in stacked},
+            order=list(self.matrices),
+        )
         return Payload(
             factors=factors,
             update_index=self.update_index,
@@ -101,6 +258,7 @@ class Proposal:
             refresh=self.refresh,
             alpha=a,
             refresh_every=self.refresh_every,
+            stacks=stacks,
         )
 
 
@@ -111,13 +269,15 @@ class Payload:
     A receiver rebuilds each ``P`` from ``(base_seed, projection index, name)`` and applies ``W ← W − F P``; the
     projection index is ``(update_index // N)·N`` with ``N = refresh_every`` (``0`` for a fixed basis).
     ``dense`` holds the new values of densely trained parameters (``logra.dense_params``), copied as they are.
+    ``stacks`` (not serialised) are the factors as the trainer's groups hold them (:class:`FactorStack`), so its
+    own merge needs no re-stacking; a receiver stacks them itself.
 
     ``refresh`` is the older spelling of ``refresh_every`` (:func:`~logra_pl.sketch.config.resolve_refresh_every`):
     a payload written before ``refresh_every`` existed carries ``refresh`` only and means ``N = 1`` or ``0``. After
     construction both are set and agree; a contradiction between them is a ``ValueError``.
     """
 
-    factors: dict[str, torch.Tensor]
+    factors: MutableMapping[str, torch.Tensor]  # a dict, or StackedFactors (rows of ``stacks``)
     update_index: int
     base_seed: int
     rank: int
@@ -126,6 +286,7 @@ class Payload:
     alpha: float = 1.0
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     refresh_every: int | None = None
+    stacks: list[FactorStack] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
@@ -163,8 +324,11 @@ class Payload:
 
     def to_bytes(self) -> bytes:
         """Serialise as safetensors (factors as tensors, scalars as JSON metadata)."""
-        tensors = {name: f.detach().contiguous().cpu() for name, f in self.factors.items()}
-        tensors.update({DENSE_PREFIX + name: v.detach().contiguous().cpu() for name, v in self.dense.items()})
+        # Copies: factors are rows of one stack, and safetensors refuses tensors that share memory.
+        tensors = {name: f.detach().to("cpu", copy=True).contiguous() for name, f in self.factors.items()}
+        tensors.update(
+            {DENSE_PREFIX + name: v.detach().to("cpu", copy=True).contiguous() for name, v in self.dense.items()}
+        )
         return st_save(tensors, metadata={"logra": json.dumps(self.header())})
 
     @classmethod
@@ -211,9 +375,11 @@ def apply_payload(
     ``chunk_rows`` is the merge's row chunk (default: :func:`~logra_pl.sketch.merge.merge_chunk_rows`, as many
     rows as a bounded float64 temporary holds).
 
-    ``projections`` (``{name: (seed, P)}``, optional) are projections already drawn, e.g. the sketcher's for
-    this update: one whose seed is the payload's for that matrix is reused instead of drawn again (the result
-    is bit-identical). Every other ``P`` is drawn from its seed on the weight's device.
+    Matrices of one shape (and weight dtype, device and row offset) merge together: their projections are drawn in
+    one go (:func:`~logra_pl.sketch.projection.make_projections`) and merged by
+    :func:`~logra_pl.sketch.merge.merge_stack_`, which gives every matrix the bits of its own merge.
+    ``projections`` (``{name: (seed, P)}``, optional) are projections already drawn: a group whose every seed
+    matches reuses them instead of drawing again (the result is bit-identical).
     """
     weights = weight_tensors(target)
     missing = [name for name in payload.factors if name not in weights]
@@ -222,20 +388,29 @@ def apply_payload(
             f"payload matrices {missing[:5]}{'...' if len(missing) > 5 else ''} are not in the target; "
             "was the payload made for another model?"
         )
+    offsets = {name: 0 if row_offsets is None else int(row_offsets.get(name, 0)) for name in payload.factors}
+    locals_ = {name: local_tensor(weights[name]).data for name in payload.factors}
+    groups: dict[tuple[Any, ...], list[str]] = {}
     for name, factor in payload.factors.items():
-        weight = local_tensor(weights[name])
-        seed = payload.seed(name)
-        cached_seed, cached = (projections or {}).get(name, (None, None))
-        operand, scale = merge_operand(
-            seed,
-            payload.rank,
-            weight.shape[1],
+        w = locals_[name]
+        key = (tuple(factor.shape), tuple(w.shape), w.dtype, w.device, offsets[name])
+        groups.setdefault(key, []).append(name)
+    for names in groups.values():
+        d_in = weights[names[0]].shape[1]
+        seeds = [payload.seed(name) for name in names]
+        cached = [(projections or {}).get(name, (None, None)) for name in names]
+        if all(c_seed == seed for (c_seed, _), seed in zip(cached, seeds, strict=True)):
+            drawn = torch.stack([p.to(locals_[names[0]].device) for _, p in cached])
+        else:
+            drawn = make_projections(seeds, payload.rank, d_in, payload.distribution, device=locals_[names[0]].device)
+        merge_stack_(
+            [locals_[name] for name in names],
+            stacked_factors(payload, names),
+            drawn,
             payload.distribution,
-            device=weight.device,
-            projection=cached if cached_seed == seed else None,
+            row_offset=offsets[names[0]],
+            chunk_rows=chunk_rows,
         )
-        offset = 0 if row_offsets is None else int(row_offsets.get(name, 0))
-        merge_rows_(weight.data, factor, operand, scale, row_offset=offset, chunk_rows=chunk_rows)
     if payload.dense:
         named = named_tensors(target)
         absent = [n for n in payload.dense if n not in named]
@@ -247,6 +422,19 @@ def apply_payload(
                 offset = 0 if row_offsets is None else int(row_offsets.get(name, 0))
                 local.data.copy_(value[offset : offset + local.shape[0]] if local.dim() else value)
     return [*payload.factors, *payload.dense]
+
+
+def stacked_factors(payload: Payload, names: list[str]) -> torch.Tensor:
+    """The factors of ``names`` as one ``(k, d_out, r)`` tensor: the payload's own stack when it holds exactly these
+    matrices, in this order, and still backs their factors; else stacked here (a copy of ``O(d_out·r)`` per matrix)."""
+    if isinstance(payload.factors, StackedFactors):
+        stack = payload.factors.stack_of(names)
+        if stack is not None:
+            return stack
+    for st in payload.stacks:
+        if list(st.names) == names and st.holds(payload.factors):
+            return st.tensor
+    return torch.stack([payload.factors[name] for name in names])
 
 
 def named_tensors(target: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -57,22 +58,32 @@ def rademacher_words(seed: int, rank: int, d_in: int, pin_memory: bool = False) 
     return words.random_(-(2**63), None, generator=gen)
 
 
-def unpack_signs(words: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
-    """``P`` of shape ``(rank, d_in)`` from :func:`rademacher_words`, on ``words``' device: set bit → ``+1/sqrt(r)``.
-
-    Integer shifts split each word into its 8 bytes; each byte selects a row of a ``256 × 8`` table of
-    ``±fp32(1/sqrt(r))`` built from the same integer ops. No floating-point arithmetic touches the drawn bits,
-    so the result is bit-identical on every device.
-    """
-    device = words.device
+@functools.cache
+def _sign_table(rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(byte shifts, table)`` of :func:`unpack_signs` on ``device`` (cached: the same few tensors every update)."""
     byte_shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
-    byte_values = (words.unsqueeze(1) >> byte_shifts) & 0xFF  # (words, 8): byte j holds bits 8j..8j+7
     bit_shifts = torch.arange(8, dtype=torch.int64, device=device)
     table_bits = (torch.arange(256, dtype=torch.int64, device=device).unsqueeze(1) >> bit_shifts) & 1
     scale = rademacher_scale(rank)
     table = torch.where(table_bits.bool(), scale, -scale).to(torch.float32)  # (256, 8): row b = the bits of b
-    entries = table.index_select(0, byte_values.reshape(-1)).reshape(-1)
-    return entries[: rank * d_in].reshape(rank, d_in)
+    return byte_shifts, table
+
+
+def unpack_signs(words: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
+    """``P`` of shape ``(..., rank, d_in)`` from :func:`rademacher_words` (``(..., words)``, one row per ``P``), on
+    ``words``' device: set bit → ``+1/sqrt(r)``.
+
+    Integer shifts split each word into its 8 bytes; each byte selects a row of a ``256 × 8`` table of
+    ``±fp32(1/sqrt(r))`` built from the same integer ops. No floating-point arithmetic touches the drawn bits,
+    so the result is bit-identical on every device, and a stack of words unpacks to the stack of their ``P``.
+    """
+    batch = words.shape[:-1]
+    byte_shifts, table = _sign_table(rank, words.device)
+    byte_values = (words.unsqueeze(-1) >> byte_shifts) & 0xFF  # (..., words, 8): byte j holds bits 8j..8j+7
+    entries = table.index_select(0, byte_values.reshape(-1)).reshape(*batch, -1)
+    if entries.shape[-1] != rank * d_in:  # the last word's unused bits
+        entries = entries[..., : rank * d_in]
+    return entries.reshape(*batch, rank, d_in)
 
 
 def odd_factor(d_in: int) -> tuple[int, int]:
@@ -112,24 +123,27 @@ def hadamard_draws(seed: int, rank: int, d_in: int, pin_memory: bool = False) ->
 
 
 def hadamard_entries(draws: torch.Tensor, rank: int, d_in: int) -> torch.Tensor:
-    """``P`` of shape ``(rank, d_in)`` from :func:`hadamard_draws`, on ``draws``' device, by integer ops only.
+    """``P`` of shape ``(..., rank, d_in)`` from :func:`hadamard_draws` (``(..., r + 2·d_in)``, one row per ``P``),
+    on ``draws``' device, by integer ops only.
 
     ``P[a, x] = c · B[row_a, π(x)] · d_x`` with ``B = I_m ⊗ H``, ``H[i, j] = (−1)^popcount(i & j)`` the
     ``2^k × 2^k`` Sylvester Hadamard matrix and ``c`` :func:`hadamard_scale`. So ``B[p, q]`` is non-zero only when
     ``p`` and ``q`` lie in the same ``2^k`` block (``p >> k == q >> k``), and its sign is the parity of the bits
     the two in-block indices share, folded with shifts and xors. The result picks ``0``, ``+c`` or ``−c`` from a
     3-entry fp32 table: no floating-point arithmetic touches the drawn integers, so ``P`` is bit-identical on
-    every device.
+    every device, and a stack of draws gives the stack of their ``P``.
     """
     k, _ = odd_factor(d_in)
     idx = draws.to(torch.int32)  # every value < d_in < 2³¹: half the bytes of int64 for the (r, d_in) temporaries
-    rows, cols, flips = idx[:rank].unsqueeze(1), idx[rank : rank + d_in].unsqueeze(0), idx[rank + d_in :]
+    rows = idx[..., :rank].unsqueeze(-1)  # (..., r, 1)
+    cols = idx[..., rank : rank + d_in].unsqueeze(-2)  # (..., 1, d_in)
+    flips = idx[..., rank + d_in :].unsqueeze(-2)  # (..., 1, d_in)
     mask = (1 << k) - 1
     same_block = (rows >> k) == (cols >> k)
-    shared = (rows & mask) & (cols & mask)  # (r, d_in): bits of i & j, fewer than k of them
+    shared = (rows & mask) & (cols & mask)  # (..., r, d_in): bits of i & j, fewer than k of them
     for j in reversed(range(max(k - 1, 0).bit_length())):  # xor-fold: bit 0 ends up the parity of k bits
         shared = shared ^ (shared >> (1 << j))
-    negative = (shared & 1) ^ flips.unsqueeze(0)  # (−1)^popcount · d_x: 1 is a minus sign
+    negative = (shared & 1) ^ flips  # (−1)^popcount · d_x: 1 is a minus sign
     index = same_block.to(torch.int32) * (1 + negative)  # 0 → 0, 1 → +c, 2 → −c
     c = hadamard_scale(rank, d_in)
     table = torch.tensor([0.0, c, -c], dtype=torch.float32, device=draws.device)
@@ -149,6 +163,79 @@ def sign_scale(distribution: str, rank: int, d_in: int) -> float | None:
     return None
 
 
+def projection_draws(
+    seeds: Sequence[int], rank: int, d_in: int, distribution: str, pin_memory: bool = False
+) -> torch.Tensor:
+    """What the CPU generator contributes to the ``P`` of each seed, stacked: one row per seed, in ``seeds`` order.
+
+    Rademacher: the packed words of :func:`rademacher_words` (``(k, words)`` int64). Hadamard: the integers of
+    :func:`hadamard_draws` (``(k, r + 2·d_in)`` int64). Gaussian: ``P`` itself (``(k, r, d_in)`` fp32), drawn with
+    ``normal_`` and scaled by ``fp32(1/sqrt(r))`` on the CPU. One generator is reseeded for every seed (a reseeded
+    generator is a fresh one), and the rows end in one buffer (``pin_memory``: page-locked, so that one
+    asynchronous copy takes the whole stack to a GPU).
+    """
+    gen = torch.Generator(device="cpu")
+    k = len(seeds)
+    if distribution == "rademacher":
+        words = -(-rank * d_in // 64)
+        parts = []
+        for seed in seeds:
+            gen.manual_seed(seed)
+            parts.append(
+                torch.empty(words, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+            )  # as rademacher_words
+        out = torch.empty(k * words, dtype=torch.int64, pin_memory=pin_memory)
+        return torch.cat(parts, out=out).view(k, words)
+    if distribution == "gaussian":
+        out = torch.empty(k, rank, d_in, dtype=torch.float32, pin_memory=pin_memory)
+        for row, seed in zip(out, seeds, strict=True):
+            gen.manual_seed(seed)
+            row.normal_(generator=gen)  # what torch.randn((rank, d_in), generator=gen) draws
+        return out.mul_(1.0 / rank**0.5)
+    if distribution == "hadamard":
+        parts = []
+        for seed in seeds:
+            gen.manual_seed(seed)
+            parts.append(torch.randperm(d_in, generator=gen)[:rank])  # as hadamard_draws, in its order
+            parts.append(torch.randperm(d_in, generator=gen))
+            parts.append(torch.randint(0, 2, (d_in,), generator=gen, dtype=torch.int64))
+        out = torch.empty(k * (rank + 2 * d_in), dtype=torch.int64, pin_memory=pin_memory)
+        return torch.cat(parts, out=out).view(k, rank + 2 * d_in)
+    check_distribution(distribution)
+    raise AssertionError(f"distribution {distribution!r} is listed but has no construction")  # unreachable
+
+
+def make_projections(
+    seeds: Sequence[int],
+    rank: int,
+    d_in: int,
+    distribution: str = "rademacher",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The projections of several seeds, stacked ``(k, rank, d_in)``: row ``i`` is ``make_projection(seeds[i], ...)``
+    bit for bit.
+
+    The CPU generator runs once per seed (:func:`projection_draws`); everything after it runs once for the stack:
+    one copy to ``device`` (asynchronous from pinned memory on CUDA) and, for Rademacher and Hadamard, one
+    unpacking on the device by integer ops (:func:`unpack_signs`, :func:`hadamard_entries`).
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise LoGRAConfigError(f"projection rank must be a positive integer, got {rank!r}")
+    if rank > d_in:
+        raise LoGRAConfigError(f"projection rank {rank} exceeds the input dimension {d_in}: use rank <= {d_in}")
+    check_distribution(distribution)
+    device = None if device is None else torch.device(device)
+    pinned = device is not None and device.type == "cuda"
+    draws = projection_draws(seeds, rank, d_in, distribution, pin_memory=pinned)
+    if device is not None:
+        draws = draws.to(device, non_blocking=pinned)
+    if distribution == "rademacher":
+        return unpack_signs(draws, rank, d_in)
+    if distribution == "hadamard":
+        return hadamard_entries(draws, rank, d_in)
+    return draws
+
+
 def make_projection(
     seed: int, rank: int, d_in: int, distribution: str = "rademacher", device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -163,29 +250,14 @@ def make_projection(
       For CUDA the words are pinned and copied asynchronously: a copy from pageable memory would synchronise
       the stream, once per matrix per update.
     - Gaussian (entries ``N(0, 1/r)``): drawn in fp32 on the CPU (into pinned memory when ``device`` is CUDA,
-      so the copy is asynchronous) and scaled there.
+      so the copy is asynchronous) and scaled there. Its entries need ``log``, ``sin`` and ``cos``, whose float32
+      results differ between torch's CPU sampler and elementwise ops (or CUDA's math library), so a device draw
+      could not rebuild the same ``P`` everywhere (algorithm.md §2).
     - Hadamard (``r`` distinct rows of ``I_m ⊗ H``, columns permuted and sign-flipped, times ``sqrt(m/r)``;
       ``P Pᵀ = (d_in/r)·I``): the rows, permutation and signs are drawn as ``r + 2·d_in`` integers on the CPU
       (:func:`hadamard_draws`, pinned for CUDA), moved, and expanded on ``device`` with integer ops
       (:func:`hadamard_entries`).
+
+    The same as :func:`make_projections` of one seed; the sketcher draws a whole group of matrices at once.
     """
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise LoGRAConfigError(f"projection rank must be a positive integer, got {rank!r}")
-    if rank > d_in:
-        raise LoGRAConfigError(f"projection rank {rank} exceeds the input dimension {d_in}: use rank <= {d_in}")
-    device = None if device is None else torch.device(device)
-    pinned = device is not None and device.type == "cuda"
-    if distribution == "rademacher":
-        words = rademacher_words(seed, rank, d_in, pin_memory=pinned)
-        return unpack_signs(words if device is None else words.to(device, non_blocking=pinned), rank, d_in)
-    if distribution == "gaussian":
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed)
-        proj = torch.randn((rank, d_in), generator=gen, dtype=torch.float32, pin_memory=pinned)
-        proj.mul_(1.0 / rank**0.5)
-        return proj if device is None else proj.to(device, non_blocking=pinned)
-    if distribution == "hadamard":
-        draws = hadamard_draws(seed, rank, d_in, pin_memory=pinned)
-        return hadamard_entries(draws if device is None else draws.to(device, non_blocking=pinned), rank, d_in)
-    check_distribution(distribution)
-    raise AssertionError(f"distribution {distribution!r} is listed but has no construction")  # unreachable
+    return make_projections([seed], rank, d_in, distribution, device)[0]

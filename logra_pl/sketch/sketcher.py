@@ -3,12 +3,16 @@
 One update, in order (algorithm.md §3-5):
 
 1. forward/backward over the microbatches — the hooks fill each ``S = G Pᵀ``;
-2. (data-parallel callers all-reduce :meth:`LoGRASketcher.sketches` here);
+2. (data-parallel callers all-reduce :meth:`LoGRASketcher.sketch_stacks` here);
 3. :meth:`propose` — non-finite guard, RowAdam/SGD directions, the global ``update_ratio`` scale → a
    :class:`~logra_pl.sketch.payload.Proposal` (``alpha`` may now be set by a step controller);
-4. :meth:`apply` — ``proposal → payload`` (bf16 ``U·α``), merged with :func:`apply_payload`, the same function a
-   rollout engine uses; row statistics are committed; the next update's projections are drawn.
-   Or :meth:`skip` — nothing merged, the event counted.
+4. :meth:`apply` — ``proposal → payload`` (bf16 ``U·α``), merged with
+   :func:`~logra_pl.sketch.merge.merge_stack_`, the merge every rollout engine runs; row statistics are
+   committed; the next update's projections are drawn. Or :meth:`skip` — nothing merged, the event counted.
+
+Every step runs on groups of same-shaped matrices (:mod:`logra_pl.sketch.groups`): one batched formula per group
+instead of one per matrix, each matrix getting the bits it gets alone (algorithm.md §4-5). The per-matrix
+reference, kept for tests and benchmarks, is :class:`~logra_pl.sketch.reference.PerMatrixSketcher`.
 """
 
 from __future__ import annotations
@@ -23,24 +27,41 @@ from torch import nn
 
 from logra_pl.sketch.accumulate import MatrixSketch
 from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
+from logra_pl.sketch.groups import (
+    MatrixGroup,
+    group_matrices,
+    stack_grams,
+    stack_lifted_sq_norms,
+    stack_transfer,
+    stack_weight_norms,
+)
 from logra_pl.sketch.guard import rejection_reason, relative_update
 from logra_pl.sketch.host import host_values
-from logra_pl.sketch.merge import full_tensor, local_tensor
-from logra_pl.sketch.payload import DenseProposal, MatrixProposal, Payload, Proposal, apply_payload, named_tensors
-from logra_pl.sketch.projection import make_projection, projection_index, projection_seed
+from logra_pl.sketch.merge import full_tensor, local_tensor, merge_stack_
+from logra_pl.sketch.payload import (
+    DenseProposal,
+    FactorStack,
+    MatrixProposal,
+    Payload,
+    Proposal,
+    named_tensors,
+    stacked_factors,
+)
+from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
 from logra_pl.sketch.targets import select_targets
 from logra_pl.sketch.update import (
     adam_direction,
     bias_corrected,
     first_moment,
-    lifted_sq_norm,
     lr_factor,
-    projection_gram,
     ratio_scale,
     rowadam_direction,
     sgd_direction,
-    transfer_moment,
 )
+
+# What one group's update rule produced: the directions D (k, d_out, r), and the row statistics and first moments
+# to commit if the update merges (None when the rule keeps none).
+GroupStep = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 STATE_FORMAT = "logra-pl/sketcher/v1"
 
@@ -75,32 +96,40 @@ class LoGRASketcher:
         if freeze_rest:
             for p in model.parameters():
                 p.requires_grad_(False)
+        beta1 = self.config.beta1 > 0
+        # Same-shaped matrices share stacked buffers; each matrix's tensors below are views of its row.
+        self.groups: list[MatrixGroup] = group_matrices(
+            targets, self.config.rank, self.config.moment_torch_dtype if beta1 else None
+        )
+        built: dict[str, MatrixSketch] = {}
+        for group in self.groups:
+            for name, linear, sketch in zip(group.names, group.linears, group.sketch.unbind(0), strict=True):
+                built[name] = MatrixSketch(name, linear, self.config.rank, sketch=sketch)
         self.matrices: dict[str, MatrixSketch] = {}
         for name, linear in targets.items():
             linear.weight.requires_grad_(False)
-            matrix = MatrixSketch(name, linear, self.config.rank)
+            matrix = built[name]
             matrix.handle = linear.register_forward_hook(matrix.hook)
             self.matrices[name] = matrix
-        self.row_stats: dict[str, torch.Tensor] = {
-            name: torch.zeros(m.d_out, 1, dtype=torch.float32, device=m.sketch.device)
-            for name, m in self.matrices.items()
-        }
-        self._pending_row_stats: dict[str, torch.Tensor] | None = None
+        views = {n: (g, i) for g in self.groups for i, n in enumerate(g.names)}
+        self.row_stats: dict[str, torch.Tensor] = {n: views[n][0].row_stats[views[n][1]] for n in self.matrices}
         # The sketch-space first moment (``logra.beta1 > 0``): d_out × r per matrix (stored as ``moment_dtype``), in
         # the basis of the current projection; ``moment_age`` counts the merged updates it has averaged since it
         # started (bias correction).
         self.moments: dict[str, torch.Tensor] = (
-            {
-                name: torch.zeros_like(m.sketch, dtype=self.config.moment_torch_dtype)
-                for name, m in self.matrices.items()
-            }
-            if self.config.beta1 > 0
-            else {}
+            {n: views[n][0].moments[views[n][1]] for n in self.matrices} if beta1 else {}  # type: ignore[index]
         )
         self.moment_age = 0
-        self._pending_moments: dict[str, torch.Tensor] | None = None
-        # ``{name: (P, P Pᵀ)}`` for the current update: propose and the guard in apply both measure ``‖· P‖``.
-        self._grams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The matrices in group order: how per-group values (k per group) line up with names.
+        self._grouped_names = [n for g in self.groups for n in g.names]
+        # What the proposal of this update will commit if merged: per group, (row statistics, first moments).
+        self._pending: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+        # ``{group index: P Pᵀ}`` (float64, (k, r, r)) for the current update: propose and the guard in apply both
+        # measure ``‖· P‖``.
+        self._grams: dict[int, torch.Tensor] = {}
+        # ``{group index: (‖W_i‖, the weights' (data pointer, version) pairs)}``: the norms the last merge left, when
+        # it held the merged float64 values anyway (merge_stack_(norms=True)); reused while no weight has changed.
+        self._merged_norms: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
         self.dense = select_dense(model, self.config.dense_params, set(self.matrices))
         for p in self.dense.values():
             p.requires_grad_(True)
@@ -128,55 +157,107 @@ class LoGRASketcher:
         return projection_seed(self.config.base_seed, index, name)
 
     def _install_projections(self, carry: bool = True) -> None:
-        """Draw the projections of the current update where their seed changed; with ``carry``, the first moment
-        follows each change (``momentum_transfer``: carried into the new basis, or reset)."""
+        """Draw the projections of the current update where their seed changed, a group at a time; with ``carry``,
+        the first moment follows each change (``momentum_transfer``: carried into the new basis, or reset)."""
         changed = False
-        for name, m in self.matrices.items():
-            seed = self.seed_for(name)
-            if seed != m.seed:
-                proj = make_projection(seed, self.config.rank, m.d_in, self.config.distribution, device=m.sketch.device)
-                if carry and self.moments and m.seed != -1:
-                    if self.config.momentum_transfer == "project":
-                        self.moments[name] = transfer_moment(self.moments[name], m.projection, proj)
-                    else:
-                        self.moments[name].zero_()
-                    changed = True
-                m.set_projection(proj, seed)
+        for group in self.groups:
+            matrices = [self.matrices[n] for n in group.names]
+            seeds = [self.seed_for(n) for n in group.names]
+            fresh = [i for i, (seed, m) in enumerate(zip(seeds, matrices, strict=True)) if seed != m.seed]
+            if not fresh:
+                continue
+            drawn = self._draw(group, [seeds[i] for i in fresh])
+            if len(fresh) == group.size:
+                new = drawn
+            else:  # a partial change (not produced by the seed rule today): keep the other rows' P
+                new = group.projection.clone()
+                new[fresh] = drawn
+            carried = [i for i in fresh if matrices[i].seed != -1]
+            if carry and group.moments is not None and carried:
+                if self.config.momentum_transfer == "project":
+                    self._transfer(group, carried, group.projection, new)
+                elif len(carried) == group.size:
+                    group.moments.zero_()
+                else:
+                    group.moments[carried] = 0
+                changed = True
+            group.projection = new
+            for i in fresh:
+                matrices[i].set_stacked_projection(new, i, seeds[i])
         if changed and self.config.momentum_transfer == "reset":
             self.moment_age = 0
 
+    def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor:
+        """The projections of ``seeds`` at the group's shape, stacked ``(k, r, d_in)`` on its device."""
+        cfg = self.config
+        return make_projections(seeds, cfg.rank, group.d_in, cfg.distribution, device=group.device)
+
+    def _transfer(self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor) -> None:
+        """Carry the first moments of ``rows`` of the group from the projections ``old`` to ``new`` (in place)."""
+        if len(rows) == group.size:
+            group.moments.copy_(stack_transfer(group.moments, old, new))  # type: ignore[union-attr]
+        else:
+            group.moments[rows] = stack_transfer(group.moments[rows], old[rows], new[rows])  # type: ignore[index]
+
     def sketches(self) -> dict[str, torch.Tensor]:
-        """``{name: S}`` — the buffers a data-parallel strategy all-reduces before :meth:`propose`."""
+        """``{name: S}`` (views of the groups' stacks) — every matrix's sketch, in the model's order."""
         return {name: m.sketch for name, m in self.matrices.items()}
+
+    def sketch_stacks(self) -> list[torch.Tensor]:
+        """The sketches as stored: one ``(k, d_out, r)`` buffer per group, the buffers a data-parallel strategy
+        all-reduces before :meth:`propose` (one call each). Together they hold every matrix's ``S`` once."""
+        return [group.sketch for group in self.groups]
 
     def zero_sketches(self) -> None:
         """Reset every ``S`` to zero (start of an update), and the dense parameters' gradients."""
-        for m in self.matrices.values():
-            m.sketch.zero_()
+        for group in self.groups:
+            group.sketch.zero_()
         for p in self.dense.values():
             p.grad = None
 
     # ------------------------------------------------------------------------------------------- proposal
     def weight_norms(self) -> list[torch.Tensor]:
-        """``‖W_i‖`` (0-dim float64 tensors, on the device) of every selected matrix, over the local rows."""
-        # vector_norm accumulates in float64 without materialising a float64 copy of W (~30% faster).
-        return [
-            torch.linalg.vector_norm(local_tensor(m.module.weight).detach(), dtype=torch.float64)
-            for m in self.matrices.values()
-        ]
+        """``‖W_i‖`` over the local rows, one ``(k,)`` float64 tensor per group (on the device; group order).
+
+        A group's norms from its last merge are reused while its weights are the ones merged: same storage, and no
+        in-place write through the parameters since (their version counters, which ``load_state_dict`` and any
+        ``copy_`` advance). Otherwise they are computed from the weights (:func:`stack_weight_norms`), the same bits.
+        """
+        out = []
+        for index, group in enumerate(self.groups):
+            weights = [local_tensor(linear.weight) for linear in group.linears]
+            cached = self._merged_norms.get(index)
+            if cached is not None and cached[1] == weight_versions(weights):
+                out.append(cached[0])
+            else:
+                out.append(stack_weight_norms([w.detach() for w in weights]))
+        return out
 
     def weight_sq_norms(self) -> dict[str, float]:
         """``‖W_i‖²`` of every selected matrix, over the rows this process holds (local shards when sharded)."""
         (norms,) = host_values(self.weight_norms())
-        return {name: norm**2 for name, norm in zip(self.matrices, norms, strict=True)}
+        by_name = dict(zip(self._grouped_names, norms, strict=True))
+        return {name: by_name[name] ** 2 for name in self.matrices}
 
-    def gram(self, name: str, projection: torch.Tensor) -> torch.Tensor:
-        """``P Pᵀ`` (float64) of matrix ``name``'s projection ``P``, formed once per update and reused."""
-        cached = self._grams.get(name)
-        if cached is None or cached[0] is not projection:
-            cached = (projection, projection_gram(projection))
-            self._grams[name] = cached
-        return cached[1]
+    def _gram(self, index: int) -> torch.Tensor:
+        """``P Pᵀ`` (float64, ``(k, r, r)``) of group ``index``'s projections, formed once per update and reused."""
+        gram = self._grams.get(index)
+        if gram is None:
+            gram = self._grams[index] = stack_grams(self.groups[index].projection)
+        return gram
+
+    def _lifted_sq_norms(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``‖D_i P_i‖²`` of a stack of factors per group (any float dtype), one ``(k,)`` float64 tensor each."""
+        return [stack_lifted_sq_norms(d, self._gram(k)) for k, d in enumerate(stacks)]
+
+    def _sketch_finite(self) -> list[torch.Tensor]:
+        """Whether every entry of each ``S`` is finite: one ``(k,)`` bool tensor per group."""
+        return [torch.isfinite(group.sketch).all(dim=(1, 2)) for group in self.groups]
+
+    def _by_name(self, values: list[float]) -> dict[str, float]:
+        """Per-matrix values in group order (as read from the groups' tensors) → ``{name: value}`` in model order."""
+        by_name = dict(zip(self._grouped_names, values, strict=True))
+        return {name: by_name[name] for name in self.matrices}
 
     def propose(self, grad_scale: float = 1.0, weight_sq_norms: Mapping[str, float] | None = None) -> Proposal | None:
         """Form the proposal from the accumulated sketches, or skip the update and return ``None``.
@@ -187,42 +268,48 @@ class LoGRASketcher:
         """
         cfg = self.config
         step = self.num_applied + 1
-        directions, pending, moments = self._directions(step, grad_scale)
+        steps = self._directions(step, grad_scale)
         grads = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
         # Everything Python decides on below, read from the device in one transfer (see logra_pl.sketch.host).
         finite, lifted_values, norms = host_values(
-            [torch.isfinite(m.sketch).all() for m in self.matrices.values()]
-            + [torch.isfinite(local_tensor(g)).all() for g in grads.values()],
-            [lifted_sq_norm(d, gram=self.gram(n, self.matrices[n].projection)) for n, d in directions.items()],
+            self._sketch_finite() + [torch.isfinite(local_tensor(g)).all() for g in grads.values()],
+            self._lifted_sq_norms([d for d, _, _ in steps]),
             self.weight_norms() if weight_sq_norms is None else [],
         )
-        bad = [name for name, ok in zip([*self.matrices, *grads], finite, strict=True) if not ok]
+        ok = self._by_name(finite[: len(self.matrices)]) | dict(zip(grads, finite[len(self.matrices) :], strict=True))
+        bad = [name for name, fine in ok.items() if not fine]
         if bad:
             self.skip(f"non-finite sketch or gradient in {len(bad)} tensors, e.g. {bad[0]!r}")
             return None
-        lifted = dict(zip(directions, lifted_values, strict=True))
+        lifted = self._by_name(lifted_values)
         if weight_sq_norms is None:
-            w_sq = {name: norm**2 for name, norm in zip(self.matrices, norms, strict=True)}
+            w_sq = {name: norm**2 for name, norm in self._by_name(norms).items()}
         else:
             w_sq = dict(weight_sq_norms)
         if cfg.step_mode in ("lr", "adam"):
             lr = cfg.lr * lr_factor(self.num_applied, cfg.lr_warmup_steps, cfg.lr_decay_steps, cfg.lr_min_ratio)
-            scales = dict.fromkeys(directions, lr)
+            scales = dict.fromkeys(self.matrices, lr)
         elif cfg.ratio_scope == "global":
-            scales = dict.fromkeys(directions, ratio_scale(sum(w_sq.values()), sum(lifted.values()), cfg.update_ratio))
+            scales = dict.fromkeys(
+                self.matrices, ratio_scale(sum(w_sq.values()), sum(lifted.values()), cfg.update_ratio)
+            )
         else:
-            scales = {n: ratio_scale(w_sq[n], lifted[n], cfg.update_ratio) for n in directions}
+            scales = {n: ratio_scale(w_sq[n], lifted[n], cfg.update_ratio) for n in self.matrices}
         if not all(math.isfinite(c) for c in scales.values()) or not all(math.isfinite(v) for v in lifted.values()):
             self.skip(f"non-finite update scale (Σ‖DP‖²={sum(lifted.values())})")
             return None
+        stacks = [
+            FactorStack(tuple(group.names), scaled_(d, [scales[n] for n in group.names]))
+            for group, (d, _, _) in zip(self.groups, steps, strict=True)
+        ]
+        rows = {name: (st, g, i) for st, g in zip(stacks, self.groups, strict=True) for i, name in enumerate(st.names)}
         matrices = {
             name: MatrixProposal(
-                factor=d.mul_(scales[name]), seed=self.matrices[name].seed, projection=self.matrices[name].projection
+                seed=m.seed, stack=rows[name][0], row=rows[name][2], projections=rows[name][1].projection
             )
-            for name, d in directions.items()
+            for name, m in self.matrices.items()
         }
-        self._pending_row_stats = pending
-        self._pending_moments = moments
+        self._pending = [(v, moment) for _, v, moment in steps]
         scale = next(iter(scales.values())) if len(set(scales.values())) == 1 else float("nan")
         return Proposal(
             matrices=matrices,
@@ -237,37 +324,45 @@ class LoGRASketcher:
             stats={"weight_sq_norm": sum(w_sq.values()), "direction_sq_norm": sum(lifted.values())},
             weight_sq_norms=w_sq,
             dense=self._dense_proposals(step, grad_scale),
+            stacks=stacks,
         )
 
-    def _directions(
-        self, step: int, grad_scale: float
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``({name: D}, {name: v_new}, {name: m_new})``: the direction of every ``grad_scale · S``, on the device.
+    def _directions(self, step: int, grad_scale: float) -> list[GroupStep]:
+        """Per group ``(D, v_new, m_new)``: the direction of every ``grad_scale · S`` of the stack, on the device.
 
         RowAdam, Adam-style (``step_mode: adam``) or SGD, from ``S`` or, with ``beta1 > 0``, from the bias-corrected
-        first moment. Nothing is committed: the new row statistics and moments wait until the update is merged.
+        first moment, each formula once on the group's stack (algorithm.md §4). Nothing is committed: the new row
+        statistics and moments wait until the update is merged.
         """
+        return [self._group_direction(group, step, grad_scale) for group in self.groups]
+
+    def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:
+        """``(D, v_new, m_new)`` of one group, or of one matrix when given its 2-D rows (the update formulas take
+        either, see :mod:`logra_pl.sketch.update`)."""
+        return self._rule(group.sketch, group.row_stats, group.moments, step, grad_scale)
+
+    def _rule(
+        self,
+        sketch: torch.Tensor,
+        row_stats: torch.Tensor,
+        moments: torch.Tensor | None,
+        step: int,
+        grad_scale: float,
+    ) -> GroupStep:
+        """The update rule on ``S`` (one matrix or a stack): ``(D, v_new, m_new)``."""
         cfg = self.config
-        directions: dict[str, torch.Tensor] = {}
-        pending: dict[str, torch.Tensor] = {}
-        moments: dict[str, torch.Tensor] = {}
-        for name, m in self.matrices.items():
-            s = m.sketch * grad_scale if grad_scale != 1.0 else m.sketch
-            numerator = None
-            if self.moments:
-                moments[name] = first_moment(s, self.moments[name], cfg.beta1)
-                numerator = bias_corrected(moments[name], cfg.beta1, self.moment_age + 1)
-            if cfg.step_mode == "adam":
-                directions[name], pending[name] = adam_direction(
-                    s, self.row_stats[name], step, cfg.beta2, cfg.eps, numerator
-                )
-            elif cfg.update_rule == "rowadam":
-                directions[name], pending[name] = rowadam_direction(
-                    s, self.row_stats[name], step, cfg.beta2, cfg.eps, numerator
-                )
-            else:
-                directions[name] = sgd_direction(s) if numerator is None else numerator
-        return directions, pending, moments
+        s = sketch * grad_scale if grad_scale != 1.0 else sketch
+        numerator = moment = None
+        if moments is not None:
+            moment = first_moment(s, moments, cfg.beta1)
+            numerator = bias_corrected(moment, cfg.beta1, self.moment_age + 1)
+        if cfg.step_mode == "adam":
+            d, v = adam_direction(s, row_stats, step, cfg.beta2, cfg.eps, numerator)
+            return d, v, moment
+        if cfg.update_rule == "rowadam":
+            d, v = rowadam_direction(s, row_stats, step, cfg.beta2, cfg.eps, numerator)
+            return d, v, moment
+        return (sgd_direction(s) if numerator is None else numerator), None, moment
 
     def _dense_proposals(self, step: int, grad_scale: float) -> dict[str, DenseProposal]:
         """Adam steps of the dense parameters at α = 1 (torch's AdamW without weight decay, step ``step``)."""
@@ -312,21 +407,20 @@ class LoGRASketcher:
             n: (local_tensor(self.dense[n]).detach().float() + payload.alpha * d.delta).to(self.dense[n].dtype)
             for n, d in proposal.dense.items()
         }
+        factor_stacks = [stacked_factors(payload, group.names) for group in self.groups]
         # The three checks below, read from the device in one transfer (see logra_pl.sketch.host).
         factors_finite, update_values, dense_finite, norms = host_values(
-            [torch.isfinite(f).all() for f in payload.factors.values()],
-            [
-                lifted_sq_norm(f.float(), gram=self.gram(name, proposal.matrices[name].projection))
-                for name, f in payload.factors.items()
-            ],
+            [torch.isfinite(f).all(dim=(1, 2)) for f in factor_stacks],
+            self._lifted_sq_norms(factor_stacks),
             [torch.isfinite(v).all() for v in new_dense.values()],
             [] if proposal.weight_sq_norms else self.weight_norms(),
         )
         if not all(factors_finite):
             self.skip(f"non-finite factors at alpha={payload.alpha}")
             return None
-        update_sq = dict(zip(payload.factors, update_values, strict=True))
-        w_sq = proposal.weight_sq_norms or {name: norm**2 for name, norm in zip(self.matrices, norms, strict=True)}
+        update_by_name = self._by_name(update_values)
+        update_sq = {name: update_by_name[name] for name in payload.factors}
+        w_sq = proposal.weight_sq_norms or {name: norm**2 for name, norm in self._by_name(norms).items()}
         self.last_update_sq_norm = sum(update_sq.values())
         self.last_relative_update = relative_update(w_sq, update_sq)
         dtype = next(iter(self.matrices.values())).module.weight.dtype
@@ -337,16 +431,9 @@ class LoGRASketcher:
         if not all(dense_finite):
             self.reject("the dense parameters' step would make them non-finite")
             return None
-        weights = {f"{name}.weight": m.module.weight for name, m in self.matrices.items()}
         # The merge reuses the projections drawn for this update (each P is drawn once per update).
-        drawn = {name: (m.seed, m.projection) for name, m in proposal.matrices.items()}
-        apply_payload(
-            payload,
-            weights,
-            row_offsets=self.row_offsets,
-            chunk_rows=self.config.merge_chunk_rows,
-            projections=drawn,
-        )
+        for group, factors in zip(self.groups, factor_stacks, strict=True):
+            self._merge(group, factors)
         with torch.no_grad():
             for n, value in new_dense.items():
                 local_tensor(self.dense[n]).copy_(value)
@@ -354,16 +441,49 @@ class LoGRASketcher:
                 self.dense_state[n]["exp_avg_sq"].copy_(proposal.dense[n].exp_avg_sq)
         # Engines receive the new values whole (FSDP shards gathered: a collective, on every rank).
         payload.dense = {n: full_tensor(self.dense[n]).detach().clone() for n in new_dense}
-        if self._pending_row_stats:
-            for name, v in self._pending_row_stats.items():
-                self.row_stats[name].copy_(v)
-        if self._pending_moments:
-            for name, moment in self._pending_moments.items():
-                self.moments[name].copy_(moment)
-            self.moment_age += 1
+        if self._pending is not None:
+            for group, (v, moment) in zip(self.groups, self._pending, strict=True):
+                if v is not None:
+                    group.row_stats.copy_(v)
+                if moment is not None:
+                    group.moments.copy_(moment)  # type: ignore[union-attr]  # rounded to the storage dtype here
+            if self.moments:
+                self.moment_age += 1
         self.num_applied += 1
         self._advance()
         return payload
+
+    def _merge(self, group: MatrixGroup, factors: torch.Tensor) -> None:
+        """``W ← W − F P`` on the local rows of the group's matrices (``factors``: the payload's ``(k, d_out, r)``);
+        keeps the merged weights' norms when the merge gives them (see :meth:`weight_norms`)."""
+        index = self.groups.index(group)
+        self._merged_norms.pop(index, None)
+        params = [local_tensor(linear.weight) for linear in group.linears]
+        weights = [p.data for p in params]
+        offsets = [int(self.row_offsets.get(name, 0)) for name in group.names]
+        if len(set(offsets)) == 1:  # one offset per group under FSDP (same shape, same mesh)
+            norms = merge_stack_(
+                weights,
+                factors,
+                group.projection,
+                self.config.distribution,
+                row_offset=offsets[0],
+                chunk_rows=self.config.merge_chunk_rows,
+                norms=True,
+            )
+            if norms is not None:
+                self._merged_norms[index] = (norms, weight_versions(params))
+            return
+        for offset in dict.fromkeys(offsets):
+            rows = [i for i, o in enumerate(offsets) if o == offset]
+            merge_stack_(
+                [weights[i] for i in rows],
+                factors[rows],
+                group.projection[rows],
+                self.config.distribution,
+                row_offset=offset,
+                chunk_rows=self.config.merge_chunk_rows,
+            )
 
     def step(self, grad_scale: float = 1.0, alpha: float | None = None) -> Payload | None:
         """:meth:`propose` then :meth:`apply`; ``None`` when the update was skipped."""
@@ -383,8 +503,7 @@ class LoGRASketcher:
         self._advance()
 
     def _advance(self) -> None:
-        self._pending_row_stats = None
-        self._pending_moments = None
+        self._pending = None
         self._grams.clear()
         self.update_index += 1
         self.zero_sketches()
@@ -447,9 +566,9 @@ class LoGRASketcher:
         self.num_applied = int(state["num_applied"])
         self.num_skipped = int(state["num_skipped"])
         self.num_rejected = int(state.get("num_rejected", 0))
-        self._pending_row_stats = None
-        self._pending_moments = None
+        self._pending = None
         self._grams.clear()
+        self._merged_norms.clear()
         self.zero_sketches()
         self._install_projections(carry=False)  # the saved moments are already in this update's basis
         moments = state.get("moments", {})
@@ -461,6 +580,24 @@ class LoGRASketcher:
         for name, moment in moments.items():
             self.moments[name].copy_(moment)
         self.moment_age = int(state.get("moment_age", 0))
+
+
+def weight_versions(weights: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(data pointer, version counter)`` of each weight: both stay the same while nothing writes the weight in
+    place through it (writes through ``.data`` are not counted: the sketcher's merge is the only one)."""
+    return [(w.data_ptr(), w._version) for w in weights]
+
+
+def scaled_(directions: torch.Tensor, scales: list[float]) -> torch.Tensor:
+    """``D_i ← c_i · D_i`` in place on a stack (or one matrix with one scale); returns it.
+
+    One scale for all multiplies by the Python float, as one matrix's ``D.mul_(c)`` does (torch rounds ``c`` to
+    float32 for a float32 tensor); several multiply by their float32 values, the same products entry for entry.
+    """
+    if len(set(scales)) == 1:
+        return directions.mul_(scales[0])
+    factor = torch.tensor(scales, dtype=torch.float32, device=directions.device)
+    return directions.mul_(factor.view(-1, *([1] * (directions.dim() - 1))))
 
 
 def select_dense(model: nn.Module, patterns: tuple[str, ...], targets: set[str]) -> dict[str, nn.Parameter]:

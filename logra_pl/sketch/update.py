@@ -2,7 +2,10 @@
 
 Each function is one formula of the spec, on plain tensors: ``S`` is a (d_out × r) sketch, ``v`` the
 (d_out × 1) RowAdam row statistic, ``m`` the (d_out × r) sketch-space first moment, ``P`` the (r × d_in)
-projection.
+projection. Every one also takes a stack of matrices of one shape (a leading dimension: ``(k, d_out, r)``,
+``(k, d_out, 1)``, ``(k, r, d_in)``), the unit of the grouped sketch step: what is summed or averaged "over the
+matrix" is summed over its last two dimensions, so each matrix of a stack gets the value it gets alone
+(algorithm.md §4 says which reductions keep their bits and when).
 """
 
 from __future__ import annotations
@@ -14,10 +17,16 @@ import torch
 TINY = torch.finfo(torch.float32).tiny
 
 
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 (itself when it already is: no operator call)."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
+
+
 def row_denominator(row_stat: torch.Tensor, step: int, beta2: float, eps: float) -> torch.Tensor:
-    """``den = sqrt(v / (1 − β2^t)) + max(ε·mean(root), tiny)``: RowAdam's per-row denominator (d_out × 1)."""
+    """``den = sqrt(v / (1 − β2^t)) + max(ε·mean(root), tiny)``: RowAdam's per-row denominator (d_out × 1), the mean
+    over the matrix's rows."""
     root = torch.sqrt(row_stat / (1.0 - beta2**step))
-    return root + torch.clamp(eps * root.mean(), min=TINY)
+    return root + torch.clamp(eps * root.mean(dim=(-2, -1), keepdim=True), min=TINY)
 
 
 def rowadam_direction(
@@ -44,16 +53,16 @@ def rowadam_direction(
     """
     if step < 1:
         raise ValueError(f"RowAdam step count starts at 1, got {step}")
-    s32 = sketch.to(torch.float32)
-    v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=1, keepdim=True)
+    s32 = _float32(sketch)
+    v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=-1, keepdim=True)
     den = row_denominator(v_new, step, beta2, eps)
-    scale = den.min() / den
-    scale = scale / torch.sqrt(scale.square().mean())
+    scale = den.amin(dim=(-2, -1), keepdim=True) / den
+    scale = scale / torch.sqrt(scale.square().mean(dim=(-2, -1), keepdim=True))
     if numerator is not None:
-        s32 = numerator.to(torch.float32)
+        s32 = _float32(numerator)
     direction = scale * s32
-    d_norm = torch.linalg.vector_norm(direction)
-    s_norm = torch.linalg.vector_norm(s32)
+    d_norm = torch.linalg.vector_norm(direction, dim=(-2, -1), keepdim=True)
+    s_norm = torch.linalg.vector_norm(s32, dim=(-2, -1), keepdim=True)
     # ``if d_norm > 0`` on the device (no host sync): a zero direction is multiplied by 1, which changes no bit.
     restore = torch.where(d_norm > 0, s_norm / d_norm, torch.ones_like(d_norm))
     return direction * restore, v_new
@@ -77,21 +86,21 @@ def adam_direction(
     """
     if step < 1:
         raise ValueError(f"Adam step count starts at 1, got {step}")
-    s32 = sketch.to(torch.float32)
-    v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=1, keepdim=True)
-    num = s32 if numerator is None else numerator.to(torch.float32)
+    s32 = _float32(sketch)
+    v_new = beta2 * row_stat + (1.0 - beta2) * s32.square().mean(dim=-1, keepdim=True)
+    num = s32 if numerator is None else _float32(numerator)
     return num / row_denominator(v_new, step, beta2, eps), v_new
 
 
 def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
     """SGD mode: ``D = S``."""
-    return sketch.to(torch.float32).clone()
+    return _float32(sketch).clone()
 
 
 def first_moment(sketch: torch.Tensor, moment: torch.Tensor, beta1: float) -> torch.Tensor:
     """``m ← β1·m + (1−β1)·S`` in fp32 (from ``m`` as stored: fp32 or bf16), the sketch-space first moment;
     returns the new fp32 ``m``, inputs untouched. The caller rounds it to the storage dtype when it commits."""
-    return beta1 * moment.to(torch.float32) + (1.0 - beta1) * sketch.to(torch.float32)
+    return beta1 * _float32(moment) + (1.0 - beta1) * _float32(sketch)
 
 
 def bias_corrected(moment: torch.Tensor, beta1: float, age: int) -> torch.Tensor:
@@ -110,7 +119,7 @@ def transfer_moment(moment: torch.Tensor, old: torch.Tensor, new: torch.Tensor) 
     orthogonal ``P``) it is ``m · P_old · P_newᵀ``. Computed in float64, returned in ``m``'s dtype.
     """
     p_old, p_new = old.to(torch.float64), new.to(torch.float64)
-    carry = torch.linalg.solve(p_old @ p_old.T, p_old @ p_new.T)  # (r × r): (P_old P_oldᵀ)⁻¹ P_old P_newᵀ
+    carry = torch.linalg.solve(p_old @ p_old.mT, p_old @ p_new.mT)  # (r × r): (P_old P_oldᵀ)⁻¹ P_old P_newᵀ
     return (moment.to(torch.float64) @ carry).to(moment.dtype)
 
 
@@ -134,7 +143,7 @@ def projection_gram(projection: torch.Tensor) -> torch.Tensor:
     the guard before the merge) forms it once.
     """
     p64 = projection.to(torch.float64)
-    return p64 @ p64.T
+    return torch.bmm(p64, p64.mT) if p64.dim() == 3 else p64 @ p64.T
 
 
 def lifted_sq_norm(
@@ -143,14 +152,16 @@ def lifted_sq_norm(
     """``‖D P‖_F²`` without forming the d_out × d_in product: ``Σ (D (P Pᵀ)) ⊙ D``, an r × r Gram matrix.
 
     Pass ``projection`` (``P``), or ``gram``: ``P Pᵀ`` from :func:`projection_gram` (the same value, not recomputed).
-    Returns a 0-dim float64 tensor on ``D``'s device (reading it is the caller's choice: it syncs the device).
+    Returns a 0-dim float64 tensor on ``D``'s device (``(k,)`` for a stack; reading it is the caller's choice: it
+    syncs the device).
     """
     if gram is None:
         if projection is None:
             raise ValueError("lifted_sq_norm needs the projection or its Gram matrix")
         gram = projection_gram(projection)
     d64 = direction.to(torch.float64)
-    return ((d64 @ gram) * d64).sum()
+    product = torch.bmm(d64, gram) if d64.dim() == 3 else d64 @ gram  # bmm: what matmul runs on a stack
+    return (product * d64).sum(dim=(-2, -1))
 
 
 def ratio_scale(

@@ -39,6 +39,11 @@ def _orthogonal(seed: int, rank: int, d_in: int, distribution: str = "rademacher
     return q.float()
 
 
+def _orthogonal_stack(seeds, rank: int, d_in: int, distribution: str = "rademacher", device=None) -> torch.Tensor:
+    """:func:`_orthogonal` for each seed, stacked as the sketcher draws a group's projections."""
+    return torch.stack([_orthogonal(seed, rank, d_in) for seed in seeds])
+
+
 def test_transfer_matches_its_definition() -> None:
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(5, 4, generator=gen)
@@ -88,7 +93,7 @@ def _dense_reference(grads: list[torch.Tensor], w0: torch.Tensor, cfg: LoGRAConf
 def test_square_orthogonal_projection_gives_the_dense_rule(monkeypatch, settings: dict) -> None:
     """r = d_in and an orthogonal ``P`` refreshed every update: the sketch-space moment, carried across every change,
     is the dense moment's sketch, so the merged weights follow the dense computation (momentum, RowAdam, step)."""
-    monkeypatch.setattr(sketcher_module, "make_projection", _orthogonal)
+    monkeypatch.setattr(sketcher_module, "make_projections", _orthogonal_stack)
     model = OneLayer()
     # "gaussian": the merge multiplies by P as drawn (a Rademacher merge would take its signs).
     cfg = LoGRAConfig(targets=("up_proj",), rank=D_IN, distribution="gaussian", factor_dtype="float32", **settings)

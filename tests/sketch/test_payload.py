@@ -129,16 +129,16 @@ def test_merge_with_cached_projection_equals_fresh_draw(distribution: str, rank:
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian", "hadamard"])
 def test_trainer_merge_reuses_the_sketchers_projection(qwen2_factory, monkeypatch, distribution: str) -> None:
     """The sketcher's merge draws no P (it reuses the one it sketched with); a receiver draws each P once."""
-    import logra_pl.sketch.merge as merge_module
+    import logra_pl.sketch.payload as payload_module
 
     draws: list[int] = []
-    original = merge_module.make_projection
+    original = payload_module.make_projections
 
-    def counting(seed, *args, **kwargs):
-        draws.append(seed)
-        return original(seed, *args, **kwargs)
+    def counting(seeds, *args, **kwargs):  # a group of same-shaped matrices at a time
+        draws.extend(seeds)
+        return original(seeds, *args, **kwargs)
 
-    monkeypatch.setattr(merge_module, "make_projection", counting)
+    monkeypatch.setattr(payload_module, "make_projections", counting)
     model = qwen2_factory(seed=3)
     before, payload, sketcher = _trained_step(model, LoGRAConfig(rank=16, distribution=distribution), steps=2)
     assert draws == []

@@ -180,20 +180,20 @@ def test_resume_mid_period_reproduces_the_uninterrupted_run(qwen2_factory, tmp_p
 def test_first_moment_is_carried_only_when_the_basis_changes(qwen2_factory, monkeypatch) -> None:
     """With ``beta1 > 0`` and ``N = 3``, the moment moves to a new basis at updates 3 and 6 only, and with a
     Hadamard ``P`` (``P Pᵀ = (d_in/r)·I``) the least-squares carry is ``m · P_old P_newᵀ · r/d_in``."""
-    import logra_pl.sketch.sketcher as sketcher_module
+    import logra_pl.sketch.groups as groups_module
 
-    original = sketcher_module.transfer_moment
+    original = groups_module.transfer_moment
     calls: list[int] = []
 
-    def counting(moment, old, new):
-        calls.append(sketcher.update_index)
+    def counting(moment, old, new):  # a stack of a group's matrices at a time
+        calls.extend([sketcher.update_index] * moment.shape[0])
         carried = original(moment, old, new)
-        scale = old.shape[0] / old.shape[1]
-        expected = moment.double() @ (old.double() @ new.double().T) * scale
+        scale = old.shape[-2] / old.shape[-1]
+        expected = moment.double() @ (old.double() @ new.double().mT) * scale
         torch.testing.assert_close(carried.double(), expected, rtol=1e-5, atol=1e-9)
         return carried
 
-    monkeypatch.setattr(sketcher_module, "transfer_moment", counting)
+    monkeypatch.setattr(groups_module, "transfer_moment", counting)
     model = qwen2_factory(seed=1)
     cfg = LoGRAConfig(rank=8, beta1=0.9, update_ratio=1e-3, distribution="hadamard", refresh_every=3)
     sketcher = LoGRASketcher(model, cfg)

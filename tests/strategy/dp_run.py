@@ -1,7 +1,7 @@
 """A LoGRA run under LoGRAStrategy, launched as its own script (Lightning re-launches it once per rank).
 
     python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH] [--hf-export DIR]
-        [--optimizer adamw] [--kl-control] [--snapshot-at K] [--loss-menu]
+        [--optimizer adamw] [--kl-control] [--snapshot-at K] [--loss-menu] [--per-matrix]
 
 Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT (and, with ``--kl-control``, the KL
 controller's history).
@@ -105,7 +105,15 @@ def main() -> None:
         action="store_true",
         help="sequence-mean aggregation and a k3 KL penalty to a reference kept with the policy (sharded)",
     )
+    parser.add_argument(
+        "--per-matrix", action="store_true", help="LoGRA's step one matrix at a time (the reference, not the grouped)"
+    )
     args = parser.parse_args()
+    if args.per_matrix:  # the method builds this class; the reference shares every other part of the run
+        import logra_pl.methods.logra as logra_method
+        from logra_pl.sketch.reference import PerMatrixSketcher
+
+        logra_method.LoGRASketcher = PerMatrixSketcher
     torch.set_num_threads(1)
     pl.seed_everything(0)
     module = LoGRAPolicyModule(

@@ -73,6 +73,22 @@ def test_two_processes_equal_one(runs) -> None:
     assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
 
 
+@pytest.mark.slow
+def test_grouped_step_is_the_per_matrix_step_on_two_ranks(tmp_path) -> None:
+    """Under FSDP (row shards at their offsets, sketches all-reduced one group at a time), the grouped sketch step
+    trains the very bits of the per-matrix reference step (``--per-matrix``: ``PerMatrixSketcher``): weights, row
+    statistics, responses, over 7 updates of 2 processes."""
+    grouped = _run(tmp_path, 2, 7, "two7")
+    reference = _run(tmp_path, 2, 7, "two7_per_matrix", "--per-matrix")
+    assert grouped["rows"] == reference["rows"]
+    assert grouped["logra"]["num_applied"] == reference["logra"]["num_applied"] == 7
+    for key, value in reference["policy"].items():
+        assert torch.equal(grouped["policy"][key], value), key
+    for key, value in reference["logra"]["row_stats"].items():
+        assert torch.equal(grouped["logra"]["row_stats"][key], value), key
+    assert grouped["stats"]["logra/sketch_allreduce_bytes"] == reference["stats"]["logra/sketch_allreduce_bytes"] > 0
+
+
 def test_token_budgets_that_cut_ranks_differently_pad_to_equal_forward_counts(runs) -> None:
     """``max_tokens_per_microbatch`` groups each rank's own rows, so ranks can need different microbatch counts; FSDP
     gathers each layer on every rank per forward, so the ranks agree on the largest count and a rank with fewer runs

@@ -1,0 +1,106 @@
+"""The sketch step one matrix at a time: the reference the grouped step is checked and measured against.
+
+:class:`PerMatrixSketcher` is a :class:`~logra_pl.sketch.sketcher.LoGRASketcher` whose numerical kernels run the
+formulas of algorithm.md §2-5 on each matrix alone, as the sketcher did before it grouped same-shaped matrices:
+one RowAdam per sketch, one ``P Pᵀ`` and one ``‖D P‖²`` per matrix, ``‖W‖`` from a float64 copy of each weight,
+one ``make_projection`` per seed, one ``transfer_moment`` per moment, and the merge
+:func:`~logra_pl.sketch.merge.merge_rows_` per matrix. Everything around the kernels (the checks, the scales, the
+guard, the bookkeeping) is the sketcher's own, so the two differ only in how the arithmetic is batched.
+
+It is not used in training and is not selectable in a config: ``tests/sketch/test_fused.py`` checks that the grouped
+step gives the same weights, row statistics, moments and payloads bit for bit, and ``benchmarks/sketch_step.py``
+measures both (operator calls, wall time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from logra_pl.sketch.groups import MatrixGroup
+from logra_pl.sketch.merge import local_tensor, merge_operand, merge_rows_
+from logra_pl.sketch.projection import make_projection
+from logra_pl.sketch.sketcher import GroupStep, LoGRASketcher
+from logra_pl.sketch.update import lifted_sq_norm, projection_gram, transfer_moment
+
+
+class PerMatrixSketcher(LoGRASketcher):
+    """:class:`~logra_pl.sketch.sketcher.LoGRASketcher` with every kernel run per matrix (same arguments).
+
+    Per-matrix values are stacked into the per-group tensors the sketcher reads (stacking copies values, it changes
+    no bit), and the state lives in the same group buffers, read through each matrix's views.
+    """
+
+    def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:
+        rows = [
+            self._rule(
+                group.sketch[i],
+                group.row_stats[i],
+                None if group.moments is None else group.moments[i],
+                step,
+                grad_scale,
+            )
+            for i in range(group.size)
+        ]
+        d, v, m = zip(*rows, strict=True)
+        return (
+            torch.stack(d),
+            None if v[0] is None else torch.stack(v),
+            None if m[0] is None else torch.stack(m),
+        )
+
+    def _sketch_finite(self) -> list[torch.Tensor]:
+        return [torch.stack([torch.isfinite(s).all() for s in group.sketch]) for group in self.groups]
+
+    def _lifted_sq_norms(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for group, factors in zip(self.groups, stacks, strict=True):
+            grams = self._per_matrix_grams(group)
+            out.append(torch.stack([lifted_sq_norm(f.float(), gram=g) for f, g in zip(factors, grams, strict=True)]))
+        return out
+
+    def _per_matrix_grams(self, group: MatrixGroup) -> list[torch.Tensor]:
+        """``P Pᵀ`` of each matrix of the group, formed once per update (as the sketcher's own cache)."""
+        key = self.groups.index(group)
+        if key not in self._grams:
+            self._grams[key] = torch.stack([projection_gram(p) for p in group.projection])
+        return list(self._grams[key].unbind(0))
+
+    def weight_norms(self) -> list[torch.Tensor]:
+        return [
+            torch.stack(
+                [torch.linalg.vector_norm(local_tensor(w.weight).detach(), dtype=torch.float64) for w in g.linears]
+            )
+            for g in self.groups
+        ]
+
+    def _merge(self, group: MatrixGroup, factors: torch.Tensor) -> None:
+        for i, (name, linear) in enumerate(zip(group.names, group.linears, strict=True)):
+            weight = local_tensor(linear.weight)
+            m = self.matrices[name]
+            operand, scale = merge_operand(
+                m.seed,
+                self.config.rank,
+                m.d_in,
+                self.config.distribution,
+                device=weight.device,
+                projection=m.projection,
+            )
+            merge_rows_(
+                weight.data,
+                factors[i],
+                operand,
+                scale,
+                row_offset=int(self.row_offsets.get(name, 0)),
+                chunk_rows=self.config.merge_chunk_rows,
+            )
+
+    def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor:
+        cfg = self.config
+        return torch.stack(
+            [make_projection(seed, cfg.rank, group.d_in, cfg.distribution, device=group.device) for seed in seeds]
+        )
+
+    def _transfer(self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor) -> None:
+        assert group.moments is not None
+        for i in rows:
+            group.moments[i] = transfer_moment(group.moments[i], old[i], new[i])
