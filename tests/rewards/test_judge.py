@@ -20,8 +20,8 @@ from logra_pl.cli import LoGRACLI
 from logra_pl.errors import ConfigError
 from logra_pl.rewards import BoundedVerifier, LLMJudge
 from logra_pl.rewards.judge import JudgeError, JudgeTimeout, question_of
+from tests.helpers.cli import quick_fit_args
 
-CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
 RESPONSE = re.compile(r"Response to grade:\n(.*)\n\nHow correct", re.DOTALL)
 
 
@@ -201,23 +201,13 @@ def test_concurrency_is_bounded(server: JudgeServer) -> None:
 
 def test_two_updates_through_the_cli(server: JudgeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["logra-pl"])
+    judge = [f"--model.verifier.init_args.url={server.url}", "--model.verifier.init_args.model=judge"]
     cli = LoGRACLI(
         args=[
-            "fit",
-            f"--config={CONFIG}",
-            "--trainer.max_steps=2",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.val_check_interval=100",
-            "--model.warm_start=null",
-            "--data.train_size=64",
-            "--data.eval_size=8",
-            "--data.prompts_per_step=8",
-            "--model.rollout.max_new_tokens=6",
+            *quick_fit_args(2, tmp_path / "runs"),
             "--model.verifier.class_path=logra_pl.rewards.LLMJudge",
-            f"--model.verifier.init_args.url={server.url}",
-            "--model.verifier.init_args.model=judge",
+            *judge,
             "--model.verifier.init_args.scale=1.0",
-            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
         ]
     )
     module = cli.model

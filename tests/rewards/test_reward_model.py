@@ -17,8 +17,8 @@ from logra_pl.cli import LoGRACLI
 from logra_pl.errors import ConfigError
 from logra_pl.rewards import BoundedVerifier, RewardModelVerifier, WeightedRewards
 from logra_pl.rewards.reward_model import RunningMoments, prompt_text
+from tests.helpers.cli import quick_fit_args
 
-CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
 RESPONSES = ["4", "the sum is 12", "<answer>7</answer>", "", "1 + 2 + 3 = 6, so 6", "x"]
 
 
@@ -204,21 +204,11 @@ def test_three_updates_through_the_cli(rm_dir: Path, tmp_path: Path, monkeypatch
     monkeypatch.setattr(sys, "argv", ["logra-pl"])
     cli = LoGRACLI(
         args=[
-            "fit",
-            f"--config={CONFIG}",
-            "--trainer.max_steps=3",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.val_check_interval=100",
-            "--model.warm_start=null",
-            "--data.train_size=64",
-            "--data.eval_size=8",
-            "--data.prompts_per_step=8",
-            "--model.rollout.max_new_tokens=6",
+            *quick_fit_args(3, tmp_path / "runs"),
             "--model.verifier.class_path=logra_pl.rewards.RewardModelVerifier",
             f"--model.verifier.init_args.model={rm_dir}",
             "--model.verifier.init_args.device=cpu",
             "--model.verifier.init_args.batch_size=4",
-            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
         ]
     )
     module = cli.model

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from logra_pl.cli import LoGRACLI
+from tests.helpers.cli import quick_fit_args
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
 
@@ -32,19 +33,9 @@ def test_a_plain_user_class_is_the_reward(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.syspath_prepend(str(package))
     cli = LoGRACLI(
         args=[
-            "fit",
-            f"--config={CONFIG}",
-            "--trainer.max_steps=2",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.val_check_interval=100",
-            "--model.warm_start=null",
-            "--data.train_size=64",
-            "--data.eval_size=8",
-            "--data.prompts_per_step=8",
-            "--model.rollout.max_new_tokens=3",
+            *quick_fit_args(2, tmp_path / "runs", max_new_tokens=3),
             "--model.verifier.class_path=my_rewards.ShortAnswer",
             "--model.verifier.init_args.limit=1",
-            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
         ]
     )
     module = cli.model
