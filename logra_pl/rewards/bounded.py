@@ -223,8 +223,9 @@ class BoundedVerifier:
             counters, when it has them, are the ones this object reads and updates. A verifier with a callable
             ``score_batch`` (a reward model, a judge) is called through it, once per batch, in this process.
         timeout_s: seconds one per-call verifier call may run before its worker is killed and replaced and the
-            response counts as a timeout (the clock starts when a worker picks the call up). ``None`` scores in the
-            calling process without a limit (for debugging).
+            response counts as a timeout (the clock starts when a worker picks the call up; it is pebble's, on wall
+            time, so a step of the system clock moves it). ``None`` scores in the calling process without a limit
+            (for debugging).
         workers: number of worker processes.
         correct_threshold: a response is correct (pass@k) when ``reward >= correct_threshold``, unless the verifier
             says otherwise with its own ``correct(response, item, reward)``.
