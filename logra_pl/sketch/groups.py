@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from logra_pl.sketch.merge import float64_scratch, per_batch
-from logra_pl.sketch.update import transfer_moment
+from logra_pl.sketch.update import matrix_sum, transfer_moment
 
 # Most bytes of fp32 sketches one group stacks (larger sets of same-shaped matrices split into several groups). The
 # RowAdam formulas hold one or two stack-sized temporaries, so this also bounds their transient memory.
@@ -147,10 +147,15 @@ def stack_weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
         return norms[0] if len(norms) == 1 else torch.cat(norms)
 
 
-def stack_grams(projections: torch.Tensor) -> torch.Tensor:
+def stack_grams(projections: torch.Tensor, exact: bool = True) -> torch.Tensor:
     """``P_i P_iᵀ`` in float64 (:func:`~logra_pl.sketch.update.projection_gram`) of a ``(k, r, d_in)`` stack:
     ``(k, r, r)``. The float64 copies of ``P`` live in one scratch block
-    (:func:`~logra_pl.sketch.merge.float64_scratch`), a budget's worth of matrices at a time."""
+    (:func:`~logra_pl.sketch.merge.float64_scratch`), a budget's worth of matrices at a time.
+
+    ``exact``: the entries of ``P`` are ``±c`` (Rademacher, Hadamard), so every sum of the product is exact and one
+    batched GEMM gives each matrix its own product's bits. With Gaussian entries the sums round, and a CPU's batched
+    GEMM of ``P Pᵀ`` added them in another order than one matrix's (tiny:medium's 64 × 640 projections, in batches
+    of 3): then each matrix's Gram is its own GEMM."""
     count, rank, d_in = projections.shape
     batch = per_batch(count, 8 * rank * d_in, projections.device)
     scratch = float64_scratch(batch * rank * d_in, projections.device)
@@ -158,7 +163,11 @@ def stack_grams(projections: torch.Tensor) -> torch.Tensor:
     for i0 in range(0, count, batch):
         i1 = min(count, i0 + batch)
         p64 = scratch[: (i1 - i0) * rank * d_in].view(i1 - i0, rank, d_in).copy_(projections[i0:i1])  # exact
-        torch.bmm(p64, p64.mT, out=out[i0:i1])  # what projection_gram computes
+        if exact:
+            torch.bmm(p64, p64.mT, out=out[i0:i1])  # what projection_gram computes
+        else:
+            for p, g in zip(p64.unbind(0), out[i0:i1].unbind(0), strict=True):
+                torch.mm(p, p.mT, out=g)  # projection_gram's own GEMM
     return out
 
 
@@ -177,7 +186,7 @@ def stack_lifted_sq_norms(directions: torch.Tensor, grams: torch.Tensor) -> torc
         n = (i1 - i0) * d_out * rank
         d64 = scratch[:n].view(i1 - i0, d_out, rank).copy_(directions[i0:i1])  # exact
         product = torch.bmm(d64, grams[i0:i1], out=scratch[size : size + n].view(i1 - i0, d_out, rank))
-        parts.append(product.mul_(d64).sum(dim=(-2, -1)))
+        parts.append(matrix_sum(product.mul_(d64)))  # each matrix's bits, in any batch (see matrix_sum)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -243,7 +243,8 @@ class LoGRASketcher:
         """``P Pᵀ`` (float64, ``(k, r, r)``) of group ``index``'s projections, formed once per update and reused."""
         gram = self._grams.get(index)
         if gram is None:
-            gram = self._grams[index] = stack_grams(self.groups[index].projection)
+            exact = self.config.distribution != "gaussian"
+            gram = self._grams[index] = stack_grams(self.groups[index].projection, exact=exact)
         return gram
 
     def _lifted_sq_norms(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:

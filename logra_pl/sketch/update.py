@@ -22,6 +22,32 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
+# Entries one partial sum of :func:`matrix_sum` adds: torch's CPU grain size, the most one reduction adds on one
+# thread (a longer single sum is split between threads).
+SUM_BLOCK = 32768
+
+
+def matrix_sum(x: torch.Tensor) -> torch.Tensor:
+    """``Σ_ij x_ij`` of a matrix (0-dim) or of each matrix of a stack (``(k,)``), in blocks of :data:`SUM_BLOCK`
+    consecutive entries, then over the blocks' sums.
+
+    Why blocks: a CPU sum splits its work between threads by the size of the whole call, so one matrix summed alone
+    and the same matrix summed in a stack of 6 differed in the last bits (tiny:medium's 640 × 64 factors, float64).
+    A block is always one thread's, added in the same order, and so is the short sum over the blocks: every matrix
+    gets the same bits alone, in any stack and with any number of threads. A matrix of at most one block (the tiny
+    model's, at r = 64) is summed as one call sums it, so its bits are what they were before the blocks.
+    """
+    n = x.shape[-2] * x.shape[-1]
+    flat = x.reshape(*x.shape[:-2], n)
+    blocks = n // SUM_BLOCK
+    if blocks == 0:
+        return flat.sum(dim=-1)
+    parts = flat[..., : blocks * SUM_BLOCK].reshape(*x.shape[:-2], blocks, SUM_BLOCK).sum(dim=-1)
+    if n > blocks * SUM_BLOCK:
+        parts = torch.cat([parts, flat[..., blocks * SUM_BLOCK :].sum(dim=-1, keepdim=True)], dim=-1)
+    return parts.sum(dim=-1)
+
+
 def row_denominator(row_stat: torch.Tensor, step: int, beta2: float, eps: float) -> torch.Tensor:
     """``den = sqrt(v / (1 − β2^t)) + max(ε·mean(root), tiny)``: RowAdam's per-row denominator (d_out × 1), the mean
     over the matrix's rows."""
@@ -161,7 +187,7 @@ def lifted_sq_norm(
         gram = projection_gram(projection)
     d64 = direction.to(torch.float64)
     product = torch.bmm(d64, gram) if d64.dim() == 3 else d64 @ gram  # bmm: what matmul runs on a stack
-    return (product * d64).sum(dim=(-2, -1))
+    return matrix_sum(product * d64)
 
 
 def ratio_scale(
