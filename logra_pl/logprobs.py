@@ -13,8 +13,10 @@ class PackedResponses:
     """Prompt+response rows right-padded into one batch, and where each response token sits.
 
     ``input_ids``/``attention_mask``/``position_ids``: ``(B, T)``; ``response_mask``: ``(B, R)`` with
-    ``R = max response length``; ``targets``: the response tokens ``(B, R)`` (0 where padded);
-    ``starts[b]``: index in ``input_ids`` of the position whose logits predict response token 0.
+    ``R = max response length``, 1 at the response tokens the policy sampled (0 where padded, and at tokens an
+    environment inserted into a multi-turn response: ``Rollout.response_masks``); ``targets``: the response tokens
+    ``(B, R)`` (0 where padded); ``starts[b]``: index in ``input_ids`` of the position whose logits predict response
+    token 0.
     """
 
     input_ids: torch.Tensor
@@ -26,8 +28,15 @@ class PackedResponses:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Response lengths ``(B,)``."""
+        """Sampled response tokens per row ``(B,)`` (a multi-turn row's inserted tokens not counted)."""
         return self.response_mask.sum(dim=1)
+
+    @property
+    def extents(self) -> torch.Tensor:
+        """Response positions per row ``(B,)`` up to and including its last sampled token (``lengths`` for a
+        one-turn row; more when an environment inserted tokens before it)."""
+        columns = torch.arange(1, self.response_mask.shape[1] + 1, device=self.response_mask.device)
+        return (self.response_mask > 0).long().mul(columns).amax(dim=1)
 
     def to(self, device: torch.device | str) -> PackedResponses:
         """The same batch on ``device``."""
@@ -35,9 +44,13 @@ class PackedResponses:
 
 
 def pack_responses(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_token_id: int,
+    masks: Sequence[Sequence[int]] | None = None,
 ) -> PackedResponses:
-    """Right-pad ``prompt + response`` rows; positions count from 0 in every row (no left padding)."""
+    """Right-pad ``prompt + response`` rows; positions count from 0 in every row (no left padding). ``masks``: per
+    response, 1 at the tokens the policy sampled and 0 at tokens an environment inserted (default: all sampled)."""
     rows = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
     width = max(len(r) for r in rows)
     r_width = max(max((len(r) for r in responses), default=0), 1)
@@ -51,7 +64,12 @@ def pack_responses(
         attention[b, : len(row)] = 1
         if resp:
             targets[b, : len(resp)] = torch.tensor(list(resp))
-            response_mask[b, : len(resp)] = 1.0
+            if masks is None:
+                response_mask[b, : len(resp)] = 1.0
+            else:
+                if len(masks[b]) != len(resp):
+                    raise ValueError(f"response {b} has {len(resp)} tokens but its mask {len(masks[b])}")
+                response_mask[b, : len(resp)] = torch.tensor(list(masks[b]), dtype=torch.float32)
     starts = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
     positions = torch.arange(width).unsqueeze(0).expand(batch, width).contiguous()
     return PackedResponses(input_ids, attention, positions, targets, response_mask, starts)

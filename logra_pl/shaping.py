@@ -81,6 +81,7 @@ def take_rows(rollout: Rollout, items: Sequence[dict[str, Any]], groups: Sequenc
         finish_reasons=[rollout.finish_reasons[r] for r in rows],
         prompt_index=prompt_index,
         timings=dict(rollout.timings),
+        response_masks=None if rollout.response_masks is None else [rollout.response_masks[r] for r in rows],
     )
     return Drawn([items[rollout.prompt_index[g[0]]] for g in groups], picked, torch.empty(0, dtype=torch.float64))
 
@@ -100,6 +101,8 @@ def concat(parts: Sequence[Drawn]) -> Drawn:
     """Several rounds' responses as one, prompts renumbered in order; timings summed."""
     items, rewards, correct = [], [], []
     rollout = Rollout([], [], [], [], [], {})
+    masked = any(part.rollout.response_masks is not None for part in parts)
+    rollout.response_masks = [] if masked else None
     for part in parts:
         offset = len(items)
         items += part.items
@@ -111,6 +114,8 @@ def concat(parts: Sequence[Drawn]) -> Drawn:
         rollout.logprobs += r.logprobs
         rollout.finish_reasons += r.finish_reasons
         rollout.prompt_index += [offset + i for i in r.prompt_index]
+        if rollout.response_masks is not None:
+            rollout.response_masks += [r.sampled_mask(k) for k in range(len(r))]
         for name, seconds in r.timings.items():
             rollout.timings[name] = rollout.timings.get(name, 0.0) + seconds
     joined = torch.cat(rewards) if rewards else torch.empty(0, dtype=torch.float64)

@@ -92,7 +92,7 @@ def assemble_step(
     log-probs, or ``(log-probs, entropy)`` from the same pass) and, with ``reference_logprobs``, the reference
     policy's; ``scored``/``correct`` as :class:`StepContext` keeps them (the loss mask then leaves out the responses
     without a reward)."""
-    packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id)
+    packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id, rollout.response_masks)
     computed = trainer_logprobs(packed, temperature)
     logp_trainer, entropy = computed if isinstance(computed, tuple) else (computed, None)
     logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)

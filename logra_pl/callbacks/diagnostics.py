@@ -60,7 +60,7 @@ def capture_probe(ctx: Any, responses: int) -> dict[str, Any]:
     k = min(responses, len(ctx.rollout))
     packed = ctx.packed
     width = max(int(packed.attention_mask[:k].sum(dim=1).max()), 1)
-    r_width = max(int(packed.response_mask[:k].sum(dim=1).max()), 1)
+    r_width = max(int(packed.extents[:k].max()), 1)
     return {
         "format": PROBE_FORMAT,
         "update": int(ctx.update_index) + 1,

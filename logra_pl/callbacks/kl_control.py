@@ -164,14 +164,15 @@ class PredictedKLControl(pl.Callback):
         probed = bool(rows)
         rows = rows or [0]  # nothing to probe here: run the forward on one row, read no position
         ids = packed.input_ids[rows]
-        lengths = packed.response_mask[rows].sum(dim=1).long().tolist() if probed else [0]
+        # The sampled positions of each probed row (a multi-turn row's inserted tokens are not the policy's).
+        sampled = [torch.nonzero(packed.response_mask[r]).flatten().tolist() for r in rows] if probed else [[]]
         positions, budget = [], self.max_probe_tokens
         width = ids.shape[1]
-        for b, n in enumerate(lengths):
-            take = min(n, budget)
+        for b, columns in enumerate(sampled):
+            take = columns[: max(budget, 0)]
             start = int(packed.starts[rows[b]])
-            positions += [b * width + start + j for j in range(take)]
-            budget -= take
+            positions += [b * width + start + j for j in take]
+            budget -= len(take)
         inputs = {
             "input_ids": ids.to(device),
             "attention_mask": packed.attention_mask[rows].to(device),

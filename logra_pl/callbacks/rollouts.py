@@ -5,7 +5,9 @@ and the trainer scored the tokens. ``RolloutLog`` appends one JSON object per re
 ``<dirpath>/rollouts.rank<R>.jsonl``:
 
 ``{"update", "rank", "write", "item_id", "task", "prompt_index", "prompt_ids", "response_ids", "response", "reward",
-"advantage", "finish_reason", "rollout_logprobs"}``
+"advantage", "finish_reason", "rollout_logprobs"}``, and for a multi-turn trajectory (:mod:`logra_pl.envs`)
+``"sampled_mask"``: 1 at the tokens the policy sampled, 0 at those its environment inserted (tool results,
+observations); ``response`` is then the whole trajectory after the prompt.
 
 ``update`` is the 1-based index of the update the response trained; ``write`` identifies one call. ``reward`` is
 null for a response the verifier failed on (it was left out of the update). A resumed run
@@ -82,6 +84,8 @@ class RolloutLog(pl.Callback):
                     "finish_reason": r.finish_reasons[row],
                     "rollout_logprobs": r.logprobs[row],
                 }
+                if r.response_masks is not None:
+                    record["sampled_mask"] = r.sampled_mask(row)
                 if self.text and tokenizer is not None:
                     record["response"] = tokenizer.decode(r.response_ids[row], skip_special_tokens=True)
                 f.write(json.dumps(record) + "\n")

@@ -220,7 +220,9 @@ class PolicySync(pl.Callback):
             raise RuntimeError("the probe is built at the first training batch; verify after it")
         sampling = SamplingConfig(temperature=0.0, max_new_tokens=self.probe_new_tokens)
         rollout = pl_module.generate_rollout(self.probe, sampling)
-        packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pl_module.tokenizer.pad_token_id)
+        packed = pack_responses(
+            rollout.prompt_ids, rollout.response_ids, pl_module.tokenizer.pad_token_id, rollout.response_masks
+        )
         trainer_lp = pl_module.trainer_logprobs(packed, 1.0).to(torch.float64)
         engine_lp = padded_logprobs(rollout.logprobs, trainer_lp)
         mask = packed.response_mask.to(torch.bool)

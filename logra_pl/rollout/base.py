@@ -49,6 +49,11 @@ class Rollout:
 
     ``logprobs[k][j]`` is the log-probability of ``response_ids[k][j]`` under the distribution the engine
     actually sampled from (after temperature and top-p); for greedy decoding, under the raw logits.
+
+    ``response_masks`` (multi-turn rollouts, :mod:`logra_pl.envs`): ``response_masks[k][j]`` is 1 where the policy
+    sampled ``response_ids[k][j]`` and 0 where an environment inserted it (a tool result, an observation, the chat
+    template's turn markers); an inserted token's log-prob is 0.0 and it is never trained on. ``None``: every
+    response token was sampled (one turn).
     """
 
     prompt_ids: list[list[int]]
@@ -57,9 +62,16 @@ class Rollout:
     finish_reasons: list[FinishReason]
     prompt_index: list[int]
     timings: dict[str, float] = field(default_factory=dict)
+    response_masks: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def sampled_mask(self, row: int) -> list[int]:
+        """Row ``row``'s mask of sampled tokens (all ones for a one-turn rollout)."""
+        if self.response_masks is None:
+            return [1] * len(self.response_ids[row])
+        return list(self.response_masks[row])
 
     @property
     def truncated(self) -> list[bool]:
@@ -68,8 +80,10 @@ class Rollout:
 
     @property
     def num_response_tokens(self) -> int:
-        """Tokens generated over all responses."""
-        return sum(len(r) for r in self.response_ids)
+        """Tokens the policy sampled over all responses (an environment's inserted tokens not counted)."""
+        if self.response_masks is None:
+            return sum(len(r) for r in self.response_ids)
+        return sum(sum(m) for m in self.response_masks)
 
 
 @dataclass(frozen=True)
