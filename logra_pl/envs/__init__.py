@@ -1,17 +1,24 @@
-"""Multi-turn rollouts: environments, the episode runner, tools (:mod:`logra_pl.envs.base`,
-:mod:`logra_pl.envs.episodes`)."""
+"""Multi-turn rollouts: the environment contract (:mod:`logra_pl.envs.base`), the episode runner that drives
+conversations on any engine (:mod:`logra_pl.envs.episodes`), and the tools a model may call, run in worker processes
+under a time limit (:mod:`logra_pl.envs.tools`)."""
 
 from logra_pl.envs.base import Environment, Message, Turn, check_environment, check_message, tool_schemas
 from logra_pl.envs.episodes import Episodes, continuation_ids, render, run_episodes
+from logra_pl.envs.tools import Tool, ToolCall, ToolResult, ToolRunner, parse_tool_calls
 
 __all__ = [
     "Environment",
     "Episodes",
     "Message",
+    "Tool",
+    "ToolCall",
+    "ToolResult",
+    "ToolRunner",
     "Turn",
     "check_environment",
     "check_message",
     "continuation_ids",
+    "parse_tool_calls",
     "render",
     "run_episodes",
     "tool_schemas",
