@@ -25,6 +25,8 @@ from logra_pl.checkpointing import enable_activation_checkpointing
 from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
 from logra_pl.engine_link import EngineLink
+from logra_pl.envs.base import Environment, check_environment
+from logra_pl.envs.episodes import Episodes, episode_metrics, episode_scores, run_episodes
 from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
 from logra_pl.logprobs import PackedResponses, response_logprobs, response_logprobs_and_entropy
@@ -104,6 +106,10 @@ class LoGRAPolicyModule(pl.LightningModule):
             correct; when a failing verifier stops the run.
         verifier: the reward, any ``__call__(response, item) -> float`` (:class:`~logra_pl.rewards.Verifier`:
             optionally ``correct``, ``score_batch``); default ``ReasoningGymVerifier``.
+        env: a multi-turn environment (:class:`~logra_pl.envs.Environment`, by ``class_path``): each prompt becomes
+            a conversation of at most ``env.max_turns`` replies (tool results, feedback in between), trained on the
+            policy's tokens only; the verifier scores the final reply unless ``env.verify_final`` is False. None:
+            one reply per prompt.
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         guard: DivergenceGuard | None = None,
         scoring: ScoringSettings | None = None,
         verifier: Verifier | None = None,
+        env: Environment | None = None,
     ) -> None:
         super().__init__()
         check_int("microbatch_size", microbatch_size, 1)
@@ -152,6 +159,16 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.verifier = verifier
         sc = self.scoring
         self.scorer = BoundedVerifier(self.verifier, sc.timeout_s, sc.workers, sc.correct_threshold)
+        if env is not None:
+            check_environment(env)
+            if self.rollout_settings.max_staleness > 0:
+                raise ConfigError(
+                    "rollout.max_staleness >= 1 (asynchronous rollouts) samples one reply per prompt ahead of the "
+                    "trainer; a multi-turn env runs its conversations with the trainer's engine calls: set "
+                    "rollout.max_staleness: 0, or drop model.env"
+                )
+        self.env = env
+        self._env_episodes: list[Episodes] = []  # the current update's multi-turn trajectories, all rounds
         self.failures = FailurePolicy(sc.max_failure_rate, sc.max_failed_updates)
         self._update_scores: list[Scores] = []  # every response scored for the current update, all rounds
         self.guard = guard or DivergenceGuard()
@@ -384,7 +401,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Rollout → rewards → advantages → pre-update trainer log-probs."""
         rs = self.rollout_settings
         staleness, shaping = 0, {}
-        self._update_scores = []
+        self._update_scores, self._env_episodes = [], []
         try:
             if self.async_rollouts is not None:  # sampled ahead by the worker (or again, when too stale)
                 rollout, staleness = self.async_rollouts.rollout(items)
@@ -420,6 +437,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         ctx.loss_mask = scored_mask(self.loss_config.token_mask(ctx.packed.response_mask, rollout.truncated), scored)
         ctx.staleness, ctx.shaping, ctx.shaped_rewards = staleness, shaping, shaped
         ctx.metrics["verifier/failure_rate"] = failure_rate  # over every response scored for the update
+        if self._env_episodes:  # multi-turn: every round's trajectories' turns, truncation and environment counts
+            ctx.metrics |= episode_metrics(self._env_episodes)
         return ctx
 
     def _any_short(self, short: bool) -> bool:
@@ -434,12 +453,25 @@ class LoGRAPolicyModule(pl.LightningModule):
         ``split``): a prompt's responses do not depend on batch or ranks."""
         sampling = self.rollout_settings.training_sampling(self._sampling_seed(split))
         seeds = [self._sampling_seed(split, prompt_key(it)) for it in items]
+        if self.env is not None:
+            episodes = self.run_episodes(items, sampling, seeds)
+            return self._scored(items, episodes.rollout, episodes)
         rollout = self.generate_rollout(self.encode_prompts(items), sampling, prompt_seeds=seeds)
         return self._scored(items, rollout)
 
-    def _scored(self, items: list[dict[str, Any]], rollout: Rollout) -> Drawn:
-        """``rollout`` scored: raw rewards (NaN without one) and correctness; kept for the update's failure count."""
-        scores = self.score(rollout, items)
+    def run_episodes(self, items: list[dict[str, Any]], sampling: SamplingConfig, seeds: list[int]) -> Episodes:
+        """``sampling.n`` conversations per item with ``env`` on the engine (:func:`~logra_pl.envs.run_episodes`)."""
+        budget = int(getattr(self.env, "max_tokens", 1024))
+        return run_episodes(self.generate_rollout, self.tokenizer, self.env, items, sampling, seeds, budget)
+
+    def _scored(self, items: list[dict[str, Any]], rollout: Rollout, episodes: Episodes | None = None) -> Drawn:
+        """``rollout`` scored: raw rewards (NaN without one) and correctness; kept for the update's failure count.
+        Multi-turn ``episodes``: the environment's rewards plus the verifier's score of each final reply."""
+        if episodes is None:
+            scores = self.score(rollout, items)
+        else:
+            scores = episode_scores(episodes, self.scorer, items, self.failures.cut(len(rollout)))
+            self._env_episodes.append(episodes)
         self._update_scores.append(scores)
         rewards, _, correct = score_tensors(scores)
         return Drawn(items, rollout, rewards, correct)
@@ -520,8 +552,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         """Sample ``val_responses`` per problem at the validation settings; accumulate reward and pass@j."""
         rs = self.rollout_settings
         sampling = rs.validation_sampling(self._sampling_seed(f"val{batch_idx}"))
-        rollout = self.generate_rollout(self.encode_prompts(batch), sampling)
-        scores = self.score(rollout, batch)
+        if self.env is None:
+            rollout = self.generate_rollout(self.encode_prompts(batch), sampling)
+            scores = self.score(rollout, batch)
+        else:  # the whole conversation, scored as in training (the final reply, plus the environment's reward)
+            seeds = [self._sampling_seed(f"val{batch_idx}", prompt_key(it)) for it in batch]
+            episodes = self.run_episodes(batch, sampling, seeds)
+            rollout = episodes.rollout
+            scores = episode_scores(episodes, self.scorer, batch, None)
         self.check_scores(scores, validation_batch=batch_idx)
         rewards, scored, correct = score_tensors(scores)
         texts = []

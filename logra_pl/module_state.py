@@ -34,6 +34,9 @@ def module_state(module: Any) -> dict[str, Any]:
     }
     if callable(getattr(module.verifier, "state_dict", None)):  # e.g. a reward model's running normalisation
         state["verifier_state"] = module.verifier.state_dict()
+    env = getattr(module, "env", None)
+    if callable(getattr(env, "state_dict", None)):  # e.g. a multi-turn environment's tool counters
+        state["env_state"] = env.state_dict()
     reference = getattr(module, "reference_policy", None)
     if reference is not None:
         state["reference"] = reference.state_dict()
@@ -60,6 +63,9 @@ def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
         module.failures.load_state_dict(state)
         if "verifier_state" in state and callable(getattr(module.verifier, "load_state_dict", None)):
             module.verifier.load_state_dict(state["verifier_state"])
+        env = getattr(module, "env", None)
+        if "env_state" in state and callable(getattr(env, "load_state_dict", None)):
+            env.load_state_dict(state["env_state"])
     reference = getattr(module, "reference_policy", None)
     if reference is not None and "reference" in state:
         reference.check(state["reference"], hint)

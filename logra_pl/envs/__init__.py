@@ -3,10 +3,13 @@ conversations on any engine (:mod:`logra_pl.envs.episodes`), and the tools a mod
 under a time limit (:mod:`logra_pl.envs.tools`)."""
 
 from logra_pl.envs.base import Environment, Message, Turn, check_environment, check_message, tool_schemas
-from logra_pl.envs.episodes import Episodes, continuation_ids, render, run_episodes
+from logra_pl.envs.calculator import CALCULATOR, CalculatorEnv, calculate
+from logra_pl.envs.episodes import Episodes, continuation_ids, episode_metrics, episode_scores, render, run_episodes
 from logra_pl.envs.tools import Tool, ToolCall, ToolResult, ToolRunner, parse_tool_calls
 
 __all__ = [
+    "CALCULATOR",
+    "CalculatorEnv",
     "Environment",
     "Episodes",
     "Message",
@@ -15,9 +18,12 @@ __all__ = [
     "ToolResult",
     "ToolRunner",
     "Turn",
+    "calculate",
     "check_environment",
     "check_message",
     "continuation_ids",
+    "episode_metrics",
+    "episode_scores",
     "parse_tool_calls",
     "render",
     "run_episodes",

@@ -58,10 +58,19 @@ class Environment(Protocol):
     - ``step(item, messages)``: after each reply, with the conversation so far (its last message the policy's reply,
       ``{"role": "assistant", "content": text}``): a :class:`Turn`. The list is the runner's: read it, do not change it.
     - optionally ``tool_schemas()``: the JSON schemas of the tools the policy may call, given to the chat template
-      (``apply_chat_template(..., tools=...)``) when the conversation starts.
-    """
+      (``apply_chat_template(..., tools=...)``) when the conversation starts;
+    - optionally ``max_tokens`` (default 1024): the most tokens of a trajectory after its first prompt, replies and
+      inserted messages together;
+    - optionally ``verify_final`` (default True): the run's verifier scores each trajectory's final reply against its
+      item, added to the environment's reward; False: the environment's reward is the whole reward;
+    - optionally ``continue_truncated`` (default False): a reply cut by ``max_new_tokens`` still goes to ``step``
+      (the chat template closes its turn; the closing is inserted, not sampled); False: such a reply ends the
+      trajectory, truncated;
+    - optionally ``state_dict()``/``load_state_dict(state)``: counters kept in checkpoints.
 
-    max_turns: int
+    (``max_turns`` is read from the instance and checked by :func:`check_environment`; it is not declared here, so
+    that a configuration's ``class_path`` is matched against the methods alone, as jsonargparse matches protocols.)
+    """
 
     def start(self, item: Mapping[str, Any]) -> list[Message]:
         """The conversation's first messages."""

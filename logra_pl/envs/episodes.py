@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from logra_pl.envs.base import Message, Turn, check_environment, check_message, tool_schemas
+from logra_pl.rewards.failures import Scores
 from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig
 
 Generate = Callable[[list[list[int]], SamplingConfig, list[int] | None], Rollout]
@@ -47,6 +48,7 @@ class Episodes:
         rewards: each trajectory's environment reward (the sum of its turns' rewards).
         turns: the policy's replies per trajectory.
         info: per trajectory, the environment's counts summed over its turns.
+        verify_final: the environment's ``verify_final`` (default True): the verifier scores each final reply.
     """
 
     rollout: Rollout
@@ -54,6 +56,7 @@ class Episodes:
     rewards: list[float]
     turns: list[int]
     info: list[dict[str, float]] = field(default_factory=list)
+    verify_final: bool = True
 
     def __len__(self) -> int:
         return len(self.rollout)
@@ -197,6 +200,7 @@ def run_episodes(
         rewards=[t.reward for t in trajectories],
         turns=[t.turns for t in trajectories],
         info=[t.info for t in trajectories],
+        verify_final=bool(getattr(env, "verify_final", True)),
     )
 
 
@@ -216,7 +220,7 @@ def _reply(
     t.turns += 1
     text = tokenizer.decode(ids, skip_special_tokens=True)
     t.messages.append({"role": "assistant", "content": text})
-    if reason == "length":  # cut mid-reply: the conversation cannot go on
+    if reason == "length" and not getattr(env, "continue_truncated", False):  # cut mid-reply: it ends here
         t.finish = "length"
         return
     answer = env.step(item, t.messages)
@@ -235,3 +239,39 @@ def _reply(
         return
     t.append(inserted, None)
     t.messages += [dict(m) for m in answer.observations]
+
+
+def episode_scores(episodes: Episodes, scorer: Any, items: Sequence[Mapping[str, Any]], stop_at: int | None) -> Scores:
+    """The rewards of multi-turn trajectories: each one's environment reward (the sum of its turns'), plus — when
+    the environment's ``verify_final`` is true (the default) — the verifier's score of its final reply against its
+    item, through ``scorer`` (a :class:`~logra_pl.rewards.BoundedVerifier`: time limit, failures, correctness). A
+    trajectory whose final reply the verifier failed on has no reward, as a one-turn response would not.
+
+    Without ``verify_final`` the reward is the environment's alone, and a trajectory is correct (pass@k) when it
+    reaches ``scorer.correct_threshold``.
+    """
+    rollout = episodes.rollout
+    row_items = [items[i] for i in rollout.prompt_index]
+    if not episodes.verify_final:
+        rewards = [float(r) for r in episodes.rewards]
+        return Scores(rewards, [r >= scorer.correct_threshold for r in rewards], [None] * len(rewards))
+    scores = scorer.run(episodes.final_replies(), row_items, stop_at)
+    scores.rewards = [v + float(e) for v, e in zip(scores.rewards, episodes.rewards, strict=True)]
+    return scores
+
+
+def episode_metrics(parts: Sequence[Episodes]) -> dict[str, float]:
+    """Over the trajectories of ``parts`` (an update's sampling rounds): ``env/turns`` (mean replies per
+    trajectory), ``env/truncated`` (share cut by the token budget or the turn limit), ``env/reward`` (mean
+    environment reward) and the mean per trajectory of every count the environment reported (``env/tool_calls``,
+    ``env/tool_errors``, ...)."""
+    turns = [t for p in parts for t in p.turns]
+    reasons = [r for p in parts for r in p.rollout.finish_reasons]
+    rewards = [r for p in parts for r in p.rewards]
+    infos = [i for p in parts for i in p.info]
+    n = max(len(turns), 1)
+    out = {"env/turns": sum(turns) / n, "env/truncated": sum(r == "length" for r in reasons) / n}
+    out["env/reward"] = sum(rewards) / n
+    for name in dict.fromkeys(k for info in infos for k in info):
+        out[f"env/{name}"] = sum(info.get(name, 0.0) for info in infos) / n
+    return out
