@@ -40,23 +40,13 @@ import os
 import pickle
 import re
 import signal
-import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pebble import ProcessPool
-
 from logra_pl.errors import LoGRAError
-from logra_pl.rewards.bounded import (
-    _PER_CALL_GRACE_S,
-    _STARTUP_GRACE_S,
-    _main_imports,
-    _pool_context,
-    _shutdown,
-)
 from logra_pl.rewards.failures import exception_failure
+from logra_pl.workers import WorkerPool, main_imports
 
 log = logging.getLogger(__name__)
 
@@ -388,11 +378,11 @@ def _call_tool(name: str, arguments: Mapping[str, Any], limit: int) -> _Outcome:
 
 def _tool_modules(tools: Sequence[Tool]) -> list[str]:
     """Modules the forkserver imports once, so that each worker starts in a fraction of a second: this module, those
-    that define the tools' functions, and the main script's imports (see :mod:`logra_pl.rewards.bounded`)."""
+    that define the tools' functions, and the main script's imports (see :mod:`logra_pl.workers`)."""
     names = [__name__]
     for tool in tools:
         names.append(getattr(tool.function, "__module__", None) or type(tool.function).__module__)
-    names += _main_imports()
+    names += main_imports()
     skip = ("__main__", "__mp_main__", "builtins")
     return [n for n in dict.fromkeys(names) if isinstance(n, str) and n not in skip]
 
@@ -473,8 +463,8 @@ class ToolRunner:
         self.parse_errors = 0
         self.truncated = 0
         self._signatures = {name: _signature(tool.function) for name, tool in by_name.items()}
-        self._pool: ProcessPool | None = None
-        self._finalizer: weakref.finalize | None = None
+        functions = {tool.name: tool.function for tool in tools}
+        self._pool = WorkerPool(_install_tools, (functions,), _tool_modules(tools), workers, self.timeout_s, "tool")
 
     # -- counters ---------------------------------------------------------------------------------------------------
 
@@ -572,69 +562,16 @@ class ToolRunner:
         return ToolResult(call, content, kind, truncated)
 
     def _run_in_pool(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        futures = self._submit(calls)
-        rounds = math.ceil(len(futures) / self.workers)
-        limit = _STARTUP_GRACE_S + rounds * (self.timeout_s + _PER_CALL_GRACE_S)
-        deadline = time.monotonic() + limit
         results: dict[int, ToolResult] = {}
-        index = {future: k for k, future in enumerate(futures)}
-        pending = set(futures)
-        try:
-            while pending:
-                done, pending = concurrent.futures.wait(
-                    pending,
-                    timeout=max(deadline - time.monotonic(), 0.0),
-                    return_when=concurrent.futures.FIRST_COMPLETED,
-                )
-                if not done:  # the pool stopped answering: give up on it, restart on the next call
-                    log.warning("tool pool gave no result for %d calls in %.0f s: restarting it", len(pending), limit)
-                    break
-                for future in done:
-                    k = index[future]
+        args = [(call.name, call.arguments, self.max_output_chars) for call in calls]
+        with contextlib.closing(self._pool.results(_call_tool, args)) as done:
+            for k, future in done:
+                if future is None:  # the pool stopped answering (it was restarted)
+                    message = f"error: the tool {calls[k].name!r} gave no result"
+                    results[k] = self._failed(calls[k], "errors", message)
+                else:
                     results[k] = self._result(future, calls[k])
-        finally:
-            for future in pending:  # cancelled: a running call's worker is stopped
-                future.cancel()
-        if pending:
-            self.close()
-            for future in pending:
-                k = index[future]
-                results[k] = self._failed(calls[k], "errors", f"error: the tool {calls[k].name!r} gave no result")
-        return [results[k] for k in range(len(futures))]
-
-    def _submit(self, calls: Sequence[ToolCall]) -> list[concurrent.futures.Future]:
-        for attempt in range(2):
-            pool = self._ensure_pool()
-            futures: list[concurrent.futures.Future] = []
-            try:
-                for call in calls:
-                    args = (call.name, call.arguments, self.max_output_chars)
-                    futures.append(pool.schedule(_call_tool, args=args, timeout=self.timeout_s))
-                return futures
-            except RuntimeError:  # the pool broke between the check and the submission
-                for future in futures:
-                    future.cancel()
-                self.close()
-                if attempt == 1:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _ensure_pool(self) -> ProcessPool:
-        if self._pool is not None and not self._pool.active:
-            log.warning("tool pool is broken: restarting it")
-            self.close()
-        if self._pool is None:
-            tools = list(self.tools.values())
-            pool = ProcessPool(
-                max_workers=self.workers,
-                initializer=_install_tools,
-                initargs=({tool.name: tool.function for tool in tools},),
-                context=_pool_context(_tool_modules(tools)),
-            )
-            self._pool = pool
-            # Stops the pool when this object is collected or at interpreter exit, whichever comes first.
-            self._finalizer = weakref.finalize(self, _shutdown, pool)
-        return self._pool
+        return [results[k] for k in range(len(calls))]
 
     def _result(self, future: concurrent.futures.Future, call: ToolCall) -> ToolResult:
         """A finished call's result: its own, or a timeout, or an error when its worker died."""
@@ -654,22 +591,13 @@ class ToolRunner:
 
     def close(self) -> None:
         """Stop the worker pool (idempotent); the next call starts a new one."""
-        finalizer, self._finalizer, self._pool = self._finalizer, None, None
-        if finalizer is not None:
-            finalizer()
+        self._pool.close()
 
     def __enter__(self) -> ToolRunner:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A copy (pickle, deepcopy) gets the tools and counters, never the pool: it starts its own when used.
-        state = self.__dict__.copy()
-        state["_pool"] = None
-        state["_finalizer"] = None
-        return state
 
     def __repr__(self) -> str:
         return (

@@ -23,33 +23,22 @@ the main module, as with any ``forkserver``/``spawn`` multiprocessing).
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
+import contextlib
 import logging
 import math
-import multiprocessing
 import pickle
 import signal
-import sys
-import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from multiprocessing.context import BaseContext
 from typing import Any
-
-from pebble import ProcessPool
 
 from logra_pl.errors import LoGRAError
 from logra_pl.rewards.base import Verifier, ask_correct, batch_scorer, read_counter
 from logra_pl.rewards.failures import Failure, Scores, exception_failure
+from logra_pl.workers import WorkerPool, main_imports
 
 log = logging.getLogger(__name__)
 
 COUNTERS = ("errors", "timeouts", "long_answers", "nan")
-
-# Last-resort bound on one `score` call, in case the pool itself stops answering: a start-up allowance plus, per
-# round of `workers` calls, the time limit and a margin for killing and replacing a worker.
-_STARTUP_GRACE_S = 60.0
-_PER_CALL_GRACE_S = 5.0
 
 # ------------------------------------------------------------------------------------------------------------------
 # Inside a worker process.
@@ -128,23 +117,6 @@ def _score_call(verifier: Any, response: str, item: Mapping[str, Any], count: bo
 # In the calling process.
 
 
-def _pool_context(preload: Sequence[str]) -> BaseContext:
-    """A ``forkserver`` context that imports ``preload`` before forking workers (``spawn`` where unavailable).
-
-    The preload list is the forkserver's, shared by the whole process, and only counts before it first starts;
-    modules already listed (``__main__`` by default) are kept.
-    """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    from multiprocessing import forkserver
-
-    current = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
-    missing = [name for name in preload if name not in current]
-    if missing:
-        forkserver.set_forkserver_preload(current + missing)
-    return multiprocessing.get_context("forkserver")
-
-
 def _preload_modules(verifier: Verifier) -> list[str]:
     """Modules the forkserver imports once, so that each worker starts in a fraction of a second.
 
@@ -154,7 +126,7 @@ def _preload_modules(verifier: Verifier) -> list[str]:
     Lightning. (Python 3.11's forkserver ignores its own ``__main__`` preload, so without this every worker start
     costs that import and its memory.)
     """
-    names = [__name__, *_verifier_modules(verifier), *_main_imports()]
+    names = [__name__, *_verifier_modules(verifier), *main_imports()]
     return [n for n in dict.fromkeys(names) if isinstance(n, str) and n not in ("__main__", "__mp_main__")]
 
 
@@ -165,29 +137,6 @@ def _verifier_modules(verifier: object) -> list[str]:
     if isinstance(parts, Mapping):
         names += [getattr(part, "__module__", None) or type(part).__module__ for part in parts.values()]
     return names
-
-
-def _main_imports() -> list[str]:
-    """The modules a worker imports when multiprocessing re-runs the main module in it (as ``__mp_main__``)."""
-    main = sys.modules.get("__main__")
-    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    if spec_name is not None:  # `python -m name`: re-run by name, except a package's __main__ (never re-run)
-        return [] if spec_name.endswith("__main__") else [spec_name]
-    if getattr(main, "__file__", None) is None:  # interactive: nothing is re-run
-        return []
-    names = []
-    for value in list(vars(main).values()):
-        if inspect.ismodule(value):
-            names.append(value.__name__)
-        elif inspect.isclass(value) or inspect.isfunction(value):
-            names.append(value.__module__)
-    return [n for n in names if isinstance(n, str) and n != "builtins"]
-
-
-def _shutdown(pool: ProcessPool) -> None:
-    """Stop ``pool`` without running queued calls; kill its workers (also at interpreter exit)."""
-    pool.stop()
-    pool.join()
 
 
 def _task_name(item: object) -> str:
@@ -286,8 +235,9 @@ class BoundedVerifier:
         self.nan = 0
         self.last_components: dict[str, float] = {}
         self._own_counts = {"errors": 0, "long_answers": 0}  # for verifiers without counters of their own
-        self._pool: ProcessPool | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._pool = WorkerPool(
+            _install_verifier, (verifier,), _preload_modules(verifier), workers, self.timeout_s, "verifier"
+        )
 
     # -- counters ---------------------------------------------------------------------------------------------------
 
@@ -456,63 +406,19 @@ class BoundedVerifier:
     def _score_in_pool(
         self, responses: Sequence[str], items: Sequence[Mapping[str, Any]], stop_at: int | None
     ) -> list[_Outcome | None]:
-        futures = self._submit(responses, items)
-        rounds = math.ceil(len(futures) / self.workers)
-        limit = _STARTUP_GRACE_S + rounds * (self.timeout_s + _PER_CALL_GRACE_S)
-        deadline = time.monotonic() + limit
+        """Per-call scoring in the workers; stops once ``stop_at`` calls failed (the rest stay ``None``: unscored)."""
         outcomes: dict[int, _Outcome] = {}
-        index = {future: k for k, future in enumerate(futures)}
-        pending = set(futures)
         failed = 0
-        while pending and (stop_at is None or failed < stop_at):
-            done, pending = concurrent.futures.wait(
-                pending, timeout=max(deadline - time.monotonic(), 0.0), return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            if not done:  # the pool stopped answering: give up on it, restart on the next call
-                log.warning("verifier pool gave no result for %d calls in %.0f s: restarting it", len(pending), limit)
-                break
-            for future in done:
-                outcomes[index[future]] = outcome = self._result(future)
+        with contextlib.closing(self._pool.results(_score_in_worker, list(zip(responses, items, strict=True)))) as done:
+            for k, future in done:
+                if future is None:  # the pool stopped answering (it was restarted)
+                    outcomes[k] = _failed("errors", "the scoring pool gave no result")
+                    continue
+                outcomes[k] = outcome = self._result(future)
                 failed += outcome[5] is not None
-        for future in pending:  # cancelled: a running call's worker is stopped
-            future.cancel()
-        if pending and (stop_at is None or failed < stop_at):
-            self.close()
-            for future in pending:
-                outcomes[index[future]] = _failed("errors", "the scoring pool gave no result")
-        return [outcomes.get(k) for k in range(len(futures))]
-
-    def _submit(self, responses: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[concurrent.futures.Future]:
-        for attempt in range(2):
-            pool = self._ensure_pool()
-            futures: list[concurrent.futures.Future] = []
-            try:
-                for response, item in zip(responses, items, strict=True):
-                    futures.append(pool.schedule(_score_in_worker, args=(response, item), timeout=self.timeout_s))
-                return futures
-            except RuntimeError:  # the pool broke between the check and the submission
-                for future in futures:
-                    future.cancel()
-                self.close()
-                if attempt == 1:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _ensure_pool(self) -> ProcessPool:
-        if self._pool is not None and not self._pool.active:
-            log.warning("verifier pool is broken: restarting it")
-            self.close()
-        if self._pool is None:
-            pool = ProcessPool(
-                max_workers=self.workers,
-                initializer=_install_verifier,
-                initargs=(self.verifier,),
-                context=_pool_context(_preload_modules(self.verifier)),
-            )
-            self._pool = pool
-            # Stops the pool when this object is collected or at interpreter exit, whichever comes first.
-            self._finalizer = weakref.finalize(self, _shutdown, pool)
-        return self._pool
+                if stop_at is not None and failed >= stop_at:
+                    break  # the calls not yet done are cancelled
+        return [outcomes.get(k) for k in range(len(responses))]
 
     def _result(self, future: concurrent.futures.Future) -> _Outcome:
         """A finished call's outcome: its own, or a timeout, or an error when the worker raised outside the verifier
@@ -531,22 +437,13 @@ class BoundedVerifier:
 
     def close(self) -> None:
         """Stop the worker pool (idempotent); the next :meth:`score` starts a new one."""
-        finalizer, self._finalizer, self._pool = self._finalizer, None, None
-        if finalizer is not None:
-            finalizer()
+        self._pool.close()
 
     def __enter__(self) -> BoundedVerifier:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A copy (pickle, deepcopy) gets the verifier and counters, never the pool: it starts its own when used.
-        state = self.__dict__.copy()
-        state["_pool"] = None
-        state["_finalizer"] = None
-        return state
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.verifier!r}, timeout_s={self.timeout_s}, workers={self.workers})"

@@ -459,11 +459,11 @@ def test_counters_state_dict_round_trip_and_copies_without_a_pool(runner: ToolRu
     assert state == expected
     fresh = ToolRunner(TOOLS)
     fresh.load_state_dict(state)
-    assert fresh.counters() == expected and fresh._pool is None
+    assert fresh.counters() == expected and not fresh._pool.started
     fresh.load_state_dict({"calls": 7})  # a counter left out restarts from 0
     assert fresh.counters() == _counts(calls=7)
     copy = pickle.loads(pickle.dumps(runner))
-    assert runner._pool is not None and copy._pool is None and copy._finalizer is None
+    assert runner._pool.started and not copy._pool.started
     assert copy.counters() == expected and list(copy.tools) == list(runner.tools)
 
 
@@ -472,7 +472,7 @@ def test_close_is_idempotent_and_the_pool_restarts() -> None:
     runner.close()
     with runner:
         assert runner.run([ToolCall("add", {"a": 1, "b": 1})])[0].content == "2"
-    assert runner._pool is None
+    assert not runner._pool.started
     runner.close()
     assert runner.run([ToolCall("add", {"a": 2, "b": 2})])[0].content == "4"
     runner.close()

@@ -271,7 +271,7 @@ def test_a_batch_verifier_is_called_once_per_batch_in_process() -> None:
     assert "score_batch" in crashed.failures[0].traceback
     short = bounded.run(["short"], [{}])
     assert "score_batch returned 0 values for 1 responses" in short.failures[0].message
-    assert bounded._pool is None
+    assert not bounded._pool.started
 
 
 class CannotWork:

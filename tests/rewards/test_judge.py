@@ -179,7 +179,7 @@ def test_a_batch_through_the_runner(server: JudgeServer) -> None:
     judge = LLMJudge(url=server.url, timeout_s=0.2, retries=2, backoff_s=0.01, max_concurrency=3)
     with BoundedVerifier(judge, timeout_s=5.0, workers=2, correct_threshold=0.5) as bounded:
         scores = bounded.run(responses, [_item()] * len(responses))
-        assert bounded._pool is None  # judged in this process, concurrently: no worker processes
+        assert not bounded._pool.started  # judged in this process, concurrently: no worker processes
         assert bounded.counters() == {"errors": 2, "timeouts": 1, "long_answers": 0, "nan": 0}
     kinds = [f.kind if f is not None else None for f in scores.failures]
     assert kinds == [None, "timeouts", "errors", "errors", None, None]

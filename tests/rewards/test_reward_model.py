@@ -99,7 +99,7 @@ def test_through_the_runner_in_process_with_correctness(rm_dir: Path) -> None:
     verifier = RewardModelVerifier(str(rm_dir), device="cpu", batch_size=4)
     with BoundedVerifier(verifier, timeout_s=5.0, workers=2, correct_threshold=0.5) as bounded:
         scores = bounded.run(RESPONSES, ITEMS)
-        assert bounded._pool is None  # scored in this process, once per batch: no model in any worker
+        assert not bounded._pool.started  # scored in this process, once per batch: no model in any worker
     assert scores.rewards == _close(expected)
     assert scores.correct == [s >= 0.5 for s in scores.rewards]
     assert scores.failed == 0
