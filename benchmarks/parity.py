@@ -17,7 +17,10 @@ on, and is reported on fresh seeds. The protocol, on ``configs/tiny_cpu.yaml``:
    sizes the step); ``adamw`` (``configs/overlays/adamw.yaml``) and ``lora`` r = 64 (``configs/ablations/lora.yaml``),
    tuned by lr. Each knob has 4 to 6 log-spaced values (:data:`METHODS`; the paper's KL scale 5, its grid extended
    one step down when its best was at the lower edge; logra_best's 6, one more step up when its best was at the
-   upper edge), run on seeds 0-1. The chosen value is the
+   upper edge), run on seeds 0-1. A choice at the smallest or largest value tried is followed outward (the
+   widening rule, :func:`widen`; ``--no-widen`` turns it off): the next value of the full grid, then one step beyond
+   it (:attr:`Knob.beyond`), two more tuning runs per step, until the choice is interior or that last step is
+   tried; a KL budget whose α sat at its cap is not widened upward. The chosen value is the
    argmax over values of the tuning-split pass@1, each run's score being the **mean of its last two validations**
    (less evaluation noise than the final one alone, still the end of training), averaged over the seeds. Ties
    (equal to 1e-9) go to the higher mean reward gain, then to the smaller knob value (the more conservative
@@ -110,11 +113,14 @@ class Knob:
         values: the log-spaced grid, ascending.
         default: the value a cut grid centres on (``--values K`` keeps the K values nearest to it): where the
             method's full tuning on ``tiny`` chose, so a 3-value grid on ``tiny:small`` brackets that choice.
+        beyond: one value below and one above ``values`` (same log step): where the widening rule
+            (:func:`widen`) steps when a choice sits at the edge of the full grid. The rule goes no further.
     """
 
     name: str
     values: tuple[float, ...]
     default: float
+    beyond: tuple[float, float]
 
     def args(self, value: float, overlays: Sequence[str]) -> list[str]:
         """The ``logra-pl`` overrides that set the knob to ``value``."""
@@ -125,6 +131,16 @@ class Knob:
             f"--trainer.callbacks.init_args.schedule.delta_max={fmt(high * value)}",
             f"--trainer.callbacks.init_args.schedule.delta_min={fmt(low * value)}",
         ]
+
+    def next_value(self, tried: Sequence[float], chosen: float) -> float | None:
+        """The untried value next to ``chosen`` on its outer side, when ``chosen`` is the smallest or largest of
+        ``tried``: the neighbouring grid value, else the one step beyond the grid; None when there is none."""
+        ladder = (self.beyond[0], *self.values, self.beyond[1])
+        if chosen not in ladder or len(tried) < 2 or chosen not in (min(tried), max(tried)):
+            return None
+        i = ladder.index(chosen)
+        j = i - 1 if chosen == min(tried) else i + 1
+        return ladder[j] if 0 <= j < len(ladder) and ladder[j] not in tried else None
 
     def keep(self, count: int | None) -> tuple[float, ...]:
         """The ``count`` values nearest to the default (log distance; ties: the smaller), ascending; all for None."""
@@ -160,15 +176,15 @@ class Method:
 # The grids: factor-2 steps of the KL budget around paper_logra.yaml's own (δmax 1e-2 → δmin 1e-3); half-decade
 # steps of lr around the configs' (AdamW 3e-4, LoRA 1e-3). The KL grid has a fifth value, 0.25: on `tiny`
 # paper_logra's best tuning score was at 0.5, the grid's edge, so the grid was extended one step down.
-KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0), 0.5)
+KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0), 0.5, (0.125, 8.0))
 # logra_best's grid goes one step further up: on `tiny` its best tuning score was at 4, the edge of the paper's grid
 # (its first moment and Adam-style step take larger budgets without the collapse the paper's rule shows at 2 and 4).
 # At 8 (tiny's choice) α sat at its cap 3 on 84% of updates: the budget no longer sizes the step, so the grid stops.
 # Each default is tiny's choice, so a 3-value cut (tiny:small) keeps 0.25, 0.5, 1 (paper), 2, 4, 8 (logra_best),
 # 1e-4, 3e-4, 1e-3 (AdamW), 3e-4, 1e-3, 3e-3 (LoRA).
-LEVERS_KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), 4.0)
-ADAMW_KNOB = Knob("lr", (1e-4, 3e-4, 1e-3, 3e-3), 3e-4)
-LORA_KNOB = Knob("lr", (3e-4, 1e-3, 3e-3, 1e-2), 1e-3)
+LEVERS_KL_KNOB = Knob("kl_scale", (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), 4.0, (0.125, 16.0))
+ADAMW_KNOB = Knob("lr", (1e-4, 3e-4, 1e-3, 3e-3), 3e-4, (3e-5, 1e-2))
+LORA_KNOB = Knob("lr", (3e-4, 1e-3, 3e-3, 1e-2), 1e-3, (1e-4, 3e-2))
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -431,9 +447,11 @@ class Plan:
     tune_seeds: tuple[int, ...] = TUNE_SEEDS
     report_seeds: tuple[int, ...] = REPORT_SEEDS
     extra: tuple[str, ...] = ()
+    widened: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # values added by :func:`widen`
 
     def values_of(self, method: str) -> tuple[float, ...]:
-        return METHODS[method].knob.keep(self.values)
+        """The method's tuning values: the kept grid plus what the widening rule added, ascending."""
+        return tuple(sorted({*METHODS[method].knob.keep(self.values), *self.widened.get(method, ())}))
 
     def spec(
         self, stage: str, method: str, value: float, seed: int, lever: tuple[str, dict[str, Any]] | None = None
@@ -603,6 +621,51 @@ def choices(plan: Plan, out: Path, methods: Sequence[str] | None = None) -> dict
         }
         found[name] = choose(name, results)
     return found
+
+
+def widening_step(plan: Plan, out: Path, name: str, choice: Choice) -> float | None:
+    """The value the widening rule adds to ``name``'s tuning next, or None.
+
+    A choice at the smallest or largest value tried may have its optimum outside them, so the rule tries the next
+    value outward (:meth:`Knob.next_value`: the full grid's neighbour, then one step beyond it), once per call.
+    Not upward in a KL budget whose α already sat at its cap on ≥ CAP_BOUND_FRACTION of the choice's updates: the
+    budget no longer sizes the step there, so a larger one is the same run.
+    """
+    method = METHODS[name]
+    if choice.value is None:
+        return None
+    tried = plan.values_of(name)
+    step = method.knob.next_value(tried, choice.value)
+    if step is None or method.knob.name != "kl_scale" or step < choice.value:
+        return step
+    runs = [load_result(plan.spec("tune", name, choice.value, s), out) for s in plan.tune_seeds]
+    cap = cap_binding([r for r in runs if r and not r.get("failed")], alpha_cap(method.overlays))
+    return None if cap is not None and cap["fraction"] >= CAP_BOUND_FRACTION else step
+
+
+def widen(plan: Plan, out: Path, run: typing.Callable[[list[RunSpec]], None] | None = None) -> Plan:
+    """``plan`` with each method's tuning grid followed outward while its choice sits at an edge
+    (:func:`widening_step`). With ``run`` (the tuning stage) the added values' tuning runs are run, round after
+    round; without it (other stages, the report) only values whose tuning runs have all finished are added, so every
+    invocation recomputes the same grids from what is on disk."""
+    while True:
+        found = choices(plan, out)
+        grow: dict[str, float] = {}
+        for name in plan.methods:
+            step = widening_step(plan, out, name, found[name])
+            if step is None:
+                continue
+            specs = [plan.spec("tune", name, step, s) for s in plan.tune_seeds]
+            if run is not None or all(load_result(s, out) is not None for s in specs):
+                grow[name] = step
+        if not grow:
+            return plan
+        plan = dataclasses.replace(
+            plan, widened={**plan.widened, **{n: (*plan.widened.get(n, ()), v) for n, v in grow.items()}}
+        )
+        if run is not None:
+            print(f"  widening: {', '.join(f'{n} adds {fmt(v)}' for n, v in grow.items())} (choice at an edge)")
+            run([plan.spec("tune", n, v, s) for n, v in grow.items() for s in plan.tune_seeds])
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -925,9 +988,12 @@ def cuts(plan: Plan) -> list[str]:
     if plan.updates != PROTOCOL["updates"]:
         out.append(f"{plan.updates} updates per run (full protocol: {PROTOCOL['updates']})")
     for name in plan.methods:
-        kept, full = plan.values_of(name), METHODS[name].knob.values
+        kept, full = METHODS[name].knob.keep(plan.values), METHODS[name].knob.values
         if kept != full:
             out.append(f"{name}: {len(kept)} knob values {list(map(fmt, kept))} of {list(map(fmt, full))}")
+        if plan.widened.get(name):
+            added = list(map(fmt, sorted(plan.widened[name])))
+            out.append(f"{name}: widened by {added} (its choice sat at an edge; the widening rule)")
     if plan.tune_seeds != TUNE_SEEDS:
         out.append(f"tuning seeds {list(plan.tune_seeds)} (full: {list(TUNE_SEEDS)})")
     if plan.report_seeds != REPORT_SEEDS:
@@ -967,8 +1033,8 @@ def findings(report: dict) -> list[str]:
         elif entry["choice_at_edge"]:
             out.append(
                 f"{name}: the chosen {entry['knob']} = {fmt(entry['choice'])} is at the edge of its grid "
-                f"{list(map(fmt, entry['values']))}: the optimum may lie outside it (extend METHODS' grid and rerun; "
-                "finished runs are reused)."
+                f"{list(map(fmt, entry['values']))}: the optimum may lie outside it (the widening rule, on unless "
+                "--no-widen, steps outward to one value beyond the full grid; finished runs are reused)."
             )
         failed = [v for v, s in entry["tuning"].items() if s["failed"]]
         if failed:
@@ -1180,6 +1246,10 @@ def describe(plan: Plan, stage: str, levers: Sequence[str], tune: Sequence[RunSp
         f"  total estimated {(est_tune + est_report + est_levers) / 60:.0f} min, finished runs included (ablate.COSTS,"
         f" measured on tiny; x{scale} per update for {plan.model}; the KL measurement of AdamW/LoRA runs estimated)"
     )
+    lines.append(
+        "  then the widening rule: a choice at a grid edge adds the next value outward (2 runs per step, not in the "
+        "estimate; --no-widen: off)"
+    )
     cut = cuts(dataclasses.replace(plan, methods=tuple(METHODS)))  # a stage's own subset of methods is no cut
     if cut:
         lines.append(f"  cut from the full protocol: {'; '.join(cut)}")
@@ -1220,6 +1290,8 @@ def main(args: argparse.Namespace) -> None:
     """``ablate.py --grid parity|levers``: plan, print the estimate, run the stages, write the report."""
     plan, stage, levers = make_plan(args)
     out = plan.out
+    if args.widen:  # the grids as far as finished runs already widened them
+        plan = widen(plan, out)
     # Methods (and levers) this checkout cannot run: refused before anything starts, named.
     problems = [p for name in plan.methods if (p := preflight(METHODS[name]))]
     if stage == "levers":
@@ -1239,7 +1311,17 @@ def main(args: argparse.Namespace) -> None:
     val0 = parity_baseline(plan, out, max(1, (os.cpu_count() or 2) // args.jobs))
     if tune:
         execute(tune, out, args.jobs, val0, args.retry_failed, args.rerun_without_kl)
-        found = choices(plan, out)
+    if args.widen:
+        runner = functools.partial(
+            execute,
+            out=out,
+            jobs=args.jobs,
+            val0=val0,
+            retry_failed=args.retry_failed,
+            rerun_without_kl=args.rerun_without_kl,
+        )
+        plan = widen(plan, out, runner if tune else None)
+    found = choices(plan, out)
     if stage in ("report", "all"):
         for name, choice in found.items():
             if choice.value is None:
@@ -1258,6 +1340,8 @@ def main(args: argparse.Namespace) -> None:
         )
     # The report holds every method's finished runs, whichever this invocation ran (results.md is one file).
     everything = dataclasses.replace(plan, methods=tuple(METHODS))
+    if args.widen:
+        everything = widen(everything, out)
     shown = levers if stage == "levers" else tuple(n for n in LEVERS if (out / "levers" / n).exists())
     report = collect(everything, out, choices(everything, out), shown)
     report.update(val_start=val0, wall_s=time.perf_counter() - start, cuts=cuts(everything))
@@ -1275,6 +1359,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--values", type=int, default=None, help="knob values per method (nearest the default)")
     group.add_argument("--tune-seeds", type=int, nargs="+", default=None, help="default: 0 1")
     group.add_argument("--report-seeds", type=int, nargs="+", default=None, help="default: 2 3 4 5 6")
+    group.add_argument(
+        "--no-widen",
+        dest="widen",
+        action="store_false",
+        help="keep each tuning grid as planned (default: follow a choice at a grid edge outward, widening())",
+    )
     group.add_argument("--retry-failed", action="store_true", help="rerun runs that failed (kept as failed)")
     group.add_argument(
         "--rerun-without-kl",

@@ -6,6 +6,7 @@ Quick paths only: every "finished run" here is a ``result.json`` written by the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -346,3 +347,64 @@ def test_results_record_paths_relative_to_the_checkout() -> None:
         for arg in json.loads(done.read_text()).get("args", []):
             if arg.startswith("--trainer.logger.init_args.save_dir="):
                 assert arg.split("=", 1)[1].startswith("./"), (done, arg)
+
+
+def test_widening_follows_an_edge_choice_outward_then_stops(tmp_path: Path) -> None:
+    """A cut grid (3 values, as tiny:small's) whose choice is its smallest value gets the next value outward: first
+    the full grid's neighbour does not exist below AdamW's 1e-4, so the one step beyond it, 3e-5; the rule goes no
+    further. Without a runner only finished values are added, so a later invocation sees the same grid. A KL budget
+    whose α sat at its cap is not widened upward; one below the cap is."""
+    plan = parity.Plan(model="tiny:small", updates=40, values=3, methods=("adamw", "logra_best"), out=tmp_path)
+    assert plan.values_of("adamw") == (1e-4, 3e-4, 1e-3)
+    knob = parity.METHODS["adamw"].knob
+    assert knob.next_value((1e-4, 3e-4, 1e-3), 1e-4) == 3e-5
+    assert knob.next_value((1e-4, 3e-4, 1e-3), 1e-3) == 3e-3  # the full grid's own neighbour first
+    assert knob.next_value((1e-4, 3e-4, 1e-3), 3e-4) is None  # interior: nothing to add
+    assert knob.next_value((3e-5, 1e-4, 3e-4), 3e-5) is None  # one step beyond the grid is the last
+    score = {3e-5: 0.8, 1e-4: 0.7, 3e-4: 0.6, 1e-3: 0.1}
+    for value in plan.values_of("adamw"):
+        for seed in plan.tune_seeds:
+            _finish(plan.spec("tune", "adamw", value, seed), tmp_path, tune_score=score[value])
+
+    def kl_runs(value: float, capped: int, tune_score: float) -> None:
+        for seed in plan.tune_seeds:
+            spec = plan.spec("tune", "logra_best", value, seed)
+            result = _finish(spec, tmp_path, tune_score=tune_score)
+            result["curves"]["kl/alpha"] = [(s, 3.0 if s <= capped else 1.0) for s in range(1, 41)]
+            (spec.folder(tmp_path) / "result.json").write_text(json.dumps(result))
+
+    kl_runs(2.0, 0, 0.5)
+    kl_runs(4.0, 0, 0.6)
+    kl_runs(8.0, 20, 0.7)  # α capped on 50% of updates: the budget still sizes the step
+    assert parity.widen(plan, tmp_path).widened == {}  # nothing added has finished yet
+
+    asked: list[list[str]] = []
+
+    def run(specs: list[parity.RunSpec]) -> None:
+        asked.append([f"{s.cell} seed {s.seed}" for s in specs])
+        for spec in specs:
+            if spec.method == "adamw":
+                _finish(spec, tmp_path, tune_score=score[spec.value])
+            else:
+                kl_runs(spec.value, 40, 0.65)  # 16 scores below 8: the choice is interior again
+
+    wide = parity.widen(plan, tmp_path, run)
+    assert asked == [["adamw/lr=3e-05 seed 0", "adamw/lr=3e-05 seed 1", "logra_best/kl_scale=16 seed 0",
+                      "logra_best/kl_scale=16 seed 1"]]  # fmt: skip
+    assert wide.values_of("adamw") == (3e-5, 1e-4, 3e-4, 1e-3) and wide.values_of("logra_best") == (2.0, 4.0, 8.0, 16)
+    found = parity.choices(wide, tmp_path)
+    assert found["adamw"].value == 3e-5 and found["logra_best"].value == 8.0
+    assert parity.widen(plan, tmp_path).widened == wide.widened  # recomputed from disk alone
+    cut = "; ".join(parity.cuts(wide))
+    assert "adamw: widened by ['3e-05'] (its choice sat at an edge" in cut
+    assert "adamw: 3 knob values ['0.0001', '0.0003', '0.001'] of" in cut
+
+    capped = tmp_path / "capped"
+    plan = dataclasses.replace(plan, out=capped, methods=("logra_best",))
+    for value, frac in ((2.0, 0), (4.0, 0), (8.0, 36)):
+        for seed in plan.tune_seeds:
+            spec = plan.spec("tune", "logra_best", value, seed)
+            result = _finish(spec, capped, tune_score=value / 10)
+            result["curves"]["kl/alpha"] = [(s, 3.0 if s <= frac else 1.0) for s in range(1, 41)]
+            (spec.folder(capped) / "result.json").write_text(json.dumps(result))
+    assert parity.widen(plan, capped, run).widened == {}  # 90% capped: a larger budget is the same run
