@@ -57,7 +57,7 @@ from logra_pl.step import (
     step_metrics,
 )
 from logra_pl.validation import ValidationMetrics, item_task
-from logra_pl.warm_start import WarmStart
+from logra_pl.warm_start import WarmStart, check_demonstrations
 
 # The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
 # or the importance ratios and the mismatch estimate measure dropout noise.
@@ -167,6 +167,8 @@ class LoGRAPolicyModule(pl.LightningModule):
                     "trainer; a multi-turn env runs its conversations with the trainer's engine calls: set "
                     "rollout.max_staleness: 0, or drop model.env"
                 )
+        if warm_start is not None:
+            check_demonstrations(warm_start, env)
         self.env = env
         self._env_episodes: list[Episodes] = []  # the current update's multi-turn trajectories, all rounds
         self.failures = FailurePolicy(sc.max_failure_rate, sc.max_failed_updates)
@@ -215,7 +217,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         """The policy from its source (warm-started unless resuming), the engine's copy, the method's preparation."""
         source = rank_zero_first(
             trainer,
-            lambda: training_source(self.policy_source, self.warm_start, self.resume_from, dm),
+            lambda: training_source(self.policy_source, self.warm_start, self.resume_from, dm, self.env),
             lambda: self.method.check_fits(self.policy_source, self.targets),
         )
         self.policy, self.tokenizer, eos = load_training_policy(source, self.dtype_name, self.attn_implementation)
@@ -234,7 +236,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         (cached; rebuilt if the cache is gone), checked against the checkpoint's digest in ``on_load_checkpoint``."""
         if self.resume_from is not None and self.warm_start is not None:
             source = rank_zero_first(
-                trainer, lambda: training_source(self.policy_source, self.warm_start, None, datamodule)
+                trainer, lambda: training_source(self.policy_source, self.warm_start, None, datamodule, self.env)
             )
         shared = self.loss_config.shared
         dtype = shared.reference_dtype or self.dtype_name

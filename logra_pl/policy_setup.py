@@ -19,16 +19,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 T = TypeVar("T")
 
 
-def training_source(source: str, warm_start: WarmStart | None, resume_from: str | None, datamodule: Any) -> str:
+def training_source(
+    source: str, warm_start: WarmStart | None, resume_from: str | None, datamodule: Any, env: Any | None = None
+) -> str:
     """The policy folder to load: ``source`` itself, or its warm-started copy (built and cached on first use; eval
-    questions excluded). A resumed run skips the warm start: the checkpoint holds the weights."""
+    questions excluded; with a multi-turn ``env``, taught on its conversations). A resumed run skips the warm start:
+    the checkpoint holds the weights."""
     if warm_start is not None and resume_from is not None:
         log.info("resuming from %s: the warm start is skipped (the checkpoint holds the weights)", resume_from)
     elif warm_start is not None:
         dm = datamodule
         exclude = dm.eval_questions if dm is not None and hasattr(dm, "eval_questions") else set()
         system = getattr(dm, "system_prompt", None)
-        source = str(warm_start_policy(source, warm_start, exclude, system))
+        source = str(warm_start_policy(source, warm_start, exclude, system, env=env))
     resolve_source(source)  # builds a tiny model if named; load_policy resolves it again from the cache
     return source
 

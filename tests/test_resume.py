@@ -118,6 +118,37 @@ def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(
 
 
 @pytest.mark.slow
+def test_kill9_mid_run_with_a_tool_calling_environment_then_resume_last_is_bitwise(tmp_path: Path) -> None:
+    """The calculator example (configs/overlays/calculator.yaml: multi-turn conversations, tool calls in worker
+    processes, a warm start on its demonstrations) killed at update 6 resumes from update 4 and ends where the
+    uninterrupted run ends: weights, row statistics, rewards, turns and tool counts, and the tool counters kept in
+    the checkpoint."""
+    calc = [f"--config={ROOT / 'configs' / 'overlays' / 'calculator.yaml'}", "--trainer.max_steps=8"]
+    calc += ["--model.warm_start.steps=60", "--data.prompts_per_step=8"]
+    straight = _cli(tmp_path / "straight", *calc)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _cli(tmp_path / "killed", *calc, kill_at=6)
+    assert killed.returncode == -signal.SIGKILL
+    run = tmp_path / "killed" / "tiny_cpu" / "version_0"
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    resumed = _cli(tmp_path / "killed", *calc, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref_run = tmp_path / "straight" / "tiny_cpu" / "version_0"
+    mine = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    ref = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert mine["global_step"] == ref["global_step"] == 8
+    for key, value in ref["state_dict"].items():
+        assert torch.equal(mine["state_dict"][key], value), key
+    for name, v in ref["optimizer_states"][0]["logra"]["row_stats"].items():
+        assert torch.equal(mine["optimizer_states"][0]["logra"]["row_stats"][name], v), name
+    counters = ref["logra_pl"]["env_state"]
+    assert mine["logra_pl"]["env_state"] == counters and counters["calls"] > 0  # the policy did call the tool
+    for tag in ("train/reward_mean", "env/turns", "env/tool_calls", "env/tool_errors", "kl/alpha"):
+        assert _scalars(run, tag) == _scalars(ref_run, tag), tag
+    assert max(_scalars(ref_run, "env/turns").values()) > 1.0
+
+
+@pytest.mark.slow
 def test_resume_refuses_structural_changes_and_notes_the_others(
     straight_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -66,7 +66,12 @@ class Environment(Protocol):
     - optionally ``continue_truncated`` (default False): a reply cut by ``max_new_tokens`` still goes to ``step``
       (the chat template closes its turn; the closing is inserted, not sampled); False: such a reply ends the
       trajectory, truncated;
-    - optionally ``state_dict()``/``load_state_dict(state)``: counters kept in checkpoints.
+    - optionally ``state_dict()``/``load_state_dict(state)``: counters kept in checkpoints;
+    - optionally ``demonstration(item)``: a whole conversation showing the intended behaviour (``start(item)``'s
+      messages, then the policy's replies and the environment's answers, ending with the policy's last reply), or
+      None for an item it cannot show; the supervised warm start trains on its assistant messages
+      (``warm_start.demonstrations``: the share of problems taught this way), so a small policy starts RL already
+      able to write the tool-call format.
 
     (``max_turns`` is read from the instance and checked by :func:`check_environment`; it is not declared here, so
     that a configuration's ``class_path`` is matched against the methods alone, as jsonargparse matches protocols.)

@@ -11,6 +11,7 @@ answered with the error, as a tool message, and counted (``env/tool_errors``).
 from __future__ import annotations
 
 import ast
+import json
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -83,6 +84,9 @@ class CalculatorEnv:
         describe_tools: ``system``: a system message describes the tool and its call format (works with any chat
             template, the tiny model's ChatML too); ``template``: the chat template renders the tool's schema
             (``apply_chat_template(..., tools=...)``; Qwen2.5's does).
+        system_prompt: that system message (``describe_tools: system``); None: :data:`SYSTEM_PROMPT`, which shows a
+            whole call. A policy taught the format by the warm start's demonstrations needs no example: a short
+            message keeps its conversations (and the warm start) short.
     """
 
     verify_final = True
@@ -95,6 +99,7 @@ class CalculatorEnv:
         max_output_chars: int = 200,
         workers: int = 1,
         describe_tools: Literal["system", "template"] = "system",
+        system_prompt: str | None = None,
     ) -> None:
         if describe_tools not in ("system", "template"):
             raise ValueError(f"describe_tools must be 'system' or 'template', got {describe_tools!r}")
@@ -102,7 +107,10 @@ class CalculatorEnv:
             raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt.strip()):
+            raise ValueError(f"system_prompt must be a non-empty string or None, got {system_prompt!r}")
         self.max_turns, self.max_tokens, self.describe_tools = max_turns, max_tokens, describe_tools
+        self.system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.runner = ToolRunner([CALCULATOR], timeout_s=timeout_s, max_output_chars=max_output_chars, workers=workers)
 
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -113,7 +121,7 @@ class CalculatorEnv:
         """The item's messages, after a system message describing the calculator (``describe_tools: system``)."""
         messages = [dict(m) for m in item["messages"]]
         if self.describe_tools == "system":
-            return [{"role": "system", "content": SYSTEM_PROMPT}, *(m for m in messages if m["role"] != "system")]
+            return [{"role": "system", "content": self.system_prompt}, *(m for m in messages if m["role"] != "system")]
         return messages
 
     def step(self, item: Mapping[str, Any], messages: Sequence[Message]) -> Turn:
@@ -125,6 +133,25 @@ class CalculatorEnv:
         errors = sum(not r.ok for r in results)
         observations = [{"role": "tool", "content": r.content} for r in results]
         return Turn(observations=observations, info={"tool_calls": float(len(results)), "tool_errors": float(errors)})
+
+    def demonstration(self, item: Mapping[str, Any]) -> list[Message] | None:
+        """The intended conversation for the warm start: one call on the item's expression (``metadata.expression``,
+        as reasoning-gym's arithmetic tasks give it), the calculator's result, then the gold answer. None for an
+        item without an expression the calculator accepts."""
+        expression = (item.get("metadata") or {}).get("expression")
+        if not isinstance(expression, str):
+            return None
+        try:
+            result = calculate(expression)
+        except (ValueError, SyntaxError, ArithmeticError):
+            return None
+        call = json.dumps({"name": CALCULATOR.name, "arguments": {"expression": expression}})
+        return [
+            *self.start(item),
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": str(item["answer"])},
+        ]
 
     def state_dict(self) -> dict[str, int]:
         """The calculator's counters (calls, errors, timeouts, ...), for checkpoints."""
