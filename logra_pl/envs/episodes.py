@@ -107,21 +107,35 @@ def continuation_ids(
     generation prompt) past what the trajectory already reads — the prompt of ``messages[:-1]`` followed by the
     reply's sampled tokens, special tokens included (``sampled_text``).
 
-    Raises ``ValueError`` when the template does not render the conversation as a continuation of that text (it
-    rewrites an earlier turn): the trajectory would no longer be what the policy saw.
+    A reply that holds a special token before its end (a weak policy samples ``<|im_start|>`` mid-reply) reads, as
+    a message, without it (``messages[-1]`` is the decoded text): the template then renders the message's content,
+    not the sampled text. The continuation is what the template writes after that content, less the end-of-turn
+    token when the policy sampled it itself; the sampled tokens stay as they were.
+
+    Raises ``ValueError`` when the template does not render the conversation as a continuation of the prompt and the
+    reply (it rewrites an earlier turn, or the reply): the trajectory would no longer be what the policy saw.
     """
-    before = render(tokenizer, messages[:-1], tools, prompt=True) + sampled_text
+    prompt = render(tokenizer, messages[:-1], tools, prompt=True)
+    before = prompt + sampled_text
     after = render(tokenizer, [*messages, *observations], tools, prompt=True)
-    if not after.startswith(before):
-        pairs = enumerate(zip(before, after, strict=False))
-        at = next((i for i, (a, b) in pairs if a != b), min(len(before), len(after)))
-        raise ValueError(
-            "the chat template renders the conversation differently from the tokens the policy saw (first "
-            f"difference at character {at}: {before[at : at + 40]!r} vs {after[at : at + 40]!r}); multi-turn "
-            "rollouts append tokens and never re-render a turn, so use a template that keeps earlier turns as "
-            "they were (ChatML / Qwen2.5 do)"
-        )
-    return tokenizer(after[len(before) :], add_special_tokens=False).input_ids
+    if after.startswith(before):
+        return tokenizer(after[len(before) :], add_special_tokens=False).input_ids
+    content = prompt + messages[-1]["content"]
+    if after.startswith(content) and sampled_text != messages[-1]["content"]:  # special tokens left out of the text
+        rest = after[len(content) :]
+        for special in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
+            if special and sampled_text.endswith(special) and rest.startswith(special):
+                rest = rest[len(special) :]  # the end-of-turn token the policy sampled is in the trajectory already
+                break
+        return tokenizer(rest, add_special_tokens=False).input_ids
+    pairs = enumerate(zip(before, after, strict=False))
+    at = next((i for i, (a, b) in pairs if a != b), min(len(before), len(after)))
+    raise ValueError(
+        "the chat template renders the conversation differently from the tokens the policy saw (first "
+        f"difference at character {at}: {before[at : at + 40]!r} vs {after[at : at + 40]!r}); multi-turn "
+        "rollouts append tokens and never re-render a turn, so use a template that keeps earlier turns as "
+        "they were (ChatML / Qwen2.5 do)"
+    )
 
 
 def run_episodes(

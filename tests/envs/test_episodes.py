@@ -129,6 +129,31 @@ def test_token_ids_equal_a_full_retokenisation_outside_the_sampled_replies(polic
         assert rendered.startswith(text) and rendered[len(text) :] in ("\n", "<|im_end|>\n")
 
 
+def test_a_reply_holding_a_special_token_continues_after_its_content(policy) -> None:
+    """A weak policy may sample ``<|im_start|>`` inside a reply: the message reads without it, so the template cannot
+    render the sampled text, and the continuation is what the template writes after the message's content — in
+    ChatML (written out here) the turn's end unless the policy sampled it, the tool message, the next prompt."""
+    tok = policy[1]
+    messages = [{"role": "user", "content": "1 + 2 ="}]
+    for sampled, closing in (("ab<|im_start|>cd<|im_end|>", ""), ("ab<|im_start|>cd", "<|im_end|>")):
+        reply = tok.decode(tok(sampled, add_special_tokens=False).input_ids, skip_special_tokens=True)
+        assert reply == "abcd"
+        ids = continuation_ids(
+            tok, [*messages, {"role": "assistant", "content": reply}], [{"role": "tool", "content": "3"}], sampled
+        )
+        assert tok.decode(ids) == closing + "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
+    # A template that renders the reply itself otherwise (here: drops a reasoning block) is still refused.
+    thinking = {"role": "assistant", "content": "<think>x</think>3"}
+    dropping = SimpleNamespace(
+        all_special_tokens=tok.all_special_tokens,
+        apply_chat_template=lambda ms, **kw: tok.apply_chat_template(
+            [{**m, "content": m["content"].split("</think>")[-1]} if m is not ms[-1] else m for m in ms], **kw
+        ),
+    )
+    with pytest.raises(ValueError, match="renders the conversation differently"):
+        continuation_ids(dropping, [*messages, thinking], [{"role": "user", "content": "more"}], thinking["content"])
+
+
 def test_a_trajectory_does_not_depend_on_its_batch(policy) -> None:
     tok = policy[1]
     engine = _engine(policy)
