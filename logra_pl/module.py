@@ -494,6 +494,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer) | ctx.shaping
         metrics["verifier/failure_rate"] = ctx.metrics.get("verifier/failure_rate", metrics["verifier/failure_rate"])
+        metrics |= {k: v for k, v in ctx.metrics.items() if k.startswith("env/")}  # multi-turn episodes' counts
         if self.async_rollouts is not None:
             metrics |= self.async_rollouts.metrics()
         metrics["guard/rejected_updates"] = float(self.rejections.total)

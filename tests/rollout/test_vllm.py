@@ -174,3 +174,30 @@ def test_vllm_config_runs_through_the_cli(tmp_path: Path) -> None:
     text = proc.stderr + proc.stdout
     assert "`Trainer.fit` stopped: `max_steps=3` reached" in text
     assert "over 3 updates (too short to compare" in text and "val @ update 3" in text
+
+
+def test_multi_turn_conversations_on_vllm_through_the_cli(tmp_path: Path) -> None:
+    """A multi-turn environment (tests.helpers.envs.Feedback: three replies, hints inserted between them) on vLLM:
+    3 updates through the CLI; the engine's log-probs of the sampled tokens of every turn are the trainer's (the
+    rollout/trainer mismatch RolloutMismatch measures over the sampled tokens stays at float noise)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = Path(__file__).parents[2] / "configs" / "tiny_cpu_vllm.yaml"
+    args = ["--config", str(config), "--trainer.max_steps", "3", "--trainer.val_check_interval", "3"]
+    args += ["--model.warm_start", "null", "--data.train_size", "64", "--data.eval_size", "8"]
+    args += ["--data.prompts_per_step", "8", "--data.eval_batch_size", "8"]
+    args += ["--model.env.class_path", "tests.helpers.envs.Feedback", "--model.env.init_args.max_tokens", "64"]
+    args += ["--trainer.logger.init_args.save_dir", str(tmp_path)]
+    code = "import sys; from logra_pl.cli import main; main(['fit', *sys.argv[1:]])"
+    root = str(Path(__file__).parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *sys.path]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    acc = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
+    acc.Reload()
+    scalars = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert len(scalars["env/turns"]) == 3 and min(scalars["env/turns"]) > 1.0  # conversations went on
+    assert scalars["env/hints"] and min(scalars["env/hints"]) > 0.0
+    assert max(abs(v) for v in scalars["mismatch/observed"]) < 1e-6
