@@ -92,19 +92,18 @@ def test_kill9_before_first_validation_then_resume_last_is_bitwise(tmp_path: Pat
     assert "not resumable" not in resumed.stderr  # the prompt loader is resumable, and Lightning knows it
 
 
-@pytest.mark.slow
-def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(tmp_path: Path) -> None:
-    """``rollout.max_staleness: 1``: the checkpoint at update 4 waits for the batch in flight and stores it; the run
-    killed at update 6 resumes from it and ends where the uninterrupted run ends (weights, rewards, staleness)."""
-    stale = ["--model.rollout.max_staleness=1", "--model.rollout.max_stale_kl=0.01", "--trainer.max_steps=8"]
-    straight = _cli(tmp_path / "straight", *stale)
+def _straight_killed_resumed(tmp_path: Path, *args: str) -> tuple[Path, Path, dict, dict, dict]:
+    """An 8-update run straight through, and one killed (SIGKILL) after update 6 then resumed with
+    ``--ckpt_path=last``: (the resumed run's folder, the straight run's, the checkpoint the kill left, both final
+    checkpoints). Asserts the kill left update 4's checkpoint and that both end at update 8 with equal weights."""
+    straight = _cli(tmp_path / "straight", *args)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _cli(tmp_path / "killed", *stale, kill_at=6)
+    killed = _cli(tmp_path / "killed", *args, kill_at=6)
     assert killed.returncode == -signal.SIGKILL
     run = tmp_path / "killed" / "tiny_cpu" / "version_0"
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    assert saved["global_step"] == 4 and sorted(saved["logra_pl"]["async"]["rollouts"]) == ["4", "5"]
-    resumed = _cli(tmp_path / "killed", *stale, "--ckpt_path=last")
+    assert saved["global_step"] == 4
+    resumed = _cli(tmp_path / "killed", *args, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ref_run = tmp_path / "straight" / "tiny_cpu" / "version_0"
     mine = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
@@ -112,6 +111,16 @@ def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(
     assert mine["global_step"] == ref["global_step"] == 8
     for key, value in ref["state_dict"].items():
         assert torch.equal(mine["state_dict"][key], value), key
+    return run, ref_run, saved, mine, ref
+
+
+@pytest.mark.slow
+def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(tmp_path: Path) -> None:
+    """``rollout.max_staleness: 1``: the checkpoint at update 4 waits for the batch in flight and stores it; the run
+    killed at update 6 resumes from it and ends where the uninterrupted run ends (weights, rewards, staleness)."""
+    stale = ["--model.rollout.max_staleness=1", "--model.rollout.max_stale_kl=0.01", "--trainer.max_steps=8"]
+    run, ref_run, saved, _, _ = _straight_killed_resumed(tmp_path, *stale)
+    assert sorted(saved["logra_pl"]["async"]["rollouts"]) == ["4", "5"]
     for tag in ("train/reward_mean", "async/staleness", "async/stale_kl", "kl/alpha"):
         assert _scalars(run, tag) == _scalars(ref_run, tag), tag
     assert set(_scalars(ref_run, "async/staleness").values()) == {0.0, 1.0}
@@ -125,20 +134,7 @@ def test_kill9_mid_run_with_a_tool_calling_environment_then_resume_last_is_bitwi
     the checkpoint."""
     calc = [f"--config={ROOT / 'configs' / 'overlays' / 'calculator.yaml'}", "--trainer.max_steps=8"]
     calc += ["--model.warm_start.steps=60", "--data.prompts_per_step=8"]
-    straight = _cli(tmp_path / "straight", *calc)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _cli(tmp_path / "killed", *calc, kill_at=6)
-    assert killed.returncode == -signal.SIGKILL
-    run = tmp_path / "killed" / "tiny_cpu" / "version_0"
-    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
-    resumed = _cli(tmp_path / "killed", *calc, "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ref_run = tmp_path / "straight" / "tiny_cpu" / "version_0"
-    mine = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    ref = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=False)
-    assert mine["global_step"] == ref["global_step"] == 8
-    for key, value in ref["state_dict"].items():
-        assert torch.equal(mine["state_dict"][key], value), key
+    run, ref_run, _, mine, ref = _straight_killed_resumed(tmp_path, *calc)
     for name, v in ref["optimizer_states"][0]["logra"]["row_stats"].items():
         assert torch.equal(mine["optimizer_states"][0]["logra"]["row_stats"][name], v), name
     counters = ref["logra_pl"]["env_state"]
