@@ -30,7 +30,7 @@ from typing import Any
 
 from logra_pl.envs.base import Message, Turn, check_environment, check_message, tool_schemas
 from logra_pl.rewards.failures import Scores
-from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig
+from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, derived_seed
 
 Generate = Callable[[list[list[int]], SamplingConfig, list[int] | None], Rollout]
 
@@ -84,10 +84,6 @@ class _Trajectory:
         self.ids += list(ids)
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-
-
-def _seed(seed: int, index: int) -> int:
-    return (int(seed) * 1_000_003 + index) % 2**63
 
 
 def render(tokenizer: Any, messages: Sequence[Message], tools: list[dict[str, Any]] | None, prompt: bool) -> str:
@@ -174,7 +170,7 @@ def run_episodes(
             check_message(message)
         prompt = tokenizer(render(tokenizer, first, tools, prompt=True), add_special_tokens=False).input_ids
         for k in range(sampling.n):
-            seed = None if prompt_seeds is None else _seed(prompt_seeds[i], k)
+            seed = None if prompt_seeds is None else derived_seed(prompt_seeds[i], k)
             trajectories.append(_Trajectory(i, prompt, seed, [dict(m) for m in first]))
     index = [i for i in range(len(items)) for _ in range(sampling.n)]
     generate_s = 0.0
@@ -190,7 +186,7 @@ def run_episodes(
             call = SamplingConfig(
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=budget, seed=sampling.seed
             )
-            seeds = None if part[0].seed is None else [_seed(t.seed, turn) for t in part]  # type: ignore[arg-type]
+            seeds = None if part[0].seed is None else [derived_seed(t.seed, turn) for t in part]  # type: ignore[arg-type]
             t0 = time.perf_counter()
             out = generate([t.prompt + t.ids for t in part], call, seeds)
             generate_s += time.perf_counter() - t0

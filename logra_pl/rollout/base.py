@@ -180,6 +180,13 @@ class StaleableEngine(RolloutEngine, Protocol):
         ...
 
 
+def derived_seed(seed: int, index: int) -> int:
+    """``(seed · 1_000_003 + index) mod 2⁶³``: the seed of response ``index`` of a prompt with ``seed`` (and of turn
+    ``index`` of a multi-turn trajectory with ``seed``) — a function of its two arguments only, so a response does
+    not depend on the batch, rank, engine or call it is sampled in."""
+    return (int(seed) * 1_000_003 + index) % 2**63
+
+
 def expand_prompts(
     prompts: Sequence[Sequence[int]],
     sampling: SamplingConfig,
@@ -207,7 +214,7 @@ def expand_prompts(
     index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
     seeds = None
     if prompt_seeds is not None:
-        seeds = [(int(s) * 1_000_003 + k) % 2**63 for s in prompt_seeds for k in range(sampling.n)]
+        seeds = [derived_seed(s, k) for s in prompt_seeds for k in range(sampling.n)]
     return rows, index, seeds
 
 

@@ -28,7 +28,15 @@ import torch
 from safetensors.torch import load as st_load
 
 from logra_pl.errors import ConfigError, PolicyDivergedError, check_choice, check_int, check_range
-from logra_pl.rollout.base import FinishReason, Rollout, RolloutEngine, SamplingConfig, SyncReport, expand_prompts
+from logra_pl.rollout.base import (
+    FinishReason,
+    Rollout,
+    RolloutEngine,
+    SamplingConfig,
+    SyncReport,
+    derived_seed,
+    expand_prompts,
+)
 from logra_pl.rollout.registry import EngineRequest, EngineSpec, engine_model_folder
 from logra_pl.rollout.vllm_worker import tensors_to_bytes
 from logra_pl.sketch.payload import Payload
@@ -266,7 +274,7 @@ def engine_kwargs(s: VLLMSettings, model_dir: str, trainer_dtype: str, *, in_pro
 
 def row_seeds(sampling: SamplingConfig, rows: int) -> list[int]:
     """Seeds of a call's rows when no per-prompt seeds are given: from ``sampling.seed`` and the row."""
-    return [(sampling.seed * 1_000_003 + k) % 2**63 for k in range(rows)]
+    return [derived_seed(sampling.seed, k) for k in range(rows)]
 
 
 def request_params(sampling: SamplingConfig, seeds: Sequence[int], eos: Sequence[int]) -> list[Any]:
