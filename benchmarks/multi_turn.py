@@ -146,16 +146,18 @@ def _pm(values: Sequence[float]) -> str:
     return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
 
 
-def report(results: Sequence[dict], updates: int, seeds: Sequence[int]) -> str:
-    """results.md: one table, a column per engine."""
+def report(results: Sequence[dict], updates: int) -> str:
+    """results.md: one table, a column per engine (its seeds named)."""
     engines = [e for e in ENGINES if any(r["engine"] == e for r in results)]
+    seeds = {e: sorted(r["seed"] for r in results if r["engine"] == e) for e in engines}
     lines = [
         "# The calculator example over seeds and engines (`benchmarks/multi_turn.py`)",
         "",
         f"`logra-pl fit --config configs/tiny_cpu.yaml [--config configs/overlays/vllm.yaml] --config {OVERLAY}`, "
-        f"{updates} updates, seeds {list(seeds)}; mean ± std over seeds.",
+        f"{updates} updates; mean ± std over each engine's seeds; first / last: the mean over the first / last 10% "
+        "of updates (train rewards are sampled at temperature 1; val pass@1 is greedy, on the 256 held-out problems).",
         "",
-        "| | " + " | ".join(engines) + " |",
+        "| | " + " | ".join(f"{e} (seeds {', '.join(map(str, seeds[e]))})" for e in engines) + " |",
         "| --- | " + " | ".join("---" for _ in engines) + " |",
     ]
     by = {e: [r for r in results if r["engine"] == e] for e in engines}
@@ -195,11 +197,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda p: run_one(p[0], p[1], args.updates, args.out, threads), plan))
+        list(pool.map(lambda p: run_one(p[0], p[1], args.updates, args.out, threads), plan))
+    # The report holds every finished run under --out at these settings, whichever invocation ran it (an engine may
+    # have been run on fewer seeds than another).
+    results = [
+        r
+        for path in sorted(args.out.glob("*/seed*/result.json"))
+        if (r := json.loads(path.read_text()))["updates"] == args.updates
+        and r["args"] == ablate.recorded_args(run_args(r["engine"], r["seed"], args.updates, path.parent, "<served>"))
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k != "curves"} for r in results]
     (args.out / "results.json").write_text(json.dumps(slim, indent=1))
-    text = report(results, args.updates, args.seeds)
+    text = report(results, args.updates)
     (args.out / "results.md").write_text(text)
     print(text)
 
