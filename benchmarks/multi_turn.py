@@ -24,12 +24,8 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -86,26 +82,18 @@ def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dic
 
 
 @contextlib.contextmanager
-def served_engine(log: Path):
-    """A ``logra-pl serve --model tiny`` process on a free port for the duration; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "logra_pl.cli", "serve", "--model", "tiny", "--port", str(port)]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+def served_engine(log_dir: Path):
+    """A ``logra-pl serve --model tiny`` process (the tests' ``Server``: its own process group, a free port) for the
+    duration; yields its URL."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.serve import Server
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = Server(log_dir).start(timeout=600)
     try:
-        deadline = time.monotonic() + 600
-        while "logra-pl serve: ready at" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"logra-pl serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
+        yield server.url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        server.kill()
 
 
 def run_one(engine: str, seed: int, updates: int, out: Path, threads: int) -> dict[str, Any]:
@@ -117,7 +105,7 @@ def run_one(engine: str, seed: int, updates: int, out: Path, threads: int) -> di
         print(f"  {engine} seed {seed}: finished earlier, reused", flush=True)
         return json.loads(done.read_text())
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(served_engine(out / engine / f"serve-seed{seed}.log")) if engine == "served" else None
+        url = stack.enter_context(served_engine(out / engine / f"serve-seed{seed}")) if engine == "served" else None
         if folder.exists():
             for path in sorted(folder.rglob("*"), reverse=True):  # an unfinished run starts over
                 path.unlink() if path.is_file() else path.rmdir()
