@@ -1,7 +1,7 @@
 """One LoGRA sketch step (``propose()`` + ``apply()``): the per-matrix reference vs the grouped step, side by side.
 
     python benchmarks/sketch_step.py [--json out.json] [--shapes medium,1.5b,7b] [--rank 64] [--big-rank 256]
-        [--repeats 5] [--distribution rademacher]
+        [--repeats 5] [--rounds 3] [--distribution rademacher]
 
 What it measures, per model shape and path (``per-matrix``: :class:`~logra_pl.sketch.reference.PerMatrixSketcher`,
 the step one matrix at a time as it ran before it was grouped; ``grouped``: :class:`~logra_pl.sketch.LoGRASketcher`):
@@ -11,16 +11,19 @@ the step one matrix at a time as it ran before it was grouped; ``grouped``: :cla
   issue 26 were counted.
 - ``aten (dispatch)``: the operator calls that reach a ``TorchDispatchMode`` (top-level calls after autograd, nested
   ones not repeated). On a GPU each of them launches at least one kernel.
-- ``seconds``: wall time of ``propose()`` + ``apply()`` (after one untimed update; the minimum and the median over
-  ``--repeats``), on the CPU or on CUDA (``torch.cuda.synchronize()`` on both ends).
+- ``seconds``: wall time of ``propose()`` + ``apply()`` (after one untimed update), on the CPU or on CUDA
+  (``torch.cuda.synchronize()`` on both ends): the minimum and the median over ``--repeats`` updates in each of
+  ``--rounds`` fresh processes per path, the two paths alternating (per-matrix, grouped, then grouped, per-matrix,
+  ...), so that a machine whose speed drifts (a shared host) favours neither.
 - ``RSS rise``: on the CPU, how far one ``propose()`` + ``apply()`` lifts the process's peak RSS above its RSS
-  before it (``VmHWM`` reset through ``/proc/self/clear_refs``), measured on the second update.
+  before it (``VmHWM`` reset through ``/proc/self/clear_refs``), measured on the second update (median of the
+  rounds).
 
 Shapes: ``medium`` is ``tiny:medium`` (10 layers × 7 matrices, ~50M parameters) on the CPU with real sketches from
 one backward pass. ``1.5b`` and ``7b`` are Qwen2.5-1.5B and -7B (28 layers × 7 matrices) at ``--big-rank``: on the
 meta device (shapes only, no arithmetic, no memory) for the operator counts, where a dispatch mode answers the
 host reads (``tolist()``, ``float()``) with 1.0; and, when CUDA is available, on the GPU with random weights and
-sketches, for counts and time. Every measurement runs in a fresh process, one path after the other.
+sketches, for counts and time. Every measurement runs in a fresh process.
 
 The table prints each path's numbers and the ratio grouped / per-matrix. ``--json`` writes them all.
 """
@@ -201,6 +204,7 @@ def worker(shape: str, device: str, path: str, rank: int, distribution: str, rep
         step()
         sync()
         seconds.append(time.perf_counter() - start)
+    out["seconds"] = seconds
     out["seconds_min"] = min(seconds)
     out["seconds_median"] = statistics.median(seconds)
     return out
@@ -216,6 +220,19 @@ def run_worker(shape: str, device: str, path: str, args: argparse.Namespace) -> 
     if done.returncode != 0:
         raise RuntimeError(f"{shape}/{device}/{path} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One path's rounds as one row: the counts of the first (they do not vary), the minimum and the median of every
+    timed update of every round, and the median peak-RSS rise."""
+    row = dict(results[0])
+    if "seconds" in row:
+        seconds = [t for r in results for t in r["seconds"]]
+        row |= {"seconds": seconds, "seconds_min": min(seconds), "seconds_median": statistics.median(seconds)}
+        row["rounds"] = len(results)
+    if "rss_rise_mib" in row:
+        row["rss_rise_mib"] = statistics.median(r["rss_rise_mib"] for r in results)
+    return row
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -260,7 +277,13 @@ def main() -> None:
     parser.add_argument("--shapes", default="medium,1.5b,7b", help="comma-separated: medium, 1.5b, 7b")
     parser.add_argument("--rank", type=int, default=64, help="sketch rank r of tiny:medium (default 64)")
     parser.add_argument("--big-rank", type=int, default=256, help="sketch rank r of the 1.5B/7B shapes (the paper's)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed updates per path (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed updates per path and round (default 5)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="fresh processes per path on a timed device, the paths alternating (A B, B A, ...); default 3",
+    )
     parser.add_argument("--distribution", default="rademacher", choices=["rademacher", "gaussian", "hadamard"])
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
@@ -278,9 +301,13 @@ def main() -> None:
     for shape in shapes:
         devices = ["cpu"] if shape == "medium" else ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
         for device in devices:
-            for path in PATHS:
-                rows.append(run_worker(shape, device, path, args))
-                print(f"  {LABELS[shape]} on {device}, {path}: done", file=sys.stderr, flush=True)
+            rounds = 1 if device == "meta" else args.rounds
+            runs: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+            for index in range(rounds):
+                for path in PATHS if index % 2 == 0 else tuple(reversed(PATHS)):
+                    runs[path].append(run_worker(shape, device, path, args))
+                    print(f"  {LABELS[shape]} on {device}, {path} ({index + 1}/{rounds}): done", file=sys.stderr)
+            rows.extend(pooled(results) for results in runs.values())
     print(table(rows))
     if not torch.cuda.is_available():
         print("(no CUDA device here: the 1.5B/7B shapes are counted on the meta device only, not timed)")
