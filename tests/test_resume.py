@@ -92,23 +92,27 @@ def test_kill9_before_first_validation_then_resume_last_is_bitwise(tmp_path: Pat
     assert "not resumable" not in resumed.stderr  # the prompt loader is resumable, and Lightning knows it
 
 
-def _straight_killed_resumed(tmp_path: Path, *args: str) -> tuple[Path, Path, dict, dict, dict]:
-    """An 8-update run straight through, and one killed (SIGKILL) after update 6 then resumed with
+def _straight_killed_resumed(
+    tmp_path: Path, *args: str, steps: int = 8, kill_at: int = 6, saved_at: int = 4
+) -> tuple[Path, Path, dict, dict, dict]:
+    """A ``steps``-update run straight through, and one killed (SIGKILL) after update ``kill_at`` then resumed with
     ``--ckpt_path=last``: (the resumed run's folder, the straight run's, the checkpoint the kill left, both final
-    checkpoints). Asserts the kill left update 4's checkpoint and that both end at update 8 with equal weights."""
+    checkpoints). ``args`` set ``--trainer.max_steps`` to ``steps`` and a checkpoint interval that saves at
+    ``saved_at``. Asserts the kill left update ``saved_at``'s checkpoint and that both end at ``steps`` with equal
+    weights."""
     straight = _cli(tmp_path / "straight", *args)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _cli(tmp_path / "killed", *args, kill_at=6)
+    killed = _cli(tmp_path / "killed", *args, kill_at=kill_at)
     assert killed.returncode == -signal.SIGKILL
     run = tmp_path / "killed" / "tiny_cpu" / "version_0"
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    assert saved["global_step"] == 4
+    assert saved["global_step"] == saved_at
     resumed = _cli(tmp_path / "killed", *args, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ref_run = tmp_path / "straight" / "tiny_cpu" / "version_0"
     mine = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     ref = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=False)
-    assert mine["global_step"] == ref["global_step"] == 8
+    assert mine["global_step"] == ref["global_step"] == steps
     for key, value in ref["state_dict"].items():
         assert torch.equal(mine["state_dict"][key], value), key
     return run, ref_run, saved, mine, ref
@@ -129,12 +133,12 @@ def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(
 @pytest.mark.slow
 def test_kill9_mid_run_with_a_tool_calling_environment_then_resume_last_is_bitwise(tmp_path: Path) -> None:
     """The calculator example (configs/overlays/calculator.yaml: multi-turn conversations, tool calls in worker
-    processes, a warm start on its demonstrations) killed at update 6 resumes from update 4 and ends where the
-    uninterrupted run ends: weights, row statistics, rewards, turns and tool counts, and the tool counters kept in
-    the checkpoint."""
-    calc = [f"--config={ROOT / 'configs' / 'overlays' / 'calculator.yaml'}", "--trainer.max_steps=8"]
-    calc += ["--model.warm_start.steps=60", "--data.prompts_per_step=8"]
-    run, ref_run, _, mine, ref = _straight_killed_resumed(tmp_path, *calc)
+    processes, a warm start on its demonstrations) killed at update 3 resumes from update 2 and ends where the
+    uninterrupted 5-update run ends: weights, row statistics, rewards, turns and tool counts, and the tool counters
+    kept in the checkpoint. (Shorter than the tiny runs above: a multi-turn update costs several rollouts.)"""
+    calc = [f"--config={ROOT / 'configs' / 'overlays' / 'calculator.yaml'}", "--trainer.max_steps=5"]
+    calc += ["--model.warm_start.steps=60", "--data.prompts_per_step=8", "--checkpoint.every_n_updates=2"]
+    run, ref_run, _, mine, ref = _straight_killed_resumed(tmp_path, *calc, steps=5, kill_at=3, saved_at=2)
     for name, v in ref["optimizer_states"][0]["logra"]["row_stats"].items():
         assert torch.equal(mine["optimizer_states"][0]["logra"]["row_stats"][name], v), name
     counters = ref["logra_pl"]["env_state"]

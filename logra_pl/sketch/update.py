@@ -91,7 +91,9 @@ def rowadam_direction(
     s_norm = torch.linalg.vector_norm(s32, dim=(-2, -1), keepdim=True)
     # ``if d_norm > 0`` on the device (no host sync): a zero direction is multiplied by 1, which changes no bit.
     restore = torch.where(d_norm > 0, s_norm / d_norm, torch.ones_like(d_norm))
-    return direction * restore, v_new
+    # In place: the same products as ``direction * restore``, without a second stack-sized temporary (on a CPU the
+    # group's temporaries come from glibc's heap, which keeps what it grew to: the floor of later updates).
+    return direction.mul_(restore), v_new
 
 
 def adam_direction(
