@@ -29,6 +29,7 @@ from logra_pl.envs.base import Environment, check_environment
 from logra_pl.envs.episodes import Episodes, episode_metrics, episode_scores, run_episodes
 from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
 from logra_pl.guard import DivergenceGuard, RejectionCount
+from logra_pl.heap import release_free_heap
 from logra_pl.logprobs import PackedResponses, response_logprobs, response_logprobs_and_entropy
 from logra_pl.lora import LoRAConfig
 from logra_pl.losses import AdvantageBaseline, LegacyBaselineSettings, Loss, build_baseline, build_loss
@@ -538,6 +539,8 @@ class LoGRAPolicyModule(pl.LightningModule):
             self.policy, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim, padding
         )
         t1 = time.perf_counter()
+        # What the rollout and the backward freed goes back to the OS before the step's temporaries (every method).
+        release_free_heap()
         result = self.method.step(self.optimizers(), self.lr_schedulers(), self._all_reduce_sum)
         if result.payload is not None:
             ctx.payloads.append(result.payload)
