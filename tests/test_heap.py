@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,16 @@ def test_release_free_heap_is_harmless_to_live_tensors() -> None:
     kept = torch.arange(100_000, dtype=torch.float64)
     assert release_free_heap()
     assert torch.equal(kept, torch.arange(100_000, dtype=torch.float64))
+
+
+def test_advise_huge_pages_keeps_values_and_skips_small_buffers() -> None:
+    import torch
+
+    from logra_pl.heap import HUGE_PAGE_BYTES, advise_huge_pages
+
+    small = torch.arange(1000, dtype=torch.float64)
+    assert not advise_huge_pages(small)  # under two huge pages: nothing to advise
+    big = torch.arange(3 * HUGE_PAGE_BYTES // 8, dtype=torch.float64)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # [always], [madvise] or [never]
+    assert advise_huge_pages(big) == (thp.is_file() and "[never]" not in thp.read_text())
+    assert torch.equal(big, torch.arange(3 * HUGE_PAGE_BYTES // 8, dtype=torch.float64))  # values untouched

@@ -39,6 +39,7 @@ OPTIONS: dict[str, dict] = {
     "sgd": {"update_rule": "sgd"},
     "sgd-beta1": {"update_rule": "sgd", "beta1": 0.5},
     "rank-7": {"rank": 7},  # a scale that is not a power of two: multiplied after the exact sums
+    "rank-16": {"rank": 16},  # c = 1/4 folded into M: on a CPU the GEMM subtracts from W's float64 copies itself
     "dense-params": {"dense_params": ("*norm.weight",)},
     "small-chunks": {"merge_chunk_rows": 7},
 }
