@@ -281,10 +281,11 @@ def merge_stack_(
         # ran on one thread (2 cores: a 2048 × 64 · 64 × 640 float64 product took 4.7 ms through bmm, 2.4 through
         # mm); the plain GEMM is the per-matrix reference's own call (merge_rows_).
         single = batch == 1
+        lead = () if single else (batch,)  # the leading (stack) dimension of factors and deltas
         # The views of a full batch (of whole-row chunks), made once and reused by every such batch.
         full = batch * rows * width
-        full_f64 = f_buf.view(n, rank) if single else f_buf.view(batch, n, rank)
-        full_delta = delta_buf[:full].view(rows, width) if single else delta_buf[:full].view(batch, rows, width)
+        full_f64 = f_buf.view(*lead, n, rank)
+        full_delta = delta_buf[:full].view(*lead, rows, width)
         full_current = w64_buf[:full].view(batch, rows, width) if copy_w else None
         full_slots = full_current.unbind(0) if full_current is not None else ()
         for i0 in range(0, count, batch):
@@ -304,18 +305,14 @@ def merge_stack_(
                 size = (stop - start) * width
                 every_row = (start, stop) == (0, n)
                 reuse = k == batch and stop - start == rows
-                if single:  # (rows, width): subtracted from the (1, rows, width) copy of W by broadcasting
-                    delta = torch.mm(
-                        f_batch if every_row else f_batch[start:stop],
-                        operand,
-                        out=full_delta if reuse else delta_buf[:size].view(stop - start, width),
-                    )
-                else:
-                    delta = torch.bmm(
-                        f_batch if every_row else f_batch[:, start:stop],
-                        operand,
-                        out=full_delta if reuse else delta_buf[: k * size].view(k, stop - start, width),
-                    )
+                # single: (rows, width), subtracted from the (1, rows, width) copy of W by broadcasting
+                delta = (torch.mm if single else torch.bmm)(
+                    f_batch if every_row else f_batch[..., start:stop, :],
+                    operand,
+                    out=full_delta
+                    if reuse
+                    else delta_buf[: k * size].view(*(() if single else (k,)), stop - start, width),
+                )
                 if scale != 1.0:
                     delta.mul_(scale)
                 w_rows = batch_weights if every_row else [w[start:stop] for w in batch_weights]
