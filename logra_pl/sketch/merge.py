@@ -17,6 +17,7 @@ one matrix, as the per-matrix reference step does.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -175,6 +176,52 @@ def merge_rows_(
             rows.copy_(delta)  # rounded once to W's dtype
 
 
+def folded_scale(distribution: str, rank: int, d_in: int) -> float | None:
+    """``c`` left over after :func:`stack_operand` forms ``M`` (a power-of-two ``c`` is folded into ``M``: 1.0);
+    ``None`` where ``M`` is not made of exact ``0``/``±1`` entries (Gaussian: the sums ``F M`` round)."""
+    scale = sign_scale(distribution, rank, d_in)
+    if scale is None:
+        return None
+    return 1.0 if scale == 1.0 or math.frexp(scale)[0] == 0.5 else scale
+
+
+def gemm_subtracts_once(rows: int, width: int, rank: int, batched: bool) -> bool:
+    """Whether this process's CPU BLAS forms ``C − A B`` in one call (``C.addmm_(A, B, alpha=-1)``, or
+    ``baddbmm_`` when ``batched``) as the two-step ``C − (A B)`` does, when every partial sum of ``A B`` is exact:
+    the exact product added to ``C`` with one rounding.
+
+    A GEMM kernel sums ``A B`` in registers and adds ``C`` once per block of the inner dimension; the inner
+    dimension here is the sketch rank (tens to hundreds), one block for the BLAS libraries torch ships with, but
+    the standard leaves the order open: a kernel that starts its sums from ``C``, or that cuts ``r`` into several
+    blocks, would round several times. So the answer is measured, once per process, thread count and shape class
+    (the real rank and at most 128 × 512 of the rows and columns, which picks the same kernel family), on values
+    where every extra rounding shows: bf16 factors over 21 binades, ``±1`` operands, full-mantissa float64 ``C``.
+    """
+    return _subtracts_once(min(rows, 128), min(width, 512), rank, batched, torch.get_num_threads())
+
+
+@functools.cache
+def _subtracts_once(rows: int, width: int, rank: int, batched: bool, threads: int) -> bool:
+    """:func:`gemm_subtracts_once` for one shape class and thread count (``threads``: part of the cache key)."""
+    a, b, c, expected = subtraction_probe(rows, width, rank, batched)
+    return torch.equal((c.baddbmm_ if batched else c.addmm_)(a, b, alpha=-1), expected)
+
+
+def subtraction_probe(
+    rows: int, width: int, rank: int, batched: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(A, B, C, C − A B)`` in float64 for :func:`gemm_subtracts_once` (two matrices each when ``batched``):
+    bf16 ``A`` spread over 21 binades, ``±1`` ``B`` (so ``A B`` is exact: at most 34 significant bits), full-mantissa
+    ``C``, and the expected result rounded once. A GEMM that rounds more than once differs from it almost surely."""
+    gen = torch.Generator().manual_seed(0)
+    lead = (2,) if batched else ()
+    binades = torch.randint(-20, 1, (*lead, rows, rank), generator=gen)
+    a = torch.ldexp(torch.randn(*lead, rows, rank, generator=gen), binades).bfloat16().to(torch.float64)
+    b = torch.randint(0, 2, (*lead, rank, width), generator=gen).to(torch.float64).mul_(2).sub_(1)
+    c = torch.randn(*lead, rows, width, generator=gen, dtype=torch.float64)
+    return a, b, c, c - torch.matmul(a, b)
+
+
 def stack_operand(
     projections: torch.Tensor, distribution: str, d_in: int, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -256,36 +303,42 @@ def merge_stack_(
     rank = factors.shape[2]
     whole = (c0, c1) == (0, d_in)
     # A CPU subtraction of float32 W from a float64 delta first copies W to float64 (TensorIterator promotes inputs
-    # by copying on a CPU): the copies go into a buffer of the batch's rows instead, subtracted from in one call.
-    # CUDA kernels cast as they read: there W is subtracted from the delta matrix by matrix.
+    # by copying on a CPU): the copies go into a buffer of the batch's rows instead. CUDA kernels cast as they read:
+    # there W is subtracted from the delta matrix by matrix.
     copy_w = device.type == "cpu"
     copies = 2 if copy_w else 1  # float64 values per entry of a chunk: the delta (and the copy of W)
     budget = float64_budget(device)
     rows = max(1, min(n, budget // (8 * width * copies) if chunk_rows is None else chunk_rows))
     batch = max(1, min(count, budget // (8 * width * copies * rows)))  # the chunks of a batch of matrices
+    # A budget that holds one matrix at a time (tiny:medium's MLP matrices on a CPU): 2-D factors and a plain GEMM
+    # per matrix. A CPU ``bmm`` shares its work between threads matrix by matrix, so a batch of one ran on one
+    # thread (2 cores: a 2048 × 64 · 64 × 640 float64 product took 4.7 ms through bmm, 2.4 through mm).
+    single = batch == 1
+    # On a CPU, with an exact 0/±1 operand and no scale left, the GEMM subtracts its exact sums from W's float64
+    # copy itself (beta = 1, alpha = −1: one rounding, the value of the two-step float64(W) − F M, where this BLAS
+    # is measured to add C once): no delta is written and read back, and the chunks stay what the budget gives the
+    # two-step form, so a matrix is cut alike either way. The per-matrix reference and CUDA keep the delta.
+    fused = copy_w and folded_scale(distribution, rank, d_in) == 1.0
+    fused = fused and gemm_subtracts_once(min(rows, n), width, rank, batched=not single)
     with torch.no_grad():
         # One float64 block: the operands of the whole stack (converted once), then a batch's factors (their local
-        # rows), deltas (and copies of W).
+        # rows), deltas (unless fused) and copies of W (on a CPU).
         op_size, f_size, chunk = count * rank * width, batch * n * rank, batch * rows * width
-        scratch = float64_scratch(op_size + f_size + copies * chunk, device)
+        delta_size = 0 if fused else chunk
+        scratch = float64_scratch(op_size + f_size + delta_size + (chunk if copy_w else 0), device)
         p = projections if whole else projections[:, :, c0:c1]
         operands, scale = stack_operand(p, distribution, d_in, out=scratch[:op_size].view(count, rank, width))
         f_buf = scratch[op_size : op_size + f_size]
-        delta_buf = scratch[op_size + f_size : op_size + f_size + chunk]
-        w64_buf = scratch[op_size + f_size + chunk :]
+        delta_buf = scratch[op_size + f_size : op_size + f_size + delta_size]
+        w64_buf = scratch[op_size + f_size + delta_size :]
         f = factors if (row_offset, n) == (0, factors.shape[1]) else factors[:, row_offset : row_offset + n]
         with_norms = norms and copy_w and rows == n
         out_norms = []
-        # A budget that holds one matrix at a time (tiny:medium's MLP matrices on a CPU): 2-D factors and deltas and
-        # a plain GEMM per matrix. A CPU ``bmm`` shares its work between threads matrix by matrix, so a batch of one
-        # ran on one thread (2 cores: a 2048 × 64 · 64 × 640 float64 product took 4.7 ms through bmm, 2.4 through
-        # mm); the plain GEMM is the per-matrix reference's own call (merge_rows_).
-        single = batch == 1
         lead = () if single else (batch,)  # the leading (stack) dimension of factors and deltas
         # The views of a full batch (of whole-row chunks), made once and reused by every such batch.
         full = batch * rows * width
         full_f64 = f_buf.view(*lead, n, rank)
-        full_delta = delta_buf[:full].view(*lead, rows, width)
+        full_delta = None if fused else delta_buf[:full].view(*lead, rows, width)
         full_current = w64_buf[:full].view(batch, rows, width) if copy_w else None
         full_slots = full_current.unbind(0) if full_current is not None else ()
         for i0 in range(0, count, batch):
@@ -305,36 +358,44 @@ def merge_stack_(
                 size = (stop - start) * width
                 every_row = (start, stop) == (0, n)
                 reuse = k == batch and stop - start == rows
-                # single: (rows, width), subtracted from the (1, rows, width) copy of W by broadcasting
-                delta = (torch.mm if single else torch.bmm)(
-                    f_batch if every_row else f_batch[..., start:stop, :],
-                    operand,
-                    out=full_delta
-                    if reuse
-                    else delta_buf[: k * size].view(*(() if single else (k,)), stop - start, width),
-                )
-                if scale != 1.0:
-                    delta.mul_(scale)
+                f_rows = f_batch if every_row else f_batch[..., start:stop, :]
                 w_rows = batch_weights if every_row else [w[start:stop] for w in batch_weights]
-                if copy_w:
-                    if reuse:
-                        current, slots = full_current, full_slots
-                    else:
-                        current = w64_buf[: k * size].view(k, stop - start, width)
-                        slots = current.unbind(0)
-                    for w, c in zip(w_rows, slots, strict=True):
-                        c.copy_(w)  # float64(W), exact
-                    current.sub_(delta)  # float64(W) − ΔW, one rounding
-                    for w, c in zip(w_rows, slots, strict=True):
-                        w.copy_(c)  # rounded once to W's dtype
-                        if with_norms:
-                            c.copy_(w)  # float64 of the rounded W, exact
-                    if with_norms:
-                        out_norms.append(torch.linalg.vector_norm(current, dim=(-2, -1)))
-                else:
+                delta = None
+                if not fused:
+                    # single: (rows, width), subtracted from the (1, rows, width) copy of W by broadcasting
+                    delta = (torch.mm if single else torch.bmm)(
+                        f_rows,
+                        operand,
+                        out=full_delta
+                        if reuse
+                        else delta_buf[: k * size].view(*(() if single else (k,)), stop - start, width),
+                    )
+                    if scale != 1.0:
+                        delta.mul_(scale)
+                if not copy_w:
                     for w, d in zip(w_rows, (delta,) if single else delta.unbind(0), strict=True):
                         torch.sub(w, d, out=d)  # float64(W) − ΔW, one rounding
                         w.copy_(d)  # rounded once to W's dtype
+                    continue
+                if reuse:
+                    current, slots = full_current, full_slots
+                else:
+                    current = w64_buf[: k * size].view(k, stop - start, width)
+                    slots = current.unbind(0)
+                for w, c in zip(w_rows, slots, strict=True):
+                    c.copy_(w)  # float64(W), exact
+                if delta is not None:
+                    current.sub_(delta)  # float64(W) − ΔW, one rounding
+                elif single:
+                    slots[0].addmm_(f_rows, operand, alpha=-1)  # the same, in the GEMM
+                else:
+                    current.baddbmm_(f_rows, operand, alpha=-1)
+                for w, c in zip(w_rows, slots, strict=True):
+                    w.copy_(c)  # rounded once to W's dtype
+                    if with_norms:
+                        c.copy_(w)  # float64 of the rounded W, exact
+                if with_norms:
+                    out_norms.append(torch.linalg.vector_norm(current, dim=(-2, -1)))
     if not with_norms:
         return None
     return out_norms[0] if len(out_norms) == 1 else torch.cat(out_norms)

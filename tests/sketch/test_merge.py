@@ -63,3 +63,59 @@ def test_automatic_chunks_split_large_matrices(monkeypatch) -> None:
     merge_rows_(chunked, factor, operand, scale)
     assert torch.equal(chunked, whole)
     assert torch.equal(whole, explicit_merge(weight, factor, 5, 16, "rademacher"))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["gemm-subtracts", "delta"])
+@pytest.mark.parametrize(
+    ("count", "d_out", "d_in", "rank", "budget_rows"),
+    [
+        (5, 96, 80, 16, None),  # the whole stack in one batched GEMM
+        (3, 300, 64, 16, 50),  # one matrix per GEMM, in row chunks of 50
+        (7, 40, 64, 4, 40),  # a few whole matrices per batched GEMM, the last batch short
+    ],
+)
+def test_stack_merge_subtracts_in_the_gemm_to_the_same_bits(
+    monkeypatch, fused: bool, count: int, d_out: int, d_in: int, rank: int, budget_rows
+) -> None:
+    """On a CPU the stack merge lets the GEMM subtract from W's float64 copy where the BLAS adds C once; either way
+    every matrix gets ``W − F P`` rounded once (written out here), and the norms of the merged weights."""
+    monkeypatch.setattr(merge_module, "gemm_subtracts_once", lambda *args, **kwargs: fused)
+    if budget_rows is not None:  # the float64 budget of a CPU chunk: its delta and the copy of W
+        monkeypatch.setattr(merge_module, "MERGE_BUFFER_BYTES_CPU", 2 * 8 * d_in * budget_rows)
+    gen = torch.Generator().manual_seed(count + d_out)
+    weights = [torch.randn(d_out, d_in, generator=gen) for _ in range(count)]
+    factors = (torch.randn(count, d_out, rank, generator=gen) * torch.logspace(-6, 0, d_out).unsqueeze(1)).bfloat16()
+    projections = torch.stack([make_projection(seed, rank, d_in, "rademacher") for seed in range(count)])
+    merged = [w.clone() for w in weights]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        norms = merge_module.merge_stack_(merged, factors, projections, "rademacher", norms=True)
+    for i, (w, m) in enumerate(zip(weights, merged, strict=True)):
+        assert torch.equal(m, explicit_merge(w, factors[i], i, rank, "rademacher")), i
+    names = {e.name for e in prof.events()}
+    assert bool(names & {"aten::addmm_", "aten::baddbmm_"}) == fused
+    assert ("aten::sub_" in names) != fused
+    if budget_rows is None or budget_rows >= d_out:  # whole matrices per chunk: the merge gives their norms
+        assert norms is not None
+        expected = torch.stack([torch.linalg.vector_norm(m, dtype=torch.float64) for m in merged])
+        assert torch.equal(norms, expected)
+    else:
+        assert norms is None
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_gemm_subtraction_probe_shows_every_extra_rounding(batched: bool) -> None:
+    """The values :func:`gemm_subtracts_once` checks a BLAS on: a GEMM that starts its sums from C, or that adds C
+    after each of two blocks of the inner dimension, gives other bits than ``C − A B`` rounded once."""
+    a, b, c, expected = merge_module.subtraction_probe(64, 96, 32, batched)
+    assert torch.equal(c - (a @ b), expected)  # the exact product, one rounding
+    from_c = c.clone()
+    for k in range(a.shape[-1]):  # every product added to C as it comes: one rounding per term
+        from_c -= a[..., k : k + 1] * b[..., k : k + 1, :]
+    assert not torch.equal(from_c, expected)
+    two_blocks = c - a[..., :16] @ b[..., :16, :]
+    two_blocks -= a[..., 16:] @ b[..., 16:, :]
+    assert not torch.equal(two_blocks, expected)
+    first = merge_module.gemm_subtracts_once(64, 96, 32, batched)  # measured once per shape class and process
+    hits = merge_module._subtracts_once.cache_info().hits
+    assert merge_module.gemm_subtracts_once(64, 96, 32, batched) is first
+    assert merge_module._subtracts_once.cache_info().hits == hits + 1
