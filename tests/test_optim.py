@@ -28,3 +28,36 @@ def test_adamw_update_norm_equals_weight_difference(weight_decay: float) -> None
     amsgrad = torch.optim.AdamW(params, amsgrad=True)
     with pytest.raises(ValueError, match="amsgrad"):
         adamw_update_norm(amsgrad)
+
+
+def test_logra_optimizer_keeps_no_merged_proposal_alive(qwen2_factory) -> None:
+    """After ``step()`` the optimizer holds no reference to the merged proposal: its directions and the projections
+    it was made with (the sketcher has drawn the next ones) are freed unless someone else (a step controller
+    calibrating the update) holds it, and then ``last_proposal`` still names it."""
+    import gc
+    import weakref
+
+    from logra_pl.optim import LoGRAOptimizer
+    from logra_pl.sketch import LoGRAConfig, LoGRASketcher
+
+    model = qwen2_factory(seed=0)
+    sketcher = LoGRASketcher(model, LoGRAConfig(rank=4, update_ratio=1e-3))
+    opt = LoGRAOptimizer(sketcher)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def step(held: list) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        # During the closure: the proposal, and a weak reference to the projections it was made with.
+        opt.step(closure=lambda: held.extend([opt.proposal, weakref.ref(sketcher.groups[0].projection)]))
+
+    held: list = []
+    step(held)
+    proposal, projections = held
+    assert opt.last_payload is not None and opt.last_proposal is proposal  # held here: still named
+    assert projections() is not sketcher.groups[0].projection  # the next update's P is drawn
+    assert projections() is not None  # kept alive by the proposal
+    del held, proposal
+    gc.collect()
+    assert opt.last_proposal is None and projections() is None  # nothing kept the proposal or its projections
+    step([])
+    assert opt.last_payload is not None and opt.last_proposal is None
