@@ -12,7 +12,10 @@ GEMM and the largest in a few, instead of dozens of small kernels, each with its
 :func:`merge_stack_` merges a stack of same-shaped matrices (a group, :mod:`logra_pl.sketch.groups`) with batched
 GEMMs, as many matrices per GEMM as the budget holds: every entry is the same exact sum, so each matrix gets the
 bits a merge of it alone gives. It is the merge of the trainer and of every receiver; :func:`merge_rows_` merges
-one matrix, as the per-matrix reference step does.
+one matrix, as the per-matrix reference step does. On a CPU, with an exact ``0``/``±1`` operand and no scale left,
+``merge_stack_`` lets the GEMM subtract its exact sums from ``W``'s float64 copy (``addmm_``/``baddbmm_`` with
+``alpha = −1``) where this process's BLAS is measured to add ``C`` once (:func:`gemm_subtracts_once`): the same
+value, rounded once, without writing and re-reading a float64 delta.
 """
 
 from __future__ import annotations
