@@ -275,9 +275,11 @@ def merge_stack_(
 
     Matrices are merged several at a time (one batched GEMM per chunk of rows): the deltas (and on a CPU the
     float64 copies of W's rows) of a batch within :func:`float64_budget`, plus the stack's operands (``O(k·d_in·r)``,
-    converted once) and the batch's factors in float64, all in one :func:`float64_scratch` block.
-    ``W`` is rounded once, from ``float64(W) − F M c``. Each matrix's result does not depend on the others in the
-    stack, on the chunking or on the batching: with Rademacher and Hadamard projections every sum is exact.
+    converted once) and the batch's factors in float64, all in one :func:`float64_scratch` block. On a CPU, where
+    :func:`gemm_subtracts_once` holds for an exact operand with no scale left, the GEMM subtracts from the copies
+    of W itself and no delta is formed (the chunks are cut as if it were). ``W`` is rounded once, from
+    ``float64(W) − F M c``. Each matrix's result does not depend on the others in the stack, on the chunking, on the
+    batching or on which of the two forms ran: with Rademacher and Hadamard projections every sum is exact.
     """
     count = len(weights)
     if count == 0:
@@ -322,7 +324,7 @@ def merge_stack_(
     # is measured to add C once): no delta is written and read back, and the chunks stay what the budget gives the
     # two-step form, so a matrix is cut alike either way. The per-matrix reference and CUDA keep the delta.
     fused = copy_w and folded_scale(distribution, rank, d_in) == 1.0
-    fused = fused and gemm_subtracts_once(min(rows, n), width, rank, batched=not single)
+    fused = fused and gemm_subtracts_once(rows, width, rank, batched=not single)
     with torch.no_grad():
         # One float64 block: the operands of the whole stack (converted once), then a batch's factors (their local
         # rows), deltas (unless fused) and copies of W (on a CPU).
