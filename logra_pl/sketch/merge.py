@@ -197,10 +197,11 @@ def gemm_subtracts_once(rows: int, width: int, rank: int, batched: bool) -> bool
     dimension here is the sketch rank (tens to hundreds), one block for the BLAS libraries torch ships with, but
     the standard leaves the order open: a kernel that starts its sums from ``C``, or that cuts ``r`` into several
     blocks, would round several times. So the answer is measured, once per process, thread count and shape class
-    (the real rank and at most 128 × 512 of the rows and columns, which picks the same kernel family), on values
-    where every extra rounding shows: bf16 factors over 21 binades, ``±1`` operands, full-mantissa float64 ``C``.
+    (the real rank and at most 256 × 2048 of the rows and columns: large enough for a BLAS's packed GEMM path, at
+    most 4 MiB per operand), on values where every extra rounding shows: bf16 factors over 21 binades, ``±1``
+    operands, full-mantissa float64 ``C``.
     """
-    return _subtracts_once(min(rows, 128), min(width, 512), rank, batched, torch.get_num_threads())
+    return _subtracts_once(min(rows, 256), min(width, 2048), rank, batched, torch.get_num_threads())
 
 
 @functools.cache
