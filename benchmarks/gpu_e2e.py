@@ -638,7 +638,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, str | None]:
     parser.add_argument("--out", default=None, help="working folder (default runs/gpu_e2e or runs/gpu_e2e_cpu)")
     parser.add_argument("--json", default=None, help="write every number and check here")
     parser.add_argument("--attn", choices=["eager", "sdpa"], default="eager", help="attention kernel (default eager)")
-    parser.add_argument("--jobs", type=int, default=None, help="kill/resume chains at once (default 3 CUDA, 1 CPU)")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="kill/resume chains at once (default 3; on the CPU at most its cores)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per child process (default 600)")
     parser.add_argument("--only", default=None, help="comma-separated scenarios (default all: logra,adamw,logra_fsdp)")
     args = parser.parse_args(argv)
@@ -651,7 +653,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, str | None]:
         if unknown:
             parser.error(f"unknown scenario(s) {unknown}: choose from {[s.name for s in SCENARIOS]}")
         chosen = tuple(s for s in SCENARIOS if s.name in names)
-    jobs = args.jobs or (1 if args.cpu else 3)
+    # On the CPU every child runs one thread (main), so chains at once use the cores the machine has.
+    jobs = args.jobs or (min(3, os.cpu_count() or 1) if args.cpu else 3)
     settings = Settings(args.cpu, shape, out, attn=args.attn, jobs=jobs, timeout=args.timeout, scenarios=chosen)
     return settings, args.json
 
