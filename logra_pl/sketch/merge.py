@@ -162,7 +162,7 @@ def merge_rows_(
     if chunk_rows is None:
         chunk_rows = merge_chunk_rows(n, operand.shape[1], weight_rows.device)
     operand = operand.to(weight_rows.device)
-    if scale != 1.0 and math.frexp(scale)[0] == 0.5:
+    if scale != 1.0 and power_of_two(scale):
         # A power-of-two scale (Rademacher r = 4, 16, 64...; Hadamard m/r a power of 4) commutes exactly with the
         # exact sums: fold it into the 0/±1 operand.
         operand, scale = operand * scale, 1.0
@@ -179,13 +179,19 @@ def merge_rows_(
             rows.copy_(delta)  # rounded once to W's dtype
 
 
+def power_of_two(scale: float) -> bool:
+    """Whether ``scale`` is a power of two: multiplying the exact sums ``F M`` by it is exact, so it is folded into
+    the ``0``/``±1`` operand (Rademacher at ``r`` = 4, 16, 64, ...; Hadamard when ``m/r`` is a power of 4)."""
+    return math.frexp(scale)[0] == 0.5
+
+
 def folded_scale(distribution: str, rank: int, d_in: int) -> float | None:
     """``c`` left over after :func:`stack_operand` forms ``M`` (a power-of-two ``c`` is folded into ``M``: 1.0);
     ``None`` where ``M`` is not made of exact ``0``/``±1`` entries (Gaussian: the sums ``F M`` round)."""
     scale = sign_scale(distribution, rank, d_in)
     if scale is None:
         return None
-    return 1.0 if scale == 1.0 or math.frexp(scale)[0] == 0.5 else scale
+    return 1.0 if power_of_two(scale) else scale
 
 
 def gemm_subtracts_once(rows: int, width: int, rank: int, batched: bool) -> bool:
@@ -243,7 +249,7 @@ def stack_operand(
     if scale is None:
         return operand, 1.0
     operand.sign_()
-    if scale != 1.0 and math.frexp(scale)[0] == 0.5:
+    if scale != 1.0 and power_of_two(scale):
         return operand.mul_(scale), 1.0
     return operand, scale
 
