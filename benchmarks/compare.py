@@ -55,11 +55,11 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from logra_pl.callbacks import MemoryMonitor, PolicySync
     from logra_pl.data import ReasoningGymDataModule
-    from logra_pl.lora import LoRAConfig, lora_layers
-    from logra_pl.memory import plan
+    from logra_pl.methods.adamw import AdamWConfig
+    from logra_pl.methods.lora import LoRAConfig, lora_layers
+    from logra_pl.methods.memory_plan import plan
     from logra_pl.models.load import resolve_source
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-    from logra_pl.optim import AdamWConfig
     from logra_pl.sketch import LoGRAConfig
 
     pl.seed_everything(0, verbose=False)

@@ -174,16 +174,16 @@ def build_policy(settings: Settings) -> Path:
     """A random-init Qwen2 of ``settings.shape`` with the offline tokenizer, taught the answer format; its folder.
 
     Built once per output folder (a complete folder is reused). The model is initialised on the device (seed 0), then
-    ``teach_steps`` AdamW steps of supervised answers (``logra_pl.warm_start.answer_batch``: loss on the answer and
-    ``<|im_end|>`` only), bf16 autocast on CUDA.
+    ``teach_steps`` AdamW steps of supervised answers (``logra_pl.train.warm_start.answer_batch``: loss on the answer
+    and ``<|im_end|>`` only), bf16 autocast on CUDA.
     """
     import reasoning_gym
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from logra_pl.export import policy_folder_complete, save_policy_folder
     from logra_pl.models.tiny import TinyModelSpec, build_tiny_model
-    from logra_pl.warm_start import answer_batch
+    from logra_pl.runs.export import policy_folder_complete, save_policy_folder
+    from logra_pl.train.warm_start import answer_batch
 
     shape = settings.shape
     folder = settings.out / f"policy-{shape.label.replace(' ', '-')}"

@@ -5,7 +5,7 @@ Beyond LightningCLI's own behaviour, a run started here:
 - saves a checkpoint every N updates (the ``checkpoint:`` section, :class:`UpdateCheckpoint`), atomically;
 - resumes honestly: ``--ckpt_path last`` finds the newest ``last.ckpt`` of the run across logger versions (or
   says where it looked), continues the checkpoint's run in its logger (TensorBoard's version folder, the W&B or
-  MLflow run id) so that each step is logged once (:mod:`logra_pl.run_stores`), refuses settings that change what
+  MLflow run id) so that each step is logged once (:mod:`logra_pl.runs.stores`), refuses settings that change what
   the checkpoint's state means and prints the ones that change;
 - checks the topology (vLLM engine vs training processes, prompts vs ranks) before any process is spawned;
 - prints bad settings as one message, not a traceback: a bad value as the setting's own message, a mistyped key,
@@ -28,13 +28,14 @@ from typing import Any, NoReturn
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from logra_pl import compat, resume, run_stores
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
-from logra_pl.console import quiet_noise
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError, VerifierFailedError
 from logra_pl.module import LoGRAPolicyModule
 from logra_pl.rollout.registry import engine_name, max_training_processes
+from logra_pl.runs import resume, stores
+from logra_pl.runtime import compat
+from logra_pl.runtime.console import quiet_noise
 from logra_pl.strategy import LoGRAStrategy  # noqa: F401  (registers `--trainer.strategy logra_fsdp`)
 
 log = logging.getLogger("logra_pl")
@@ -146,14 +147,14 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
         root_dir = Path(cfg["trainer"].get("default_root_dir") or os.getcwd())
         logger = cfg["trainer"].get("logger")
         for entry in logger if isinstance(logger, list) else [logger]:
-            roots += run_stores.family_roots(entry, root_dir)
+            roots += stores.family_roots(entry, root_dir)
         roots.append(root_dir / "lightning_logs")
         return roots
 
     # -------------------------------------------------------------------------------------- instantiate
     def before_instantiate_classes(self) -> None:
         """``trainer.enable_checkpointing: false`` turns the run's checkpoints off (the section stays, saving nothing);
-        each logger's backend gets the environment it reads when the logger is built (:mod:`logra_pl.run_stores`).
+        each logger's backend gets the environment it reads when the logger is built (:mod:`logra_pl.runs.stores`).
 
         Lightning refuses a ModelCheckpoint in a Trainer without checkpointing; the user's intent is "no
         checkpoints", so the checkpoint callback is kept but never saves.
@@ -162,7 +163,7 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
         cfg = self.config[sub] if sub else self.config
         logger = cfg["trainer"].get("logger") if cfg.get("trainer") is not None else None
         for entry in logger if isinstance(logger, list) else [logger]:
-            run_stores.before_build(entry)
+            stores.before_build(entry)
         if cfg.get("trainer") is not None and cfg["trainer"].get("enable_checkpointing") is False:
             cfg["trainer"]["enable_checkpointing"] = True
             cfg["checkpoint"]["every_n_updates"] = 0
@@ -208,20 +209,20 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
 
     def _continue_runs(self) -> None:
         """Each logger continues the checkpoint's run from the first resumed step, dropping what the stopped run
-        logged after the checkpoint (:mod:`logra_pl.run_stores`); what it could not do is said once. Stores that
+        logged after the checkpoint (:mod:`logra_pl.runs.stores`); what it could not do is said once. Stores that
         read or change files act on rank 0 only (the other ranks' loggers log nothing)."""
         zero = self.trainer.is_global_zero
         saved = (self.resume_checkpoint or {}).get("loggers") or []
         first_step = compat.checkpoint_first_log_step(self.resume_checkpoint or {})
         if first_step is None:  # a checkpoint without loop state: it was saved after its last logged step
             first_step = int((self.resume_checkpoint or {}).get("global_step", 0))
-        point = run_stores.ResumePoint(first_step, self.resume_path, int(self.trainer.log_every_n_steps))
-        stores = [run_stores.store_for(logger) for logger in self.trainer.loggers]
+        point = stores.ResumePoint(first_step, self.resume_path, int(self.trainer.log_every_n_steps))
+        active = [stores.store_for(logger) for logger in self.trainer.loggers]
         notes = []
-        for store in stores:
+        for store in active:
             if zero or store.on_every_rank:
-                notes += store.resume(run_stores.saved_run(saved, store.kind), point)
-        other = run_stores.other_runs_note(saved, {store.kind for store in stores}, first_step)
+                notes += store.resume(stores.saved_run(saved, store.kind), point)
+        other = stores.other_runs_note(saved, {store.kind for store in active}, first_step)
         notes += [other] if other else []
         for note in notes if zero else []:
             log.warning(note)
@@ -236,7 +237,7 @@ def where_things_are(trainer: Any, cfg: Any = None) -> str:
     """The end-of-run lines: TensorBoard command, last checkpoint (and how to resume), export command."""
     lines = []
     for logger in trainer.loggers:
-        where = run_stores.store_for(logger).where()
+        where = stores.store_for(logger).where()
         lines += [where] if where else []
     log_dir = _config_dir(trainer)
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.checkpoint_callback else ""
@@ -504,17 +505,17 @@ def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # about LightningCLI's internals, not the user
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["plan"]:
-        from logra_pl.memory import main as plan_main
+        from logra_pl.methods.memory_plan import main as plan_main
 
         plan_main(argv[1:])
         return
     if argv[:1] == ["export"]:
-        from logra_pl.export import main as export_main
+        from logra_pl.runs.export import main as export_main
 
         export_main(argv[1:])
         return
     if argv[:1] == ["serve"]:
-        from logra_pl.rollout.server import main as serve_main
+        from logra_pl.rollout.serve.server import main as serve_main
 
         try:
             sys.exit(serve_main(argv[1:]))

@@ -1,9 +1,9 @@
 """``LoGRAPolicyModule``: one ``training_step`` is one rollout and its policy update(s) (algorithm.md §8).
 
-The Lightning hooks and the orchestration of a step: rollout (:mod:`logra_pl.engine_link`) → rewards → advantages →
-pre-update log-probs (:mod:`logra_pl.step`) → microbatched backward (:mod:`logra_pl.backward`) → the update method's
-step (:mod:`logra_pl.methods`) → the engine receives the update. Callbacks read the step's data from
-:attr:`LoGRAPolicyModule.step_context` and the module through :class:`~logra_pl.step.PolicyModuleView`.
+The Lightning hooks and the orchestration of a step: rollout (:mod:`logra_pl.train.engine_link`) → rewards →
+advantages → pre-update log-probs (:mod:`logra_pl.train.step`) → microbatched backward (:mod:`logra_pl.train.backward`)
+→ the update method's step (:mod:`logra_pl.methods`) → the engine receives the update. Callbacks read the step's
+data from :attr:`LoGRAPolicyModule.step_context` and the module through :class:`~logra_pl.train.step.PolicyModuleView`.
 """
 
 from __future__ import annotations
@@ -16,39 +16,45 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from logra_pl import compat, methods
-from logra_pl.async_rollouts import AsyncRollouts
-from logra_pl.backward import backward_over, update_totals
-from logra_pl.batching import encode_prompts, microbatches, select_rows
+from logra_pl import methods
 from logra_pl.callbacks.progress import replace_default_callbacks
-from logra_pl.checkpointing import enable_activation_checkpointing
-from logra_pl.console import quiet_noise
 from logra_pl.data.schema import prompt_key
-from logra_pl.engine_link import EngineLink
 from logra_pl.envs.base import Environment, check_environment
 from logra_pl.envs.episodes import Episodes, episode_metrics, episode_scores, run_episodes
 from logra_pl.errors import ConfigError, PolicyDivergedError, check_int
-from logra_pl.guard import DivergenceGuard, RejectionCount
-from logra_pl.heap import release_free_heap
-from logra_pl.logprobs import PackedResponses, response_logprobs, response_logprobs_and_entropy
-from logra_pl.lora import LoRAConfig
 from logra_pl.losses import AdvantageBaseline, LegacyBaselineSettings, Loss, build_baseline, build_loss
 from logra_pl.methods import UpdateMethod
-from logra_pl.module_state import module_state, restore_module_state
-from logra_pl.optim import AdamWConfig
-from logra_pl.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
-from logra_pl.ranks import all_reduce_max, all_reduce_sum, any_rank
-from logra_pl.reference import ReferencePolicy
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.guard import DivergenceGuard, RejectionCount
+from logra_pl.methods.lora import LoRAConfig
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rewards.failures import FailurePolicy, Scores, merge_scores, verifier_label
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.rollout.registry import EngineSpec, build_engine, engine_spec
-from logra_pl.settings import LegacyLossSettings, LossConfig, RolloutSettings, ScoringSettings  # LossConfig: old code
-from logra_pl.shaping import Drawn, RefillStream, dynamic_batch, overlong_penalty
+from logra_pl.runtime import compat
+from logra_pl.runtime.checkpointing import enable_activation_checkpointing
+from logra_pl.runtime.console import quiet_noise
+from logra_pl.runtime.heap import release_free_heap
+from logra_pl.runtime.ranks import all_reduce_max, all_reduce_sum, any_rank
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.memory import MemoryReport
-from logra_pl.step import (
+from logra_pl.train.async_rollouts import AsyncRollouts
+from logra_pl.train.backward import backward_over, update_totals
+from logra_pl.train.batching import encode_prompts, microbatches, select_rows
+from logra_pl.train.engine_link import EngineLink
+from logra_pl.train.logprobs import PackedResponses, response_logprobs, response_logprobs_and_entropy
+from logra_pl.train.policy_setup import engine_request, load_training_policy, rank_zero_first, training_source
+from logra_pl.train.reference import ReferencePolicy
+from logra_pl.train.settings import (  # LossConfig: old code
+    LegacyLossSettings,
+    LossConfig,
+    RolloutSettings,
+    ScoringSettings,
+)
+from logra_pl.train.shaping import Drawn, RefillStream, dynamic_batch, overlong_penalty
+from logra_pl.train.state import module_state, restore_module_state
+from logra_pl.train.step import (
     StepContext,
     assemble_step,
     sampling_seed,
@@ -57,8 +63,8 @@ from logra_pl.step import (
     scored_mask,
     step_metrics,
 )
-from logra_pl.validation import ValidationMetrics, item_task
-from logra_pl.warm_start import WarmStart, check_demonstrations
+from logra_pl.train.validation import ValidationMetrics, item_task
+from logra_pl.train.warm_start import WarmStart, check_demonstrations
 
 # The policy stays in eval mode on purpose: trainer and engine must compute the same distribution (no dropout),
 # or the importance ratios and the mismatch estimate measure dropout noise.
@@ -94,7 +100,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass (at most).
         max_tokens_per_microbatch: token budget of one pass (rows × longest row); None: ``microbatch_size`` rows.
-        activation_checkpointing: recompute each decoder layer in backward (:mod:`logra_pl.checkpointing`).
+        activation_checkpointing: recompute each decoder layer in backward (:mod:`logra_pl.runtime.checkpointing`).
         attn_implementation: transformers' attention kernel; None: its default (the KL probe uses eager).
         answer_format: how the default verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).

@@ -25,7 +25,7 @@ import torch
 from logra_pl.models import load_policy
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, apply_payload, memory_report
 from logra_pl.sketch.memory import MiB
-from logra_pl.warm_start import answer_batch
+from logra_pl.train.warm_start import answer_batch
 
 SMALL_CHAIN_SUM = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 

@@ -27,10 +27,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
-from logra_pl import compat
-from logra_pl.checkpointing import checkpointed_layers, decoder_layers, enable_activation_checkpointing
 from logra_pl.errors import ConfigError
-from logra_pl.optim import LoGRAOptimizer
+from logra_pl.methods.logra import LoGRAOptimizer
+from logra_pl.runtime import compat
+from logra_pl.runtime.checkpointing import checkpointed_layers, decoder_layers, enable_activation_checkpointing
 from logra_pl.sketch.memory import local_state_bytes
 
 __all__ = ["LoGRAStrategy", "decoder_layers", "row_offset"]

@@ -15,8 +15,8 @@ from logra_pl.callbacks import PolicySync, PredictedKLControl
 from logra_pl.errors import ConfigError
 from logra_pl.models.load import load_policy
 from logra_pl.module import LoGRAPolicyModule
-from logra_pl.settings import RolloutSettings
 from logra_pl.sketch import LoGRAConfig
+from logra_pl.train.settings import RolloutSettings
 from tests.conftest import chain_sum_data, quick_trainer
 
 BATCHES_PER_EPOCH = 4  # train_size 32 / prompts_per_step 8: epoch ends inside the runs below

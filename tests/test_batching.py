@@ -1,14 +1,14 @@
-"""``logra_pl/batching.py`` and ``logra_pl/step.py``'s pure parts, without a Trainer: microbatch plans, row selection,
-padded log-probs, prompt encoding and the step context a rollout becomes."""
+"""``logra_pl/train/batching.py`` and ``logra_pl/train/step.py``'s pure parts, without a Trainer: microbatch plans,
+row selection, padded log-probs, prompt encoding and the step context a rollout becomes."""
 
 from __future__ import annotations
 
 import torch
 
-from logra_pl.batching import encode_prompts, microbatches, padded_logprobs, select_rows
-from logra_pl.logprobs import pack_responses
 from logra_pl.rollout.base import Rollout
-from logra_pl.step import assemble_step, sampling_seed
+from logra_pl.train.batching import encode_prompts, microbatches, padded_logprobs, select_rows
+from logra_pl.train.logprobs import pack_responses
+from logra_pl.train.step import assemble_step, sampling_seed
 
 
 def _packed(lengths: list[tuple[int, int]]):

@@ -1,4 +1,5 @@
-"""``logra_pl.compat``: every private Lightning name it relies on still exists, and each accessor does what it says.
+"""``logra_pl.runtime.compat``: every private Lightning name it relies on still exists, and each accessor does what it
+says.
 
 A Lightning upgrade that renames or drops one of them fails here, naming it, instead of somewhere in a run.
 """
@@ -16,7 +17,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from logra_pl import compat
+from logra_pl.runtime import compat
 
 
 def _defined(cls: type, name: str) -> bool:
@@ -39,7 +40,8 @@ def test_private_name_exists(entry: tuple[str, str | None, str]) -> None:
     module = importlib.import_module(module_name)
     owner = getattr(module, class_name) if class_name else module
     assert _defined(owner, name) if class_name else hasattr(owner, name), (
-        f"Lightning {lightning.__version__} has no {'.'.join(p for p in entry if p)}: update logra_pl/compat.py "
+        f"Lightning {lightning.__version__} has no {'.'.join(p for p in entry if p)}: update "
+        "logra_pl/runtime/compat.py "
         f"(checked on {compat.CHECKED_LIGHTNING})"
     )
 
@@ -72,7 +74,9 @@ def test_every_private_lightning_access_goes_through_compat() -> None:
     uses = _private_uses()
     overridden = {(file, name) for name, file in compat.OVERRIDDEN.items()}
     unwrapped = sorted(uses - PENDING - OWN - overridden)
-    assert not unwrapped, f"Lightning privates used outside logra_pl/compat.py (call the compat function): {unwrapped}"
+    assert not unwrapped, (
+        f"Lightning privates used outside logra_pl/runtime/compat.py (call the compat function): {unwrapped}"
+    )
     stale = sorted(PENDING - uses)
     assert not stale, f"migrated, drop from PENDING: {stale}"
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from helpers.optim import StepThrough
 
-from logra_pl.engine_link import EngineLink
 from logra_pl.errors import StaleEngineError
-from logra_pl.guard import DivergenceGuard
 from logra_pl.methods import DenseAdamW, LoGRAMethod
+from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.models.load import load_policy
 from logra_pl.rollout.base import Rollout, SamplingConfig, StaleableEngine, SyncReport
 from logra_pl.rollout.hf import HFEngine
 from logra_pl.sketch import LoGRAConfig
+from logra_pl.train.engine_link import EngineLink
 
 CPU = torch.device("cpu")
 

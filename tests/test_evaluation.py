@@ -13,8 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import ConfigError
-from logra_pl.metrics import pass_at_k
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.train.metrics import pass_at_k
 
 
 def test_pass_at_k_and_per_task_pass_at_1(tmp_path: Path) -> None:

@@ -23,15 +23,15 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from logra_pl.cli import main as cli_main
-from logra_pl.export import (
+from logra_pl.models import PolicyLoadError, build_tiny_model, load_policy
+from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.runs.export import (
     PROVENANCE_FILE,
     ExportError,
     export_checkpoint,
     policy_folder_complete,
     save_policy_folder,
 )
-from logra_pl.models import PolicyLoadError, build_tiny_model, load_policy
-from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
@@ -291,7 +291,7 @@ def test_refuses_to_replace_a_folder_that_is_not_a_model(tiny_model_dir: Path, t
 _KILLED_CHILD = """
 import sys, time
 from pathlib import Path
-from logra_pl.export import save_policy_folder
+from logra_pl.runs.export import save_policy_folder
 from logra_pl.models import load_policy
 
 model, tokenizer = load_policy(sys.argv[1])

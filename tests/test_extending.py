@@ -202,7 +202,7 @@ def test_cli_callback_loss_and_engine(tmp_path: Path, examples) -> None:
 def test_sgd_method_steps_exactly_and_trains_through_the_cli(examples, tmp_path: Path) -> None:
     import torch
 
-    from logra_pl.guard import DivergenceGuard
+    from logra_pl.methods.guard import DivergenceGuard
 
     sgd = examples("sgd_method")
     # One step on a real backward pass: W ← W − lr·G on the targets, nothing else changes.

@@ -14,9 +14,9 @@ import torch
 from logra_pl.callbacks import PredictedKLControl
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.errors import PolicyDivergedError
-from logra_pl.guard import DivergenceGuard
+from logra_pl.methods.adamw import AdamWConfig, adamw_step_preview
+from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-from logra_pl.optim import AdamWConfig, adamw_step_preview
 from logra_pl.rollout.base import SamplingConfig
 from logra_pl.rollout.hf import HFEngine
 from logra_pl.sketch import LoGRAConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from logra_pl.heap import _malloc_trim, release_free_heap
+from logra_pl.runtime.heap import _malloc_trim, release_free_heap
 
 pytestmark = pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
 
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from logra_pl.callbacks.memory import rss_bytes
-    from logra_pl.heap import release_free_heap
+    from logra_pl.runtime.heap import release_free_heap
     blocks = [torch.ones(16384) for _ in range(1024)]
     last = blocks.pop()
     del blocks
@@ -49,7 +49,7 @@ def test_release_free_heap_is_harmless_to_live_tensors() -> None:
 def test_advise_huge_pages_keeps_values_and_skips_small_buffers() -> None:
     import torch
 
-    from logra_pl.heap import HUGE_PAGE_BYTES, advise_huge_pages
+    from logra_pl.runtime.heap import HUGE_PAGE_BYTES, advise_huge_pages
 
     small = torch.arange(1000, dtype=torch.float64)
     assert not advise_huge_pages(small)  # under two huge pages: nothing to advise

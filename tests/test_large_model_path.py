@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from logra_pl.callbacks import BudgetSchedule, PredictedKLControl
-from logra_pl.checkpointing import checkpointed_layers, decoder_layers
-from logra_pl.logprobs import pack_responses
 from logra_pl.models.load import load_policy
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.runtime.checkpointing import checkpointed_layers, decoder_layers
 from logra_pl.sketch import LoGRAConfig
+from logra_pl.train.logprobs import pack_responses
 
 
 class CountLayerForwards(pl.Callback):
@@ -131,7 +131,7 @@ def test_bf16_mixed_kl_probe_and_calibration_run_in_fp32(fit, tmp_path: Path) ->
     swamp a 1e-4 update. The KL probe (inside Lightning's autocast, in the optimizer step) and the calibration forward
     (after the step, outside it) both run with autocast off, so under bf16-mixed the realized KL matches α²·pred as in
     fp32 (measured: ≤ 1.9%). Before, the probe's logits were bf16 and the calibration's fp32: 12%, 48% and 29% off."""
-    from logra_pl.export import save_policy_folder
+    from logra_pl.runs.export import save_policy_folder
 
     model, tokenizer = load_policy("tiny")
     with torch.no_grad():

@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from logra_pl import run_stores, store_formats
+from logra_pl.runs import store_formats, stores
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -256,9 +256,9 @@ def test_mlflow_points_at_and_after_a_step_are_removed(tmp_path: Path, monkeypat
 
 
 def test_resume_point_knows_the_last_logged_step() -> None:
-    assert run_stores.ResumePoint(3, Path("x")).last_logged_step == 2
-    assert run_stores.ResumePoint(120, Path("x"), log_every_n_steps=50).last_logged_step == 99
-    assert run_stores.ResumePoint(10, Path("x"), log_every_n_steps=50).last_logged_step == -1
+    assert stores.ResumePoint(3, Path("x")).last_logged_step == 2
+    assert stores.ResumePoint(120, Path("x"), log_every_n_steps=50).last_logged_step == 99
+    assert stores.ResumePoint(10, Path("x"), log_every_n_steps=50).last_logged_step == -1
 
 
 def test_mlflow_store_continues_the_run_drops_later_points_and_keeps_first_params(
@@ -274,11 +274,11 @@ def test_mlflow_store_continues_the_run_drops_later_points_and_keeps_first_param
     first.log_hyperparams({"rollout": {"max_new_tokens": 8}, "seed": 0})
     for step in range(6):
         first.log_metrics({"train/reward_mean": step / 10}, step=step)
-    record = run_stores.store_for(first).record()
+    record = stores.store_for(first).record()
     assert record["kind"] == "mlflow" and record["run_id"] == first.run_id
 
     second = MLFlowLogger(experiment_name="e", tracking_uri=uri)
-    notes = run_stores.store_for(second).resume(record, run_stores.ResumePoint(3, tmp_path / "last.ckpt"))
+    notes = stores.store_for(second).resume(record, stores.ResumePoint(3, tmp_path / "last.ckpt"))
     assert notes == [
         f"MLflow: continuing run {first.run_id} at step 3 (3 metric point(s) the stopped run logged at steps >= 3 "
         f"removed from {tmp_path / 'mlruns' / record['experiment_id'] / first.run_id})"
@@ -304,7 +304,7 @@ def test_mlflow_store_with_another_run_id_or_store_starts_a_new_run(
 
     record = {"kind": "mlflow", "run_id": "abc", "experiment_id": "1", "tracking_uri": f"file:{tmp_path / 'a'}"}
     other = MLFlowLogger(experiment_name="e", tracking_uri=f"file:{tmp_path / 'b'}")
-    (note,) = run_stores.store_for(other).resume(record, run_stores.ResumePoint(7, tmp_path / "last.ckpt"))
+    (note,) = stores.store_for(other).resume(record, stores.ResumePoint(7, tmp_path / "last.ckpt"))
     assert note.startswith(f"MLflow: the checkpoint's steps 0..6 are in run abc in file:{tmp_path / 'a'}")
     assert other.run_id != "abc"
 
@@ -319,13 +319,13 @@ def test_wandb_store_rewinds_to_the_last_row_before_the_resumed_step(tmp_path: P
     first = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
     for step in range(6):
         first.log_metrics({"train/reward_mean": step / 10}, step=step)
-    record = run_stores.store_for(first).record()
+    record = stores.store_for(first).record()
     wandb.finish()
     wandb.teardown()  # finish() returns before wandb-core has closed the log
     assert record["kind"] == "wandb" and record["offline"] and record["project"] == "p"
 
     second = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
-    (note,) = run_stores.store_for(second).resume(record, run_stores.ResumePoint(3, tmp_path / "last.ckpt"))
+    (note,) = stores.store_for(second).resume(record, stores.ResumePoint(3, tmp_path / "last.ckpt"))
     assert note.startswith(
         f"W&B: continuing run {record['run_id']} at step 3, rewound to its history row _step=2 (3 row(s) the stopped "
         "run logged after the checkpoint are dropped by `wandb sync`); rewinding is a preview feature"
@@ -348,13 +348,13 @@ def test_wandb_store_names_the_steps_a_kill_lost(tmp_path: Path) -> None:
     first = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
     for step in range(2):
         first.log_metrics({"train/reward_mean": 0.5}, step=step)
-    record = run_stores.store_for(first).record()
+    record = stores.store_for(first).record()
     wandb.finish()
     wandb.teardown()
     second = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
-    notes = run_stores.store_for(second).resume(record, run_stores.ResumePoint(5, tmp_path / "last.ckpt"))
+    notes = stores.store_for(second).resume(record, stores.ResumePoint(5, tmp_path / "last.ckpt"))
     assert notes[1].startswith(f"W&B: steps 2..4 are missing from run {record['run_id']}")
-    assert run_stores.compat.wandb_init_args(second)["resume_from"] == f"{record['run_id']}?_step=1"
+    assert stores.compat.wandb_init_args(second)["resume_from"] == f"{record['run_id']}?_step=1"
 
 
 def test_checkpoint_folders_of_each_logger_are_found_before_it_is_built(
@@ -364,18 +364,18 @@ def test_checkpoint_folders_of_each_logger_are_found_before_it_is_built(
     ``<store>/<experiment id>``, TensorBoard ``<save_dir>/<name>``; ``*/checkpoints/last*.ckpt`` under each."""
     from mlflow.tracking import MlflowClient
 
-    from logra_pl.resume import find_last_checkpoint
+    from logra_pl.runs.resume import find_last_checkpoint
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the CLI allows a file store a config names
     wandb_entry = {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": str(tmp_path)}}
     wandb_entry["init_args"]["project"] = "p"
-    assert run_stores.family_roots(wandb_entry, tmp_path) == [tmp_path / "p"]
+    assert stores.family_roots(wandb_entry, tmp_path) == [tmp_path / "p"]
     uri = f"file:{tmp_path / 'mlruns'}"
     mlflow_entry = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {"tracking_uri": uri}}
-    assert run_stores.family_roots(mlflow_entry, tmp_path) == []  # no experiment yet: nothing to resume
+    assert stores.family_roots(mlflow_entry, tmp_path) == []  # no experiment yet: nothing to resume
     assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"
     experiment = MlflowClient(uri).create_experiment("lightning_logs")
-    (root,) = run_stores.family_roots(mlflow_entry, tmp_path)
+    (root,) = stores.family_roots(mlflow_entry, tmp_path)
     assert root == tmp_path / "mlruns" / experiment
     ckpt = root / "0123abcd" / "checkpoints" / "last.ckpt"
     ckpt.parent.mkdir(parents=True)
@@ -385,16 +385,16 @@ def test_checkpoint_folders_of_each_logger_are_found_before_it_is_built(
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
         "init_args": {"save_dir": "r", "name": "n"},
     }
-    assert run_stores.family_roots(tb_entry, tmp_path) == [Path("r") / "n"]
+    assert stores.family_roots(tb_entry, tmp_path) == [Path("r") / "n"]
 
 
 def test_a_resume_with_other_loggers_says_where_the_earlier_steps_are(tmp_path: Path) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
-    note = run_stores.other_runs_note([{"kind": "wandb", "run_id": "abc"}], {"mlflow"}, 7)
+    note = stores.other_runs_note([{"kind": "wandb", "run_id": "abc"}], {"mlflow"}, 7)
     assert note == "steps 0..6 of this run were logged to W&B run abc; this run's loggers start at step 7"
-    assert run_stores.other_runs_note([{"kind": "wandb", "run_id": "abc"}], {"wandb"}, 7) is None
-    (note,) = run_stores.store_for(CSVLogger(tmp_path)).resume(None, run_stores.ResumePoint(7, tmp_path / "x.ckpt"))
+    assert stores.other_runs_note([{"kind": "wandb", "run_id": "abc"}], {"wandb"}, 7) is None
+    (note,) = stores.store_for(CSVLogger(tmp_path)).resume(None, stores.ResumePoint(7, tmp_path / "x.ckpt"))
     assert note.startswith("CSVLogger: logra-pl continues TensorBoard, W&B and MLflow runs on resume; this logger")
     assert "starts a new run at step 7" in note
 
@@ -406,11 +406,11 @@ def test_wandb_store_leaves_the_rows_when_the_user_asks_for_wandbs_plain_resume(
 
     first = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
     first.log_metrics({"train/reward_mean": 0.5}, step=0)
-    record = run_stores.store_for(first).record()
+    record = stores.store_for(first).record()
     wandb.finish()
     wandb.teardown()
     second = WandbLogger(save_dir=str(tmp_path), project="p", offline=True, resume="must")
-    (note,) = run_stores.store_for(second).resume(record, run_stores.ResumePoint(2, tmp_path / "last.ckpt"))
+    (note,) = stores.store_for(second).resume(record, stores.ResumePoint(2, tmp_path / "last.ckpt"))
     assert "without a rewind" in note and "so those steps appear twice" in note
-    args = run_stores.compat.wandb_init_args(second)
+    args = stores.compat.wandb_init_args(second)
     assert (args["id"], args["resume"], "resume_from" in args) == (record["run_id"], "must", False)

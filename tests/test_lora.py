@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from logra_pl.lora import LoRAConfig, MergedState, lora_layers, merged_tensors
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.lora import LoRAConfig, MergedState, lora_layers, merged_tensors
 from logra_pl.models.load import load_policy
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-from logra_pl.optim import AdamWConfig
 from logra_pl.sketch import memory_report
 
 ROOT = Path(__file__).resolve().parents[1]

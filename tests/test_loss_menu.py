@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from logra_pl.backward import backward_over, update_totals
 from logra_pl.errors import ConfigError, ResumeMismatchError
-from logra_pl.logprobs import pack_responses, response_logprobs, response_logprobs_and_entropy, token_entropy
 from logra_pl.losses import (
     CISPO,
     GSPO,
@@ -25,7 +23,9 @@ from logra_pl.losses import (
     kl_estimate,
 )
 from logra_pl.rollout.base import Rollout
-from logra_pl.step import assemble_step
+from logra_pl.train.backward import backward_over, update_totals
+from logra_pl.train.logprobs import pack_responses, response_logprobs, response_logprobs_and_entropy, token_entropy
+from logra_pl.train.step import assemble_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -443,7 +443,7 @@ def test_a_loss_of_your_own_keeps_its_own_kl_coef() -> None:
 
 # ---------------------------------------------------------------------------------- the reference policy
 def test_reference_policy_is_frozen_digested_and_streamed(tiny_model_dir) -> None:
-    from logra_pl.reference import ReferencePolicy, weights_digest
+    from logra_pl.train.reference import ReferencePolicy, weights_digest
 
     ref = ReferencePolicy.load(str(tiny_model_dir), "float32", "cpu")
     half = ReferencePolicy.load(str(tiny_model_dir), "bfloat16", "same")
@@ -495,7 +495,7 @@ def test_fsdp_refuses_a_reference_kept_in_every_process() -> None:
 
 
 def test_plan_counts_the_reference_per_rank() -> None:
-    from logra_pl.memory import plan
+    from logra_pl.methods.memory_plan import plan
     from logra_pl.models.tiny import PRESETS
 
     config = PRESETS["tiny"].qwen2_config(PRESETS["tiny"].vocab_size, 0, 1)
@@ -537,9 +537,9 @@ def test_a_kl_run_keeps_the_reference_counts_it_and_resumes_only_onto_the_same_o
 
     from logra_pl.callbacks import MemoryMonitor
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-    from logra_pl.reference import weights_digest
     from logra_pl.sketch import LoGRAConfig
-    from logra_pl.warm_start import WarmStart
+    from logra_pl.train.reference import weights_digest
+    from logra_pl.train.warm_start import WarmStart
 
     def module():
         return LoGRAPolicyModule(

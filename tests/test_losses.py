@@ -28,7 +28,7 @@ from logra_pl.losses import (
     ppo_clip_loss,
     reinforce_tis_loss,
 )
-from logra_pl.settings import LossConfig
+from logra_pl.train.settings import LossConfig
 
 # ----------------------------------------------------------------------------------- the pinned arithmetic
 # The loss, plan and baseline formulas of the previous layout (module.py / losses.py at 4964d0a), written out. The
@@ -471,9 +471,9 @@ def test_checkpoints_of_the_old_layout_load_and_resume(tmp_path, rl_run) -> None
     """A checkpoint written before losses were objects: its hyper-parameters pickle ``LossConfig`` and
     ``Baseline`` and its settings hold the old ``{kind: ...}`` sections. It loads, restores ``b``, resumes under the
     equivalent new settings, and is refused (naming the class) under another loss."""
-    from logra_pl import resume
     from logra_pl.errors import ResumeMismatchError
     from logra_pl.module import LoGRAPolicyModule
+    from logra_pl.runs import resume
 
     instantiator = "lightning.pytorch.cli.instantiate_module"  # how the CLI has Lightning rebuild its modules
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from logra_pl.cli import main as cli_main
-from logra_pl.memory import plan
+from logra_pl.methods.memory_plan import plan
 from logra_pl.models.tiny import PRESETS
 from logra_pl.sketch import DEFAULT_TARGETS, LoGRAConfig, LoGRASketcher, memory_report, select_targets
 
@@ -87,7 +87,7 @@ def test_plan_errors_name_the_problem() -> None:
 
 def test_config_of_a_gguf_policy() -> None:
     """``smollm2`` (a GGUF file) gives its config without loading weights: the planner and the rank check use it."""
-    from logra_pl.memory import load_config
+    from logra_pl.methods.memory_plan import load_config
 
     config = load_config("smollm2")
     assert config.hidden_size == 576 and config.num_hidden_layers == 30

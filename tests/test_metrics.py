@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from logra_pl.metrics import MacroPassAt1, PassAtK, pass_at_k
+from logra_pl.train.metrics import MacroPassAt1, PassAtK, pass_at_k
 
 TASKS = ("chain_sum", "basic_arithmetic", "leg_counting")
 
@@ -290,7 +290,7 @@ def test_metrics_log_through_lightning(tmp_path: Path) -> None:
 
 
 def test_macro_mean_weights_tasks_equally_with_partial_credit() -> None:
-    from logra_pl.metrics import MacroMean
+    from logra_pl.train.metrics import MacroMean
 
     metric = MacroMean(["a", "b", "c"])
     metric.update(torch.tensor([[0.5, 1.0], [0.0, 0.25]]), ["a", "a"])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from logra_pl.optim import AdamWConfig, adamw_update_norm
+from logra_pl.methods.adamw import AdamWConfig, adamw_update_norm
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -37,7 +37,7 @@ def test_logra_optimizer_keeps_no_merged_proposal_alive(qwen2_factory) -> None:
     import gc
     import weakref
 
-    from logra_pl.optim import LoGRAOptimizer
+    from logra_pl.methods.logra import LoGRAOptimizer
     from logra_pl.sketch import LoGRAConfig, LoGRASketcher
 
     model = qwen2_factory(seed=0)

@@ -29,8 +29,8 @@ from test_configs import KEY_VALUE  # the repository's "every key is commented" 
 from logra_pl.cli import LoGRACLI
 from logra_pl.data import DapoMath7_5kDataModule
 from logra_pl.data.rg_hard import RG_HARD_TASKS, RGHardDataModule
-from logra_pl.memory import GiB, plan
-from logra_pl.memory import main as plan_main
+from logra_pl.methods.memory_plan import GiB, plan
+from logra_pl.methods.memory_plan import main as plan_main
 from logra_pl.module import LoGRAPolicyModule
 from logra_pl.rollout.remote import RemoteSettings
 from logra_pl.strategy import LoGRAStrategy

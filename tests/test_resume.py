@@ -234,7 +234,7 @@ def test_checkpoint_files_are_written_atomically(tmp_path: Path) -> None:
 
 
 def test_find_last_checkpoint_takes_the_newest_across_versions(tmp_path: Path) -> None:
-    from logra_pl.resume import find_last_checkpoint, version_of
+    from logra_pl.runs.resume import find_last_checkpoint, version_of
 
     family = tmp_path / "runs" / "tiny_cpu"
     old = family / "version_0" / "checkpoints" / "last.ckpt"

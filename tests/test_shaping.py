@@ -1,4 +1,4 @@
-"""Batch shaping (logra_pl/shaping.py): DAPO's soft overlong punishment against its formula written out, the
+"""Batch shaping (logra_pl/train/shaping.py): DAPO's soft overlong punishment against its formula written out, the
 dynamic-sampling selection against the rule stated in its docstring, the refill stream, and real runs: every trained
 group mixed, the counts logged, the shaped reward kept out of the filter, and kill -9 + ``--ckpt_path last`` bit for
 bit through the CLI."""
@@ -16,9 +16,9 @@ from logra_pl.errors import ConfigError
 from logra_pl.losses import GroupBaseline
 from logra_pl.module import LoGRAPolicyModule
 from logra_pl.rollout.base import Rollout
-from logra_pl.settings import RolloutSettings
-from logra_pl.shaping import Drawn, RefillStream, dynamic_batch, group_rows, mixed_groups, overlong_penalty
 from logra_pl.sketch import LoGRAConfig
+from logra_pl.train.settings import RolloutSettings
+from logra_pl.train.shaping import Drawn, RefillStream, dynamic_batch, group_rows, mixed_groups, overlong_penalty
 from tests.conftest import chain_sum_data, quick_trainer
 from tests.helpers.verifiers import HalfUniform
 from tests.test_resume import _cli, _scalars

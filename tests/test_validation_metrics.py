@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from logra_pl.validation import ValidationMetrics
+from logra_pl.train.validation import ValidationMetrics
 
 CPU = torch.device("cpu")
 

@@ -27,8 +27,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from logra_pl import compat
 from logra_pl.errors import ConfigError, check_int
+from logra_pl.runtime import compat
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from logra_pl import compat
 from logra_pl.errors import ConfigError, check_int
-from logra_pl.logprobs import PackedResponses, response_logprobs
 from logra_pl.losses import UpdateTotals
+from logra_pl.runtime import compat
 from logra_pl.sketch.diagnostics import SketchFidelity, sketch_fidelity
 from logra_pl.sketch.projection import make_projection
+from logra_pl.train.logprobs import PackedResponses, response_logprobs
 
 PROBE_FORMAT = "logra-pl/sketch-diagnostics/v1"
 _PACKED_FIELDS = ("input_ids", "attention_mask", "position_ids", "targets", "response_mask", "starts")
@@ -77,7 +77,7 @@ def capture_probe(ctx: Any, responses: int) -> dict[str, Any]:
 
 
 def probe_packed(probe: dict[str, Any]) -> PackedResponses:
-    """The probe batch's rows as :class:`~logra_pl.logprobs.PackedResponses`."""
+    """The probe batch's rows as :class:`~logra_pl.train.logprobs.PackedResponses`."""
     return PackedResponses(*(probe[f] for f in _PACKED_FIELDS))
 
 

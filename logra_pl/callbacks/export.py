@@ -1,7 +1,7 @@
 """``HFExport``: write the policy as a Hugging Face folder during and at the end of training.
 
 Each export is a ``save_pretrained`` folder (weights, config, tokenizer with its chat template) that ``vllm serve``,
-``transformers`` and evaluation harnesses load, written atomically by :func:`~logra_pl.export.save_policy_folder`:
+``transformers`` and evaluation harnesses load, written atomically by :func:`~logra_pl.runs.export.save_policy_folder`:
 a kill during an export never leaves a half-written folder at an export's name.
 """
 
@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from logra_pl.export import as_dtype, remove_policy_folder, save_policy_folder
+from logra_pl.runs.export import as_dtype, remove_policy_folder, save_policy_folder
 
 _PERIODIC = re.compile(r"update-(\d+)")
 

@@ -9,8 +9,8 @@ import torch
 from typing_extensions import override
 
 from logra_pl.errors import check_range
-from logra_pl.ranks import all_reduce_sum
-from logra_pl.step import view_of
+from logra_pl.runtime.ranks import all_reduce_sum
+from logra_pl.train.step import view_of
 
 
 def observed_mismatch(

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
-from logra_pl import compat
+from logra_pl.runtime import compat
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # printed where Lightning prints its table
 

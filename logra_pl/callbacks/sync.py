@@ -17,11 +17,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from logra_pl import compat
-from logra_pl.batching import padded_logprobs
-from logra_pl.logprobs import pack_responses
 from logra_pl.rollout.base import SamplingConfig, cast_floats
-from logra_pl.step import PolicyModuleView
+from logra_pl.runtime import compat
+from logra_pl.train.batching import padded_logprobs
+from logra_pl.train.logprobs import pack_responses
+from logra_pl.train.step import PolicyModuleView
 
 
 def _timed(ship: Any) -> tuple[Any, float]:

@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 from logra_pl.errors import LoGRAError
 from logra_pl.rewards.failures import exception_failure
-from logra_pl.workers import WorkerPool, main_imports
+from logra_pl.runtime.workers import WorkerPool, main_imports
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ def _call_tool(name: str, arguments: Mapping[str, Any], limit: int) -> _Outcome:
 
 def _tool_modules(tools: Sequence[Tool]) -> list[str]:
     """Modules the forkserver imports once, so that each worker starts in a fraction of a second: this module, those
-    that define the tools' functions, and the main script's imports (see :mod:`logra_pl.workers`)."""
+    that define the tools' functions, and the main script's imports (see :mod:`logra_pl.runtime.workers`)."""
     names = [__name__]
     for tool in tools:
         names.append(getattr(tool.function, "__module__", None) or type(tool.function).__module__)

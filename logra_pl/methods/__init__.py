@@ -11,12 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from logra_pl.errors import ConfigError, import_dotted
-from logra_pl.lora import LoRAConfig
-from logra_pl.methods.adamw import DenseAdamW
+from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
 from logra_pl.methods.base import StepResult, UpdateMethod
 from logra_pl.methods.logra import LoGRAMethod
-from logra_pl.methods.lora import LoRAMethod
-from logra_pl.optim import AdamWConfig
+from logra_pl.methods.lora import LoRAConfig, LoRAMethod
 from logra_pl.sketch import LoGRAConfig
 
 SHORT_NAMES = ("logra", "adamw", "lora")

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from logra_pl.guard import DivergenceGuard
+from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.rollout.base import GatheredState
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.payload import Payload

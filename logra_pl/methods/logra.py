@@ -1,4 +1,4 @@
-"""``LoGRAMethod``: full-weight updates through low-rank gradient sketches (algorithm.md §1-5).
+"""``LoGRAMethod`` and its optimizer: full-weight updates through low-rank gradient sketches (algorithm.md §1-5).
 
 Backward fills ``S = G Pᵀ`` per target matrix; ``optimizer.step()`` forms the proposal (RowAdam, step size), lets
 ``on_before_optimizer_step`` callbacks scale or veto it, has the divergence guard judge it, and merges
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,14 +19,85 @@ from torch import nn
 from typing_extensions import override
 
 from logra_pl.errors import ConfigError
-from logra_pl.guard import DivergenceGuard
 from logra_pl.methods.base import AllReduceSum, StepResult, UpdateMethod, bytes_text, count_text
-from logra_pl.optim import LoGRAOptimizer
-from logra_pl.sketch import LoGRAConfig, LoGRASketcher, select_targets
+from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, select_targets
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, logit_tangent
+
+
+class LoGRAOptimizer(torch.optim.Optimizer):
+    """One LoGRA update per ``step()``: propose → closure (hooks) → merge, or skip.
+
+    Arguments:
+        sketcher: the model's :class:`LoGRASketcher` (hooks attached, sketches filled by backward).
+        max_relative_update: the divergence guard's bound: an update larger than this fraction of the weights is
+            rejected before it merges (None: no bound).
+
+    After ``step()``: :attr:`last_payload` is the merged payload (``None`` if skipped) — what a rollout engine
+    must apply — and :attr:`last_proposal` the proposal it came from, while something else still holds it (a step
+    controller does, until it has calibrated the update). ``grad_scale`` multiplies the sketches before RowAdam (e.g.
+    ``1/world_size`` after a sum all-reduce).
+    """
+
+    def __init__(self, sketcher: LoGRASketcher, max_relative_update: float | None = None) -> None:
+        params = [m.module.weight for m in sketcher.matrices.values()]
+        super().__init__(params, defaults={})
+        self.sketcher = sketcher
+        self.proposal: Proposal | None = None
+        self._last_proposal: weakref.ref[Proposal] | None = None
+        self.last_payload: Payload | None = None
+        self.grad_scale = 1.0
+        self.last_merge_s = 0.0
+        self.max_relative_update = max_relative_update
+        # Set by a data-parallel strategy: all-reduce the sketches, and sum ‖W_i‖² over row shards.
+        self.before_propose: Callable[[LoGRAOptimizer], None] | None = None
+        self.weight_sq_norms: Callable[[LoGRAOptimizer], dict[str, float]] | None = None
+
+    @property
+    def last_proposal(self) -> Proposal | None:
+        """The proposal the last ``step()`` came from, or None once nothing else holds it.
+
+        The optimizer keeps no reference of its own, as ``ProposingAdamW`` releases its previewed deltas: a merged
+        proposal holds the update's directions and the projections it was made with (the sketcher has drawn the
+        next ones), and keeping them into the next step's forward and backward raised LoGRA's peak RSS on
+        ``tiny:medium`` by 34 MiB (957.6 → 923.2 MiB, ``benchmarks/compare.py``'s LoGRA run).
+        """
+        return self._last_proposal() if self._last_proposal is not None else None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Propose, run ``closure`` (Lightning's hooks), then merge the (possibly rescaled) proposal."""
+        if self.before_propose is not None:
+            self.before_propose(self)
+        norms = self.weight_sq_norms(self) if self.weight_sq_norms is not None else None
+        self.proposal = self.sketcher.propose(grad_scale=self.grad_scale, weight_sq_norms=norms)
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        proposal, self.proposal = self.proposal, None
+        self._last_proposal = weakref.ref(proposal) if proposal is not None else None
+        self.last_payload = None
+        if proposal is None:
+            return result
+        start = time.perf_counter()
+        self.last_payload = self.sketcher.apply(proposal, max_relative_update=self.max_relative_update)
+        self.last_merge_s = time.perf_counter() - start
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Sketches are reset after every update; nothing else holds gradients."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """All LoGRA state (row statistics, update index, counters, config)."""
+        return {"logra": self.sketcher.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (refuses a mismatched LoGRA config)."""
+        self.sketcher.load_state_dict(state_dict["logra"])
 
 
 class LoGRAMethod(UpdateMethod):
@@ -70,7 +143,7 @@ class LoGRAMethod(UpdateMethod):
         """``rank ≤ d_in`` for every target matrix, read from the model's config on the meta device."""
         from transformers import AutoModelForCausalLM
 
-        from logra_pl.memory import load_config
+        from logra_pl.methods.memory_plan import load_config
         from logra_pl.models.load import resolve_source
 
         resolve_source(source)  # a source that cannot exist gets its clear PolicyLoadError here

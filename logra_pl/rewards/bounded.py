@@ -34,7 +34,7 @@ from typing import Any
 from logra_pl.errors import LoGRAError
 from logra_pl.rewards.base import Verifier, ask_correct, batch_scorer, read_counter
 from logra_pl.rewards.failures import Failure, Scores, exception_failure
-from logra_pl.workers import WorkerPool, main_imports
+from logra_pl.runtime.workers import WorkerPool, main_imports
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The served-engine API (version 1), defined once: what ``logra-pl serve`` accepts and answers.
 
-Both sides use these models: the server (:mod:`logra_pl.rollout.serve_app`) validates every JSON body with them and
+Both sides use these models: the server (:mod:`logra_pl.rollout.serve.app`) validates every JSON body with them and
 answers with them; the trainer's client (:class:`~logra_pl.rollout.remote.RemoteEngine`) builds its requests and
 reads the answers with the same classes. A body that does not fit a model is refused with a 400 whose message
 names the field (:func:`describe`). Sampling fields take their defaults and their checks from

@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 from logra_pl.errors import ConfigError, import_dotted
 from logra_pl.rollout.base import RolloutEngine
-from logra_pl.settings import RolloutSettings
 from logra_pl.sketch.config import DEFAULT_TARGETS
+from logra_pl.train.settings import RolloutSettings
 
 
 def _same_value(value: Any) -> Any:
@@ -203,8 +203,8 @@ def engine_model_folder(source: str, resolved: Any, dtype: str, load: Callable[[
     A folder with safetensors files is used as it is; anything else (a GGUF file, a hub id, a folder of ``.bin``
     files) is written once, atomically, to the cache — keyed by source and dtype — from the model ``load()`` returns.
     """
-    from logra_pl.export import policy_folder_complete, save_policy_folder
     from logra_pl.models.tiny import cache_root
+    from logra_pl.runs.export import policy_folder_complete, save_policy_folder
 
     folder = Path(resolved.location)
     if resolved.gguf_file is None and not resolved.is_hub_id and any(folder.glob("*.safetensors")):

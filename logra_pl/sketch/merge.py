@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from logra_pl.heap import advise_huge_pages
+from logra_pl.runtime.heap import advise_huge_pages
 from logra_pl.sketch.projection import make_projection, sign_scale
 
 # The float64 temporaries of one merge batch (the ``rows × d_in`` deltas, and on a CPU the float64 copies of W's

@@ -67,12 +67,12 @@ def run_cli(save_dir: Path, steps: int, ckpt: Path | None = None) -> Path:
 # ------------------------------------------------------------------------------------------ notebook scenario
 def _notebook_module() -> Any:
     """The module as a notebook builds it: settings objects (pickled into the checkpoint's hyper-parameters)."""
-    from logra_pl.guard import DivergenceGuard
     from logra_pl.losses import ReinforceTIS, RunningBaseline
+    from logra_pl.methods.adamw import AdamWConfig
+    from logra_pl.methods.guard import DivergenceGuard
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings, ScoringSettings
-    from logra_pl.optim import AdamWConfig
     from logra_pl.sketch import LoGRAConfig
-    from logra_pl.warm_start import WarmStart
+    from logra_pl.train.warm_start import WarmStart
 
     return LoGRAPolicyModule(
         policy="tiny",

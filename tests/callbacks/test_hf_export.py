@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from logra_pl.callbacks import HFExport
-from logra_pl.export import PROVENANCE_FILE, export_checkpoint, policy_folder_complete
 from logra_pl.losses import PPOClip
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+from logra_pl.runs.export import PROVENANCE_FILE, export_checkpoint, policy_folder_complete
 from logra_pl.sketch import LoGRAConfig
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}

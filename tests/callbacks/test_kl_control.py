@@ -11,7 +11,7 @@ import torch
 
 from logra_pl.callbacks import BudgetSchedule, PredictedKLControl, RolloutMismatch, step_multiplier
 from logra_pl.data import ReasoningGymDataModule
-from logra_pl.guard import DivergenceGuard
+from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 

@@ -13,11 +13,11 @@ import torch
 
 from logra_pl.callbacks import BudgetSchedule, PredictedKLControl
 from logra_pl.data import ReasoningGymDataModule
-from logra_pl.guard import DivergenceGuard
-from logra_pl.lora import LoRAConfig
 from logra_pl.methods import DenseAdamW, LoRAMethod
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.methods.lora import LoRAConfig
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-from logra_pl.optim import AdamWConfig
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 KL_LOGGED = ("kl/predicted", "kl/alpha", "kl/predicted_scaled", "kl/realized")

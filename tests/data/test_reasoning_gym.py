@@ -84,7 +84,7 @@ def test_module_and_data_seeds_may_differ_with_a_logger(tmp_path) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from logra_pl.module import LoGRAPolicyModule
-    from logra_pl.settings import RolloutSettings
+    from logra_pl.train.settings import RolloutSettings
 
     module = LoGRAPolicyModule(policy="tiny", seed=1, rollout=RolloutSettings(max_new_tokens=4), microbatch_size=4)
     data = ReasoningGymDataModule(["chain_sum"], train_size=16, eval_size=4, prompts_per_step=4, seed=0)

@@ -16,7 +16,7 @@ from logra_pl.envs.calculator import calculate
 from logra_pl.errors import ConfigError
 from logra_pl.models import load_policy
 from logra_pl.models.load import resolve_source
-from logra_pl.warm_start import (
+from logra_pl.train.warm_start import (
     WarmStart,
     check_demonstrations,
     conversation_labels,

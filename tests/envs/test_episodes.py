@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from logra_pl.envs import Turn, continuation_ids, run_episodes
-from logra_pl.logprobs import pack_responses, response_logprobs
 from logra_pl.models import load_policy
 from logra_pl.rollout.base import SamplingConfig
 from logra_pl.rollout.hf import HFEngine
+from logra_pl.train.logprobs import pack_responses, response_logprobs
 
 QUESTIONS = ["1 + 2 =", "What is 4 - 3 + 5?", "State the final answer: 9 - 9 ="]
 

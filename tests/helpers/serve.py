@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from logra_pl.rollout.server import READY_LINE
+from logra_pl.rollout.serve.server import READY_LINE
 
 
 def free_port(count: int = 1) -> int:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers.optim import StepThrough
 
-from logra_pl.guard import DivergenceGuard
-from logra_pl.lora import LoRAConfig
 from logra_pl.methods import DenseAdamW, LoRAMethod
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.methods.lora import LoRAConfig
 from logra_pl.models.load import load_policy
-from logra_pl.optim import AdamWConfig
 from logra_pl.sketch.probe import predicted_kl_terms, realized_kl_terms
 
 TARGETS = ["q_proj", "down_proj"]

@@ -8,11 +8,11 @@ import torch
 from helpers.optim import StepThrough
 
 from logra_pl.errors import ConfigError, PolicyDivergedError
-from logra_pl.guard import DivergenceGuard, RejectionCount
-from logra_pl.lora import LoRAConfig
 from logra_pl.methods import DenseAdamW, LoGRAMethod, LoRAMethod, checkpoint_kind, resolve_method
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.guard import DivergenceGuard, RejectionCount
+from logra_pl.methods.lora import LoRAConfig
 from logra_pl.models.load import load_policy
-from logra_pl.optim import AdamWConfig
 from logra_pl.sketch import LoGRAConfig
 
 TARGETS = ["q_proj", "down_proj"]

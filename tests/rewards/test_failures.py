@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from logra_pl.backward import backward_over, update_totals
 from logra_pl.errors import ConfigError, VerifierFailedError
 from logra_pl.losses import GroupBaseline, ReinforceTIS, RLOOBaseline, RunningBaseline
-from logra_pl.metrics import MacroMean
 from logra_pl.rewards.failures import Failure, FailurePolicy, Scores, verifier_label
 from logra_pl.rollout.base import Rollout
-from logra_pl.step import assemble_step, score_tensors, scored_advantages, step_metrics
-from logra_pl.validation import ValidationMetrics
+from logra_pl.train.backward import backward_over, update_totals
+from logra_pl.train.metrics import MacroMean
+from logra_pl.train.step import assemble_step, score_tensors, scored_advantages, step_metrics
+from logra_pl.train.validation import ValidationMetrics
 
 TRACE = 'Traceback (most recent call last):\n  File "mine.py", line 3, in __call__\nValueError: boom'
 
@@ -273,7 +273,7 @@ def test_macro_mean_mask_against_a_plain_loop() -> None:
 
 
 def test_dynamic_sampling_judges_a_group_on_its_scored_responses() -> None:
-    from logra_pl.shaping import Drawn, concat, dynamic_batch, mixed_groups
+    from logra_pl.train.shaping import Drawn, concat, dynamic_batch, mixed_groups
 
     nan = math.nan
     rewards = torch.tensor([1.0, nan, 0.0, 1.0, nan, 1.0, nan, nan, 0.5], dtype=torch.float64)

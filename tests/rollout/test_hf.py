@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logra_pl.logprobs import pack_responses, response_logprobs
 from logra_pl.models import load_policy
 from logra_pl.rollout.base import RolloutEngine, SamplingConfig
 from logra_pl.rollout.hf import HFEngine, top_p_filter
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher
+from logra_pl.train.logprobs import pack_responses, response_logprobs
 
 
 @pytest.fixture(scope="module")

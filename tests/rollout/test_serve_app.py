@@ -30,7 +30,7 @@ from logra_pl.rollout.protocol import (
     GenerateRequest,
 )
 from logra_pl.rollout.remote import RemoteEngine, RemoteSettings
-from logra_pl.rollout.server import EngineState, ServeSettings, build_app
+from logra_pl.rollout.serve.server import EngineState, ServeSettings, build_app
 from logra_pl.rollout.vllm_worker import tensors_to_bytes
 from logra_pl.sketch.payload import Payload
 

@@ -25,12 +25,12 @@ from helpers.serve import Server, free_port
 
 from logra_pl.callbacks import read_rollouts
 from logra_pl.errors import ConfigError, EngineUnavailableError
-from logra_pl.logprobs import pack_responses, response_logprobs
 from logra_pl.models.load import load_policy
 from logra_pl.rollout.base import SamplingConfig
 from logra_pl.rollout.remote import EXPECT_HEADER, NEW_HEADER, RemoteEngine, RemoteSettings
 from logra_pl.rollout.vllm_worker import tensor_digest
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, select_targets
+from logra_pl.train.logprobs import pack_responses, response_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -238,9 +238,9 @@ def test_two_engines_share_prompts_and_receive_every_update(tmp_path_factory: py
 def test_lora_run_sends_merged_weights_to_a_served_engine(server: Server, rl_run, tmp_path: Path) -> None:
     """``model.optimizer: lora`` against vLLM: the engine holds ``W + (α/r)·B A``, never the adapters."""
     from logra_pl.callbacks import PolicySync
-    from logra_pl.lora import LoRAConfig, merged_tensors
+    from logra_pl.methods.adamw import AdamWConfig
+    from logra_pl.methods.lora import LoRAConfig, merged_tensors
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-    from logra_pl.optim import AdamWConfig
 
     module = LoGRAPolicyModule(
         policy="tiny",
@@ -260,7 +260,7 @@ def test_lora_run_sends_merged_weights_to_a_served_engine(server: Server, rl_run
 
 
 def test_serve_settings_refuse_unsafe_binds() -> None:
-    from logra_pl.rollout.server import ServeSettings, is_loopback, parse_args
+    from logra_pl.rollout.serve.server import ServeSettings, is_loopback, parse_args
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import logra_pl.sketch.sketcher as sketcher_module
-from logra_pl.memory import main as plan_main
-from logra_pl.memory import plan
-from logra_pl.optim import AdamWConfig
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.memory_plan import main as plan_main
+from logra_pl.methods.memory_plan import plan
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher
 from logra_pl.sketch.config import LoGRAConfigError
 from logra_pl.sketch.memory import memory_report

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from logra_pl.errors import ResumeMismatchError
-from logra_pl.resume import check_resume
+from logra_pl.runs.resume import check_resume
 from logra_pl.sketch import LoGRAConfig, LoGRAConfigError, LoGRASketcher, Payload, projection_seed
 from logra_pl.sketch.payload import PAYLOAD_FORMAT
 from logra_pl.sketch.projection import projection_index

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from logra_pl.callbacks import BudgetSchedule, HFExport, PredictedKLControl
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.losses import ReinforceTIS
+from logra_pl.methods.adamw import AdamWConfig
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-from logra_pl.optim import AdamWConfig
 from logra_pl.sketch import LoGRAConfig, memory_report
 from logra_pl.strategy import LoGRAStrategy
 
@@ -38,7 +38,7 @@ class CountLayerForwards(pl.Callback):
         self.calls = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
-        from logra_pl.checkpointing import decoder_layers
+        from logra_pl.runtime.checkpointing import decoder_layers
 
         def count(*_args) -> None:
             if torch.is_grad_enabled():

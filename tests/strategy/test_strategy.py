@@ -173,7 +173,7 @@ def test_persistent_state_halves(runs) -> None:
     one, two = runs["one"]["persistent_bytes"], runs["two"]["persistent_bytes"]
     assert abs(two / one - 0.5) <= 0.05, (one, two)
     # The planner, from the config alone, predicts what each FSDP rank measured.
-    from logra_pl.memory import plan
+    from logra_pl.methods.memory_plan import plan
 
     for ranks, measured in ((1, one), (2, two)):
         predicted = plan("tiny", ranks=ranks, rank_r=16, optimizers=["logra"])["logra"].report.persistent

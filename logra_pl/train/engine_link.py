@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from logra_pl.errors import StaleEngineError
-from logra_pl.ranks import any_rank
 from logra_pl.rollout.base import Rollout, RolloutEngine, SamplingConfig, StaleableEngine, cast_floats
 from logra_pl.rollout.pipeline import RolloutPipeline
+from logra_pl.runtime.ranks import any_rank
 from logra_pl.sketch.payload import Payload
 
 log = logging.getLogger(__name__)

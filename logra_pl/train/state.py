@@ -3,17 +3,20 @@
 ``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts (and its
 own state when it keeps one: ``verifier_state``), the failing updates in a row, the guard's rejection counts, the
 module's settings, the CLI's resolved config, each logger's run (its id: what a resume continues,
-:mod:`logra_pl.run_stores`) and — with a KL penalty — the reference policy's source and digest (not its weights: it
-is rebuilt on resume and must match, :mod:`logra_pl.reference`). A checkpoint written under structurally different
-settings (another method, LoGRA rank, loss, data…) is refused with the list of differences (:mod:`logra_pl.resume`).
+:mod:`logra_pl.runs.stores`) and — with a KL penalty — the reference policy's source and digest (not its weights: it
+is rebuilt on resume and must match, :mod:`logra_pl.train.reference`). A checkpoint written under structurally different
+settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
+(:mod:`logra_pl.runs.resume`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from logra_pl import compat, methods, resume, run_stores
+from logra_pl import methods
 from logra_pl.errors import ResumeMismatchError
+from logra_pl.runs import resume, stores
+from logra_pl.runtime import compat
 
 CHECKPOINT_FORMAT = "logra-pl/module/v2"
 
@@ -30,7 +33,7 @@ def module_state(module: Any) -> dict[str, Any]:
         **module.failures.state_dict(),
         "settings": resume.plain(module.hparams),
         "run_config": module.run_config,  # the CLI's resolved config (None outside the CLI)
-        "loggers": run_stores.records(compat.trainer_of(module)),  # each logger's run, for --ckpt_path last
+        "loggers": stores.records(compat.trainer_of(module)),  # each logger's run, for --ckpt_path last
     }
     if callable(getattr(module.verifier, "state_dict", None)):  # e.g. a reward model's running normalisation
         state["verifier_state"] = module.verifier.state_dict()

@@ -1,6 +1,6 @@
 """Every reliance on a logging backend's on-disk format, in one place.
 
-A resumed run must end with each step once in its logger's store (:mod:`logra_pl.run_stores`). Neither backend
+A resumed run must end with each step once in its logger's store (:mod:`logra_pl.runs.stores`). Neither backend
 offers all of it through its API, so two things here read or edit their files directly; each says why, and on
 which version it was checked (``tests/test_loggers.py`` runs both against the real packages):
 

@@ -1,6 +1,6 @@
 """The state of one served engine: the vLLM engine client, its weights version, and the checks every request passes.
 
-:class:`EngineState` is what the routes of :mod:`logra_pl.rollout.serve_app` call. It holds vLLM's ``AsyncLLM``
+:class:`EngineState` is what the routes of :mod:`logra_pl.rollout.serve.app` call. It holds vLLM's ``AsyncLLM``
 engine client (anything with the same methods: ``generate``, ``collective_rpc``, ``reset_prefix_cache`` and a
 ``model_config.max_model_len``), the weights version (:class:`~logra_pl.rollout.versions.VersionLedger`, where
 the version rules live) and a readers/writer lock (:class:`WeightsLock`): many generations at a time, or one
@@ -34,7 +34,7 @@ from logra_pl.rollout.protocol import (
 from logra_pl.rollout.versions import VersionError, VersionLedger
 
 if TYPE_CHECKING:
-    from logra_pl.rollout.server import ServeSettings
+    from logra_pl.rollout.serve.server import ServeSettings
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[list[int], str]]:

@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from logra_pl.batching import select_rows
-from logra_pl.logprobs import response_logprobs
 from logra_pl.losses import Loss, UpdateTotals
-from logra_pl.step import StepContext
+from logra_pl.train.batching import select_rows
+from logra_pl.train.logprobs import response_logprobs
+from logra_pl.train.step import StepContext
 
 
 def update_totals(

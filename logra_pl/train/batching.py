@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from logra_pl.logprobs import PackedResponses
+from logra_pl.train.logprobs import PackedResponses
 
 
 def encode_prompts(tokenizer: Any, items: Sequence[dict[str, Any]]) -> list[list[int]]:

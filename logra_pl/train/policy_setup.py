@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 
 from logra_pl.models.load import load_policy, resolve_source
-from logra_pl.warm_start import WarmStart, warm_start_policy
+from logra_pl.train.warm_start import WarmStart, warm_start_policy
 
 log = logging.getLogger("logra_pl.module")
 

@@ -8,8 +8,8 @@ modules, one concern each:
 
 - :mod:`logra_pl.rollout.protocol`: the API (version 1, every path under ``/v1``; docs/serving.md): request and
   answer models and header names, shared with the trainer's client;
-- :mod:`logra_pl.rollout.serve_app`: the FastAPI routes (:func:`build_app`);
-- :mod:`logra_pl.rollout.serve_state`: the engine's state (:class:`EngineState`): the weights version
+- :mod:`logra_pl.rollout.serve.app`: the FastAPI routes (:func:`build_app`);
+- :mod:`logra_pl.rollout.serve.state`: the engine's state (:class:`EngineState`): the weights version
   (:mod:`logra_pl.rollout.versions`), the checks every payload and weight chunk passes, the readers/writer lock;
 - this module: the launch — :class:`ServeSettings`, the ``logra-pl serve`` flags, one engine per process, and
   ``--data-parallel-size`` engine processes supervised.
@@ -49,8 +49,8 @@ import torch
 
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.rollout.protocol import API_KEY_ENV
-from logra_pl.rollout.serve_app import build_app
-from logra_pl.rollout.serve_state import EngineState, RequestError, WeightsLock, checkpoint_shapes
+from logra_pl.rollout.serve.app import build_app
+from logra_pl.rollout.serve.state import EngineState, RequestError, WeightsLock, checkpoint_shapes
 
 __all__ = [  # the app and the state lived here before the split: re-exported
     "READY_LINE",

@@ -1100,7 +1100,7 @@ def build_loss(value: Any = None, setting: str = "model.loss") -> Loss:
     loss registry, and the old section ``{kind: ..., tis_cap: ...}`` (old configs, and what old CLI checkpoints
     hold: read with a ``FutureWarning`` giving its ``class_path`` form; without a ``kind`` it is refused).
     """
-    from logra_pl.settings import LossConfig  # settings imports this module
+    from logra_pl.train.settings import LossConfig  # settings imports this module
 
     if value is None:
         loss = ReinforceTIS()
@@ -1115,7 +1115,7 @@ def build_loss(value: Any = None, setting: str = "model.loss") -> Loss:
         return build_loss(_from_text(value, setting, LOSS_ALIASES, "logra_pl.losses.PPOClip"), setting)
     elif isinstance(value, Mapping):
         if "class_path" not in value:
-            from logra_pl.settings import LossConfig
+            from logra_pl.train.settings import LossConfig
 
             return build_loss(_legacy_section(LossConfig, value, setting), setting)
         cls = _import_class(str(value["class_path"]), setting, LOSS_ALIASES)
@@ -1227,7 +1227,7 @@ def canonical_settings(value: Any, kind: Literal["loss", "baseline"]) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             if isinstance(value, Mapping):  # the old section: what its dataclass would have built
-                from logra_pl.settings import LossConfig
+                from logra_pl.train.settings import LossConfig
 
                 legacy = LossConfig if kind == "loss" else Baseline
                 return legacy(**dict(value)).to_config()

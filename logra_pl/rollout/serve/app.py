@@ -1,5 +1,5 @@
 """The FastAPI app of one served engine: the routes of the API (:mod:`logra_pl.rollout.protocol`) over an
-:class:`~logra_pl.rollout.serve_state.EngineState`.
+:class:`~logra_pl.rollout.serve.state.EngineState`.
 
 Routes only read requests and write answers: a JSON body is read within ``--max-request-mib`` and validated by its
 model (a body that does not fit gets a 400 naming the field), a binary body is handed to the state's checks, and
@@ -36,7 +36,7 @@ from logra_pl.rollout.protocol import (
     describe,
     parse_hold,
 )
-from logra_pl.rollout.serve_state import EngineState, RequestError
+from logra_pl.rollout.serve.state import EngineState, RequestError
 
 M = TypeVar("M", bound=BaseModel)
 _REFUSALS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorAnswer} for status in (400, 401, 409, 413, 422)}

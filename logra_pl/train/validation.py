@@ -17,7 +17,7 @@ from torchmetrics import MeanMetric
 
 from logra_pl.data.loaders import EVAL_SUBSET_KEY
 from logra_pl.data.schema import item_task, prompt_key
-from logra_pl.metrics import MacroMean, MacroPassAt1, PassAtK
+from logra_pl.train.metrics import MacroMean, MacroPassAt1, PassAtK
 
 
 class ValidationMetrics(nn.Module):

@@ -24,14 +24,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from logra_pl import compat
 from logra_pl.data.schema import prompt_key
 from logra_pl.errors import ConfigError, StaleEngineError
-from logra_pl.ranks import any_rank
 from logra_pl.rollout.base import Rollout
 from logra_pl.rollout.pipeline import RolloutPipeline
 from logra_pl.rollout.staleness import StaleKL, StalenessSchedule
-from logra_pl.step import sampling_seed
+from logra_pl.runtime import compat
+from logra_pl.runtime.ranks import any_rank
+from logra_pl.train.step import sampling_seed
 
 
 class AsyncRollouts:

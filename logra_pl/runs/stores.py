@@ -22,7 +22,7 @@ any other        a new run/version (Lightning's default)     kept (said once)
 The checkpoint records each logger's run (:func:`records`, in ``checkpoint["logra_pl"]["loggers"]``), so the run id
 survives a ``kill -9``. A resume with another kind of logger than the checkpoint's starts a new run of that logger
 at the first resumed step; the CLI says where the earlier steps are. What each backend's files look like is in
-:mod:`logra_pl.store_formats`.
+:mod:`logra_pl.runs.store_formats`.
 
 W&B's rewind is applied by W&B's server (at ``wandb.init`` online, at ``wandb sync`` offline) and is a preview
 feature there; ``trainer.logger.init_args.resume: must`` opts out (W&B's plain resume, the later steps then logged
@@ -46,7 +46,8 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from logra_pl import compat, store_formats
+from logra_pl.runs import store_formats
+from logra_pl.runtime import compat
 
 log = logging.getLogger("logra_pl")
 
@@ -150,7 +151,7 @@ class TensorBoardStore(RunStore):
     on_every_rank = True  # every rank's logger must agree on the version folder
 
     def resume(self, saved: Mapping[str, Any] | None, point: ResumePoint) -> list[str]:
-        from logra_pl.resume import version_of
+        from logra_pl.runs.resume import version_of
 
         version = version_of(point.ckpt)
         if version is None or compat.tensorboard_version(self.logger) is not None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from logra_pl.compat import distributed_checkpoint_metadata
+from logra_pl.runtime.compat import distributed_checkpoint_metadata
 from logra_pl.errors import CheckpointNotFoundError, ResumeMismatchError
 
 log = logging.getLogger(__name__)

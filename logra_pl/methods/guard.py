@@ -3,8 +3,8 @@
 After the update is formed and before it touches the weights, both optimizers ask one question: would this
 update move the trained weights by more than ``max_update_ratio`` of their norm, or make any weight non-finite?
 If so it is rejected — LoGRA does not merge the proposal (:mod:`logra_pl.sketch.guard`), AdamW does not take the
-step (:func:`logra_pl.optim.adamw_step_preview`) — so the weights stay exactly as they were. Every update that is
-not applied (a guard rejection, or a LoGRA skip for a non-finite sketch or prediction) prints a console line;
+step (:func:`logra_pl.methods.adamw.adamw_step_preview`) — so the weights stay exactly as they were. Every update
+that is not applied (a guard rejection, or a LoGRA skip for a non-finite sketch or prediction) prints a console line;
 ``max_consecutive`` of them in a row stop the run with :class:`~logra_pl.errors.PolicyDivergedError`, and the
 last checkpoint stays the last good one.
 """

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from logra_pl import compat
+from logra_pl.runtime import compat
 from logra_pl.errors import LoGRAError
 
 PROVENANCE_FILE = "logra_export.json"
@@ -425,7 +425,7 @@ def export_checkpoint(
     except (PolicyLoadError, OSError) as err:
         raise ExportError(f"the checkpoint's base policy {policy!r} cannot be loaded here: {err}") from err
     if hp.get("optimizer") == "lora":  # adapters are merged into the matrices: the export is a plain model
-        from logra_pl.lora import LoRAConfig, merge_lora_state
+        from logra_pl.methods.lora import LoRAConfig, merge_lora_state
 
         if state is None:
             raise ExportError(f"{path}: exporting a sharded LoRA checkpoint is not supported; save a full one")
@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``logra-pl export --ckpt PATH --out DIR [--dtype {bfloat16,float16,float32}]``.
 
     Arguments:
-        argv: the arguments after ``export`` (None: ``sys.argv[1:]``, as in ``python -m logra_pl.export``).
+        argv: the arguments after ``export`` (None: ``sys.argv[1:]``, as in ``python -m logra_pl.runs.export``).
     """
     parser = argparse.ArgumentParser(
         prog="logra-pl export",

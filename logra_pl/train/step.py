@@ -16,10 +16,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from logra_pl.batching import padded_logprobs
-from logra_pl.logprobs import PackedResponses, pack_responses
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.sketch.payload import Payload
+from logra_pl.train.batching import padded_logprobs
+from logra_pl.train.logprobs import PackedResponses, pack_responses
 
 
 @dataclass
@@ -51,7 +51,7 @@ class StepContext:
     update_kls: list[float] = field(default_factory=list)  # each update's KL as a step controller priced it
     scored: torch.Tensor | None = None  # (N,) bool: the response has a reward (None: all have); rewards are NaN else
     correct: torch.Tensor | None = None  # (N,) bool: the verifier calls the response correct (None: not recorded)
-    shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.shaping)
+    shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.train.shaping)
     shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
     padded_microbatches: int = 0  # zero-loss microbatches that kept this rank's forward count equal to the others'
     entropy: torch.Tensor | None = None  # (N, R) policy entropy before the update, zero where padded

@@ -38,11 +38,11 @@ class RolloutSettings:
             process only): saves one model copy — as when the rollout engine runs elsewhere — and nothing is synced.
         max_staleness: asynchronous rollouts: the engine samples the prompts of the next ``k`` updates while this
             one trains, each batch by weights at most ``k`` updates old (0: synchronous, the default;
-            :mod:`logra_pl.async_rollouts`).
+            :mod:`logra_pl.train.async_rollouts`).
         max_stale_kl: with ``max_staleness`` ≥ 1, a batch is used only while the KL of the updates merged since its
             weights (summed, as PredictedKLControl priced them) is at most this; else it is sampled again by the
             current weights. None: the staleness bound alone.
-        dynamic_sampling: DAPO's dynamic sampling (:mod:`logra_pl.shaping`): train only on prompts whose responses
+        dynamic_sampling: DAPO's dynamic sampling (:mod:`logra_pl.train.shaping`): train only on prompts whose responses
             got different raw rewards, sampling further prompts until the update holds as many such groups as it
             has prompts (needs ``responses_per_prompt`` ≥ 2).
         max_sampling_rounds: with ``dynamic_sampling``, rounds of prompts sampled per update at most (the loader's
