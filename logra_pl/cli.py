@@ -25,9 +25,12 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
+from jsonargparse import get_loader, set_loader
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from logra_pl._graveyard.losses import translate_config
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError, VerifierFailedError
@@ -51,6 +54,18 @@ TRAINER_DEFAULTS = {
 CHECKPOINT_DEFAULTS = {"checkpoint.every_n_updates": 50}
 # Set either to see jsonargparse's own report (usage and the whole error) instead of the short one.
 FULL_REPORT_ENV = ("LOGRA_PL_TRACEBACK", "JSONARGPARSE_DEBUG")
+# The parser mode of the CLI's configs: jsonargparse's YAML, with the sections of earlier versions translated.
+CONFIG_MODE = "logra_yaml"
+_YAML = get_loader("yaml")
+
+
+def load_config_text(text: str) -> Any:
+    """A config (or a command-line value) as jsonargparse's YAML loader reads it, with the old ``model.loss`` /
+    ``model.baseline: {kind: ...}`` sections in their ``class_path`` form (``logra_pl/_graveyard/losses.py``)."""
+    return translate_config(_YAML(text))
+
+
+set_loader(CONFIG_MODE, load_config_text, exceptions=(yaml.YAMLError,))
 
 
 class LoGRAArgumentParser(LightningArgumentParser):
@@ -62,6 +77,10 @@ class LoGRAArgumentParser(LightningArgumentParser):
     jsonargparse's full report. Nested parsers that raise instead of exiting (``exit_on_error=False``) keep
     jsonargparse's behaviour: their message is part of the one the outer parser reports.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_mode", CONFIG_MODE)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or any(os.environ.get(name) for name in FULL_REPORT_ENV):
@@ -313,6 +332,8 @@ _CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
 _GROUP_REFUSES = re.compile(r"(Group|Subcommand) '([^']+)' does not accept option '([^']+)'")
 _NO_FILE = re.compile(r"File does not exist: '([^']+)'")
+_ABSTRACT = re.compile(r"Expected an instantiatable class, but (\S+) is abstract")
+_SHORT_NAME = re.compile(r"Expected a dot import path string: (\S+)")
 _NOISE = re.compile(
     r"^(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|Given value:|"
     r"- Expected a <class 'NoneType'>|Parser key \"[^\"]+\":$|- Problem with given class_path '[^']+':$)"
@@ -359,12 +380,24 @@ def _explain(message: str, parser: Any) -> list[str]:
         return _unknown_key(option if kind == "Subcommand" else f"{group}.{option}", parser)
     if message.startswith("unrecognized arguments: "):
         return _unrecognized(message.split(": ", 1)[1].split(), parser)
+    where = ".".join(k for k in _PARSER_KEY.findall(message) if k)
+    if (found := _ABSTRACT.search(message)) is not None:  # `baseline: {momentum: 0.5}`: arguments, no class
+        what = where.rpartition(".")[2]
+        return [
+            f"{where} gives arguments but no class_path ({found.group(1)} is abstract): write {what}: "
+            f"{{class_path: CLASS, init_args: {{...}}}}, or --{where} CLASS --{where}.ARG VALUE"
+        ]
+    if (found := _SHORT_NAME.search(message)) is not None:  # `--model.baseline rloo --model.baseline.momentum 0.5`
+        what = where.rpartition(".")[2]
+        return [
+            f"{where}: a short name ({found.group(1)}) takes no arguments: name the class instead "
+            f"(--{where} CLASS --{where}.ARG VALUE), or write {what}: {{class_path: CLASS, init_args: {{...}}}}"
+        ]
     for class_path in _CLASS_PATH.findall(message):
         failure = _import_failure(class_path)
         if failure is not None:
             return [f"{key or 'class_path'}: class_path {class_path!r} cannot be imported ({failure})"]
     reasons = _reasons(message)
-    where = ".".join(k for k in _PARSER_KEY.findall(message) if k)
     return [f"{where}: {reasons[0]}" if where else reasons[0], *reasons[1:]] if reasons else [message]
 
 

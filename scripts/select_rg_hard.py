@@ -125,7 +125,7 @@ def evaluate(args: argparse.Namespace) -> list[TaskResult]:
     try:
         for task in tasks:
             items: list[dict[str, Any]] = data._draw(task, args.problems, "select", set(), default_config=True)
-            prompts = module.encode_prompts(items)
+            prompts = module.sampler.encode(items)
             limit = args.max_new_tokens
             if context is not None and max(map(len, prompts)) + limit > context:
                 # A model with a shorter context than the paper's limit: stop at the context (counted as truncated).
@@ -135,7 +135,7 @@ def evaluate(args: argparse.Namespace) -> list[TaskResult]:
                 n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=limit, seed=args.seed
             )
             rollout = module.engine.generate(prompts, sampling)
-            found = module.score(rollout, items)
+            found = module.sampler.score(rollout, items)
             if found.failed:  # a response without a reward would pass as 0 and bias the selection: stop instead
                 first = found.first()
                 raise SystemExit(

@@ -73,7 +73,7 @@ def run_smollm2(report_path: Path) -> None:
     module.configure_model()  # GGUF load (~20 s), cache folder write, vLLM start
     configure_s = time.perf_counter() - start
     engine = module.engine
-    prompts = module.encode_prompts([{"messages": [{"role": "user", "content": "What is 2 + 3?"}]}])
+    prompts = module.sampler.encode([{"messages": [{"role": "user", "content": "What is 2 + 3?"}]}])
     rollout = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=4))
     folder = Path(engine.model_dir)
     saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()

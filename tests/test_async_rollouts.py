@@ -169,4 +169,4 @@ def test_settings_the_pipeline_cannot_run_are_refused_by_name(tmp_path: Path) ->
 
 def test_staleness_zero_is_the_synchronous_path() -> None:
     module = _module(0)
-    assert module.rollout_settings.max_staleness == 0 and module.async_rollouts is None
+    assert module.rollout_settings.max_staleness == 0 and module.sampler.pipeline is None

@@ -8,7 +8,8 @@ import torch
 from logra_pl.rollout.base import Rollout
 from logra_pl.train.batching import encode_prompts, microbatches, padded_logprobs, select_rows
 from logra_pl.train.logprobs import pack_responses
-from logra_pl.train.step import assemble_step, sampling_seed
+from logra_pl.train.sampler import sampling_seed
+from logra_pl.train.step import assemble_step
 
 
 def _packed(lengths: list[tuple[int, int]]):

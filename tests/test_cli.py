@@ -100,7 +100,7 @@ def test_three_updates_end_to_end(tmp_path: Path, optimizer: str) -> None:
         assert scaled == pytest.approx(alpha**2 * pred, rel=1e-4)
         assert optimizer == "logra" or alpha == 1.0  # measured, not controlled
     if optimizer == "logra":
-        assert module.sketcher.num_applied == 3
+        assert module.method.sketcher.num_applied == 3
 
 
 def _parse_error(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:

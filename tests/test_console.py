@@ -48,8 +48,8 @@ def test_progress_in_updates_and_trained_parameters_in_the_summary(
         task = trainer.progress_bar_callback.progress.tasks[trainer.progress_bar_callback.train_progress_bar_id]
         assert task.total == 2 and task.completed == 2 and "update" in task.description
     # 14 matrices of the tiny model are what LoGRA trains; the summary says so.
-    trained = sum(m.module.weight.numel() for m in module.sketcher.matrices.values())
-    assert module.trained_parameter_count() == trained > 0
+    trained = sum(m.module.weight.numel() for m in module.method.sketcher.matrices.values())
+    assert module.method.trained_parameter_count(module.policy) == trained > 0
     assert "LoGRA trains 524.3 K parameters in 14 matrices" in caplog.text
     assert "rank-16 sketches" in caplog.text and "of fp32 dense gradients" in caplog.text
     assert "💡 Tip" not in caplog.text

@@ -14,8 +14,6 @@ from logra_pl.rollout.hf import HFEngine
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.train.engine_link import EngineLink
 
-CPU = torch.device("cpu")
-
 
 def _lm_backward(policy: torch.nn.Module, seed: int) -> None:
     ids = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(seed))
@@ -35,7 +33,7 @@ def test_logra_payload_and_dense_tensors_keep_a_real_engine_equal(tiny_model_dir
             result = method.step(StepThrough(opt), sched, lambda t: t)
             assert result.rejected is None and result.update_norm > 0
             assert (result.payload is not None) == method.ships_factors
-            link.sync(CPU, payload=result.payload)
+            link.sync(payload=result.payload)
         mine, theirs = policy.state_dict(), engine.model.state_dict()
         assert all(torch.equal(mine[k], theirs[k]) for k in mine), type(method).__name__
         changed = [k for k in mine if not torch.equal(mine[k], load_policy(str(tiny_model_dir))[0].state_dict()[k])]
@@ -89,15 +87,15 @@ def test_a_stale_engine_is_repaired_and_only_repairs_are_counted(tiny_model_dir)
     assert isinstance(engine, StaleableEngine)
     link = EngineLink(engine, DenseAdamW(), policy)
     sampling = SamplingConfig(max_new_tokens=1)
-    assert len(link.generate(CPU, [[3, 4]], sampling)) == 1
+    assert len(link.generate([[3, 4]], sampling)) == 1
     assert engine.loads == 1 and link.resyncs == 0  # the first full load is not a repair
     engine.current = False  # an update was lost
-    link.generate(CPU, [[3, 4]], sampling)
+    link.generate([[3, 4]], sampling)
     assert engine.loads == 2 and link.resyncs == 1 and engine.refusals == 0
     # An engine that refuses even after a full load: three tries, then the error names it.
     engine.generate = lambda *a, **k: (_ for _ in ()).throw(StaleEngineError("still other weights"))
     try:
-        link.generate(CPU, [[3]], sampling)
+        link.generate([[3]], sampling)
     except StaleEngineError as err:
         assert "3 full resyncs" in str(err) and "still other weights" in str(err)
     else:

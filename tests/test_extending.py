@@ -238,7 +238,7 @@ def test_sgd_method_steps_exactly_and_trains_through_the_cli(examples, tmp_path:
         f"model.layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("q_proj", "v_proj")
     )
     assert module.global_step == 2 and module.rejections.total == 0
-    assert "plain SGD (lr 0.05)" in module.training_report()
+    assert "plain SGD (lr 0.05)" in module.method.report(module.policy, module.targets)
 
 
 def test_the_guides_loss_yaml_selects_the_example(tmp_path: Path, examples, monkeypatch: pytest.MonkeyPatch) -> None:

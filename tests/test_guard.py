@@ -83,8 +83,8 @@ def test_diverging_settings_stop_cleanly_with_weights_and_checkpoint_untouched(
 def test_healthy_run_is_never_rejected(fit) -> None:
     module = _module(logra=LoGRAConfig(rank=16, update_ratio=1e-2))
     fit(module, steps=4, callbacks=(PredictedKLControl(),))
-    assert module.rejections.total == 0 and module.sketcher.num_applied == 4
-    assert 0 < module.sketcher.last_relative_update < 0.1
+    assert module.rejections.total == 0 and module.method.sketcher.num_applied == 4
+    assert 0 < module.method.sketcher.last_relative_update < 0.1
 
 
 def test_guard_rejects_one_oversized_update_and_the_run_goes_on(fit) -> None:
@@ -98,7 +98,7 @@ def test_guard_rejects_one_oversized_update_and_the_run_goes_on(fit) -> None:
 
     fit(module, steps=4, callbacks=(SpikeOnce(),))
     assert module.rejections.total == 1 and module.rejections.in_a_row == 0
-    assert module.sketcher.num_rejected == 1 and module.sketcher.num_applied == 3
+    assert module.method.sketcher.num_rejected == 1 and module.method.sketcher.num_applied == 3
 
 
 def test_rejection_reason_is_exact_about_overflow_and_size() -> None:

@@ -95,7 +95,7 @@ def test_token_budget_microbatches(fit, tmp_path: Path) -> None:
     module = LoGRAPolicyModule(policy="tiny", microbatch_size=8, max_tokens_per_microbatch=40)
     prompts = [[1] * n for n in (5, 5, 30, 6, 6, 6, 6, 6, 6, 6)]
     packed = pack_responses(prompts, [[2, 3]] * len(prompts), 0)
-    groups, padding = module._microbatches(list(range(len(prompts))), packed)
+    groups, padding = module.passes.microbatches(list(range(len(prompts))), packed)
     assert padding == 0  # one process: no padding microbatches
     assert [r for g in groups for r in g] == list(range(len(prompts)))  # consecutive, every row once
     lengths = packed.attention_mask.sum(dim=1).tolist()
@@ -113,9 +113,9 @@ def test_token_budget_microbatches(fit, tmp_path: Path) -> None:
 def test_bf16_mixed_keeps_fp32_master_and_sketches(fit, tmp_path: Path) -> None:
     kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True)
     module = fit(tmp_path / "bf16", callbacks=[kl], precision="bf16-mixed", activation_checkpointing=True)
-    assert module.sketcher.num_applied == 3
+    assert module.method.sketcher.num_applied == 3
     assert {p.dtype for p in module.policy.parameters()} == {torch.float32}  # master weights
-    assert {s.dtype for s in module.sketcher.sketches().values()} == {torch.float32}
+    assert {s.dtype for s in module.method.sketcher.sketches().values()} == {torch.float32}
     before, after = load_policy("tiny")[0].state_dict(), _weights(module)
     moved = [k for k in after if k.endswith("proj.weight") and not torch.equal(before[k], after[k])]
     assert len(moved) == 14 and all(bool(torch.isfinite(after[k]).all()) for k in after)
@@ -152,4 +152,4 @@ def test_bf16_mixed_kl_probe_and_calibration_run_in_fp32(fit, tmp_path: Path) ->
 def test_attention_kernel_is_a_setting(fit, tmp_path: Path, kernel: str) -> None:
     module = fit(tmp_path, steps=1, attn_implementation=kernel)
     assert module.policy.config._attn_implementation == kernel
-    assert module.sketcher.num_applied == 1
+    assert module.method.sketcher.num_applied == 1

@@ -68,7 +68,7 @@ def test_memory_report_counts_adapters_as_their_own_kinds(lora_run: LoGRAPolicyM
     adapters = sum(8 * (m.base_layer.in_features + m.base_layer.out_features) * 4 for m in layers)
     assert report.adapters == adapters
     assert report.adapter_optimizer_state >= 2 * adapters and report.optimizer_state == 0
-    assert "LoRA trains" in lora_run.training_report()
+    assert "LoRA trains" in lora_run.method.report(lora_run.policy, lora_run.targets)
 
 
 def test_three_lora_updates_through_the_cli(tmp_path: Path) -> None:

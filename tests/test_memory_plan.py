@@ -80,14 +80,14 @@ def test_plan_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="rank 512 exceeds d_in"):
         plan(PRESETS["tiny"].qwen2_config(512, 0, 1), rank_r=512)
     with pytest.raises(ValueError, match="unknown optimizers"):
-        plan(QWEN25_7B, optimizers=["sgd"])
+        plan(QWEN25_7B, optimizers=["nope"])
     with pytest.raises(ValueError, match=r"no model config for 'nobody/no-such-model'.*local Hugging Face cache"):
         plan("nobody/no-such-model")  # offline in tests: not in the cache
 
 
 def test_config_of_a_gguf_policy() -> None:
     """``smollm2`` (a GGUF file) gives its config without loading weights: the planner and the rank check use it."""
-    from logra_pl.methods.memory_plan import load_config
+    from logra_pl.models.load import load_config
 
     config = load_config("smollm2")
     assert config.hidden_size == 576 and config.num_hidden_layers == 30

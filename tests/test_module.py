@@ -66,7 +66,7 @@ def test_engine_follows_trainer_every_update(tmp_path, kind: str) -> None:
     trainer.fit(module, datamodule=_data())
     updates = 4
     assert trainer.global_step == updates
-    assert module.sketcher.num_applied == updates
+    assert module.method.sketcher.num_applied == updates
     # REINFORCE: one update per rollout; PPO: epochs × minibatches = 4 updates from one rollout.
     assert check.checked == (4 if kind == "reinforce_tis" else 1)
     assert check.alphas == [1.0] * updates

@@ -63,7 +63,32 @@ OLD_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # (live module, deprecated name) -> the module of this folder that defines it.
-DEPRECATED: dict[tuple[str, str], str] = {}
+DEPRECATED: dict[tuple[str, str], str] = {
+    **{
+        ("logra_pl.losses", name): "logra_pl._graveyard.losses"
+        for name in (
+            "LossSpec",
+            "LOSSES",
+            "register_loss",
+            "resolve_loss",
+            "SpecLoss",
+            "Baseline",
+            "BaselineKind",
+            "LegacyBaselineSettings",
+            "LossConfig",
+            "LegacyLossSettings",
+        )
+    },
+    **{
+        (module, name): "logra_pl._graveyard.losses"
+        for module in ("logra_pl.train.settings", "logra_pl.module")
+        for name in ("LossConfig", "LegacyLossSettings")
+    },
+    **{
+        ("logra_pl.rollout.registry", name): "logra_pl._graveyard.engines"
+        for name in ("ENGINES", "resolve_engine", "build_hf_engine", "engine_model_folder")
+    },
+}
 
 
 def _lookup(homes: tuple[str, ...], name: str, where: str) -> Any:

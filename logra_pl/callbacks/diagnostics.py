@@ -138,7 +138,7 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
         pl_module: a :class:`~logra_pl.module.LoGRAPolicyModule` with a sketcher.
         probe: a batch from :func:`capture_probe`.
     """
-    sketcher = pl_module.sketcher
+    sketcher = pl_module.method.sketcher
     weights = {name: m.module.weight for name, m in sketcher.matrices.items()}
     device = pl_module.device
     loss_fn = pl_module.loss_config
@@ -339,7 +339,7 @@ class SketchDiagnostics(pl.Callback):
         """
         if self.probe is None:
             raise RuntimeError("SketchDiagnostics has no probe batch yet: it captures one at the first update it sees")
-        sketcher = pl_module.sketcher
+        sketcher = pl_module.method.sketcher
         trainer = trainer if trainer is not None else compat.trainer_of(pl_module)
         grads = dense_gradients(trainer, pl_module, self.probe)
         out: dict[str, SketchFidelity] = {}

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from logra_pl.runs.export import as_dtype, remove_policy_folder, save_policy_folder
+from logra_pl.train.view import PolicyModuleView
 
 _PERIODIC = re.compile(r"update-(\d+)")
 
@@ -24,7 +25,7 @@ class HFExport(pl.Callback):
 
     The final export happens in ``on_train_end``, which Lightning reaches only when ``fit`` completes (max steps,
     max epochs or a requested stop); an interrupted or failed run writes no ``final`` folder. With data parallelism
-    every rank takes part in gathering the FSDP shards (``full_state()``) and rank 0 writes.
+    every rank takes part in gathering the FSDP shards (the method's ``full_state``) and rank 0 writes.
 
     Arguments:
         every_n_updates: export after every N policy updates (global steps); 0: only at the end.
@@ -58,8 +59,8 @@ class HFExport(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not hasattr(pl_module, "full_state"):
-            raise TypeError("HFExport works with LoGRAPolicyModule (a module with full_state() and a tokenizer)")
+        if not isinstance(pl_module, PolicyModuleView):
+            raise TypeError("HFExport works with a policy module (LoGRAPolicyModule, or a PolicyModuleView of yours)")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -85,7 +86,7 @@ class HFExport(pl.Callback):
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:
         """Gather the policy on every rank and write it to ``<export_dir>/<name>`` on rank 0."""
         path = self.export_dir(trainer) / name
-        state = pl_module.full_state()  # a collective under FSDP: every rank calls it, in the same order
+        state = dict(pl_module.method.full_state(pl_module.policy))  # a collective under FSDP: on every rank
         if trainer.is_global_zero:
             provenance = {
                 "global_step": trainer.global_step,

@@ -16,7 +16,7 @@ from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.runtime import compat
 from logra_pl.runtime.ranks import all_reduce_sum
 from logra_pl.sketch.probe import ProbeMode, predicted_kl_terms, realized_kl_terms
-from logra_pl.train.step import view_of
+from logra_pl.train.view import view_of
 
 
 @dataclass

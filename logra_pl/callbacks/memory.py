@@ -22,7 +22,7 @@ import torch
 from typing_extensions import override
 
 from logra_pl.sketch.memory import MemoryReport
-from logra_pl.train.step import view_of
+from logra_pl.train.view import view_of
 
 STATE_KINDS = [f.name for f in fields(MemoryReport) if f.name != "dense_gradient_equivalent"]
 

@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from logra_pl.errors import check_range
 from logra_pl.runtime.ranks import all_reduce_sum
-from logra_pl.train.step import view_of
+from logra_pl.train.view import view_of
 
 
 def observed_mismatch(

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProg
 from typing_extensions import override
 
 from logra_pl.runtime import compat
+from logra_pl.train.view import view_of
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # printed where Lightning prints its table
 
@@ -107,8 +108,10 @@ class _TrainedCounts:
         if not compat.summary_depth(self):
             return
         summary, rows = compat.layer_summary(self, trainer, pl_module)
-        counter = getattr(pl_module, "trained_parameter_count", None)
-        trained = int(counter()) if callable(counter) else summary.trainable_parameters
+        view = view_of(pl_module)  # a policy module's method counts what it trains (LoGRA: no grad is set on them)
+        trained = summary.trainable_parameters
+        if view is not None and view.policy is not None:
+            trained = int(view.method.trained_parameter_count(view.policy))
         if not trainer.is_global_zero:
             return
         self.summarize(  # type: ignore[attr-defined]
@@ -120,14 +123,13 @@ class _TrainedCounts:
             total_flops=getattr(summary, "total_flops", 0),
             **compat.summarize_kwargs(self),
         )
-        report = getattr(pl_module, "training_report", None)
-        if callable(report):
-            log.info(report())
+        if view is not None and view.policy is not None:
+            log.info(view.method.report(view.policy, view.targets))
 
 
 class LoGRAModelSummary(_TrainedCounts, ModelSummary):
     """Lightning's layer table with "Trainable params" counting what the run trains — LoGRA's sketched matrices
-    included — and one line after it on how (``LoGRAPolicyModule.training_report``)."""
+    included — and one line after it on how (the update method's ``report``)."""
 
 
 class LoGRARichModelSummary(_TrainedCounts, RichModelSummary):

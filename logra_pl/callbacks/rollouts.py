@@ -25,7 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from logra_pl.train.step import view_of
+from logra_pl.train.view import view_of
 
 
 class RolloutLog(pl.Callback):

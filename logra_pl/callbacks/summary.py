@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from logra_pl.train.step import view_of
+from logra_pl.train.view import view_of
 
 
 def _mean(values: list[float]) -> float:

@@ -9,7 +9,6 @@ whose prompts are longer than one KV block; beyond ``tolerance`` it resyncs the 
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -17,17 +16,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from logra_pl.rollout.base import SamplingConfig, cast_floats
+from logra_pl.rollout.base import SamplingConfig
 from logra_pl.runtime import compat
 from logra_pl.train.batching import padded_logprobs
 from logra_pl.train.logprobs import pack_responses
-from logra_pl.train.step import PolicyModuleView
-
-
-def _timed(ship: Any) -> tuple[Any, float]:
-    """``ship()`` and its seconds."""
-    start = time.perf_counter()
-    return ship(), time.perf_counter() - start
+from logra_pl.train.view import PolicyModuleView
 
 
 class PolicySync(pl.Callback):
@@ -99,34 +92,33 @@ class PolicySync(pl.Callback):
                 "PolicySync has nothing to send: rollout.share_weights makes the engine generate with the trainer's "
                 "weights; remove PolicySync or set share_weights to false"
             )
-        pl_module.attach_sync(self)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """From the first update on, this callback sends each update to the engine (the module no longer does)."""
+        pl_module.link.attach(self)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(pl_module, PolicyModuleView):
-            pl_module.attach_sync(None)
+        if isinstance(pl_module, PolicyModuleView) and pl_module.link is not None:
+            pl_module.link.attach(None)
 
     # ----------------------------------------------------------------------------------------------- sync
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        ctx = pl_module.step_context
-        if ctx is None or pl_module.engine is None:
+        ctx, link = pl_module.step_context, pl_module.link
+        if ctx is None or link is None:
             return
         if self.probe is None:
             self.probe = self.build_probe(pl_module, ctx.items)
-        engine = pl_module.engine
-        if self.mode == "factors":
-            payloads = list(ctx.payloads)
-            ship = lambda: [engine.apply_payload(p) for p in payloads]  # noqa: E731
-        else:
-            tensors = cast_floats(pl_module.trained_tensors(), self.wire_dtype_for(engine))
-            if pl_module.rollout_settings.max_staleness:  # taken now: the worker applies them as training moves on
-                tensors = {k: v.detach().clone() for k, v in tensors.items()}
-            ship = lambda: [engine.load_weights(tensors)]  # noqa: E731
-        # In order with every other engine call: now, or after the requests already on the asynchronous worker.
-        self._shipping.append(pl_module.engine_call(_timed, ship, changes_weights=True))
+        engine = link.engine
+        # What the step changed, in order with every other engine call: now, or after the requests already on the
+        # asynchronous worker (the tensors are taken now: the worker applies them as training moves on).
+        change = "factors" if self.mode == "factors" else "tensors"
+        wire = "engine" if self.wire_dtype == "auto" else getattr(torch, self.wire_dtype)
+        self._shipping.append(link.send(change, list(ctx.payloads), wire))
         sent, seconds = self._shipped()
         self.syncs += 1
         checks: dict[str, float] = {}
@@ -160,16 +152,10 @@ class PolicySync(pl.Callback):
             seconds += took
         return sent, seconds
 
-    def wire_dtype_for(self, engine: Any) -> torch.dtype | None:
-        """The dtype ``full`` mode sends in: the setting, or with ``auto`` the engine's stored dtype."""
-        if self.wire_dtype != "auto":
-            return getattr(torch, self.wire_dtype)
-        return getattr(engine, "wire_dtype", None)
-
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The last update is verified too, whatever ``verify_every`` is: a run never ends on unchecked weights."""
-        if not self.verify_every or self.probe is None or pl_module.engine is None or self.syncs == 0:
+        if not self.verify_every or self.probe is None or pl_module.link is None or self.syncs == 0:
             return
         if self.syncs == 1 or self.syncs % self.verify_every == 0:
             return  # this update was verified in on_train_batch_end
@@ -184,7 +170,7 @@ class PolicySync(pl.Callback):
         out = {"sync/max_logprob_diff": diff}
         if diff > self.tolerance:
             if self.resync_on_mismatch:
-                pl_module.sync_engine(full=True)
+                pl_module.link.sync(full=True, payload=pl_module.link.last_payload)
                 self.full_resyncs += 1
                 after = self.max_logprob_diff(pl_module)
                 rank_zero_warn(
@@ -201,11 +187,11 @@ class PolicySync(pl.Callback):
     def build_probe(self, pl_module: Any, items: list[dict[str, Any]]) -> list[list[int]]:
         """Fixed probe prompts: this run's first prompts, concatenated and cut to ``probe_lengths`` tokens."""
         stream: list[int] = []
-        for ids in pl_module.encode_prompts(items):
+        for ids in pl_module.sampler.encode(items):
             stream += ids
         if not stream:
             raise ValueError("PolicySync needs non-empty prompts to build its probe")
-        limit = int(getattr(pl_module.engine, "context_limit", 1 << 30)) - self.probe_new_tokens
+        limit = int(getattr(pl_module.link.engine, "context_limit", 1 << 30)) - self.probe_new_tokens
         probe = []
         for k, n in enumerate(self.probe_lengths):
             n = min(n, limit)
@@ -219,11 +205,11 @@ class PolicySync(pl.Callback):
         if self.probe is None:
             raise RuntimeError("the probe is built at the first training batch; verify after it")
         sampling = SamplingConfig(temperature=0.0, max_new_tokens=self.probe_new_tokens)
-        rollout = pl_module.generate_rollout(self.probe, sampling)
+        rollout = pl_module.sampler.generate(self.probe, sampling)
         packed = pack_responses(
             rollout.prompt_ids, rollout.response_ids, pl_module.tokenizer.pad_token_id, rollout.response_masks
         )
-        trainer_lp = pl_module.trainer_logprobs(packed, 1.0).to(torch.float64)
+        trainer_lp = pl_module.passes.logprobs(packed, 1.0).to(torch.float64)
         engine_lp = padded_logprobs(rollout.logprobs, trainer_lp)
         mask = packed.response_mask.to(torch.bool)
         diff = (engine_lp - trainer_lp).abs()[mask].max()

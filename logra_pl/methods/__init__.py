@@ -1,71 +1,70 @@
-"""Update methods: how a policy update becomes new weights (``model.method``).
+"""Update methods: how a policy update becomes new weights (``model.method``), each method whole in one file.
 
-``LoGRAMethod`` (sketches, merged factors), ``DenseAdamW`` (the dense baseline), ``LoRAMethod`` (peft adapters);
-chosen by ``class_path`` with their own init args, or by the short names ``logra | adamw | lora``
-(``model.method: adamw``, or the older ``model.optimizer: adamw`` with the ``model.logra`` / ``model.adamw`` /
-``model.lora`` sections, which :func:`resolve_method` turns into the same objects).
+A method is an :class:`UpdateMethod` (``base.py``, the whole contract): its optimizer, the guarded update, what the
+engine receives, its memory (live and planned), its export and console line. The built-in ones register their short
+names: ``logra`` (:class:`LoGRAMethod`: sketches, merged factors), ``adamw`` (:class:`DenseAdamW`: the dense
+baseline), ``lora`` (:class:`LoRAMethod`: peft adapters). A config chooses one by ``class_path`` with its own init
+args, or by a short name (``model.method: adamw``, or the older ``model.optimizer: adamw`` with the ``model.logra`` /
+``model.adamw`` / ``model.lora`` sections, which :func:`resolve_method` turns into the same objects). Adding a built-in
+method is one file here and its name in the import line below.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from logra_pl.errors import ConfigError, import_dotted
+from logra_pl.config import resolve
+from logra_pl.errors import ConfigError
+from logra_pl.methods import adamw, logra, lora  # noqa: F401  (the built-in methods register their short names)
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
-from logra_pl.methods.base import StepResult, UpdateMethod
+from logra_pl.methods.base import PlanShapes, StepResult, UpdateMethod
 from logra_pl.methods.logra import LoGRAMethod
 from logra_pl.methods.lora import LoRAConfig, LoRAMethod
-from logra_pl.sketch import LoGRAConfig
-
-SHORT_NAMES = ("logra", "adamw", "lora")
 
 __all__ = [
-    "SHORT_NAMES",
+    "AdamWConfig",
     "DenseAdamW",
     "LoGRAMethod",
+    "LoRAConfig",
     "LoRAMethod",
+    "PlanShapes",
     "StepResult",
     "UpdateMethod",
     "checkpoint_kind",
+    "method_class",
     "resolve_method",
 ]
 
 
-def resolve_method(
-    method: str | UpdateMethod | None,
-    optimizer: str = "logra",
-    logra: LoGRAConfig | None = None,
-    adamw: AdamWConfig | None = None,
-    lora: LoRAConfig | None = None,
-) -> UpdateMethod:
-    """The update method of a module's settings.
+def resolve_method(method: str | UpdateMethod | None = None, optimizer: str = "logra", **sections: Any) -> UpdateMethod:
+    """The update method of a module's settings (:func:`logra_pl.config.resolve`).
 
-    ``method`` wins when given: an :class:`UpdateMethod`, a short name, or a class's dotted path (built with no
-    arguments). Otherwise the short form ``optimizer`` with its sections builds it.
+    ``method`` wins when given: an :class:`UpdateMethod`, a short name, or a class's dotted path. Otherwise the short
+    form ``optimizer`` names it. A method named by a short name or a path is built from the module's ``sections``
+    (``logra=``, ``adamw=``, ``lora=``: :meth:`UpdateMethod.from_sections`).
     """
     if isinstance(method, UpdateMethod):
         return method
-    if optimizer not in SHORT_NAMES:
-        raise ConfigError(f"unknown optimizer {optimizer!r}: use {', '.join(map(repr, SHORT_NAMES))}")
-    name = optimizer if method is None else method
-    if name == "logra":
-        return LoGRAMethod(logra)
-    if name == "adamw":
-        return DenseAdamW(adamw)
-    if name == "lora":
-        return LoRAMethod(lora, adamw)
-    if isinstance(name, str) and "." in name:
-        cls = import_dotted(name, "model.method")
-        built = cls() if isinstance(cls, type) else None
-        if isinstance(built, UpdateMethod):
-            return built
-    raise ConfigError(
-        f"unknown update method {name!r}: use one of {', '.join(SHORT_NAMES)}, or "
-        "model.method: {class_path: my_pkg.MyMethod, init_args: {...}} (a subclass of logra_pl.methods.UpdateMethod)"
-    )
+    names = UpdateMethod.registry.names
+    if optimizer not in names:
+        raise ConfigError(f"unknown optimizer {optimizer!r}: use {', '.join(map(repr, names))}")
+
+    def build(target: Any, name: str) -> Any:
+        if isinstance(target, type) and issubclass(target, UpdateMethod):
+            return target.from_sections(sections)
+        return target
+
+    return resolve(optimizer if method is None else method, UpdateMethod.registry, build=build)
 
 
-def checkpoint_kind(checkpoint: dict[str, Any]) -> str | None:
+def method_class(kind: str) -> type[UpdateMethod] | None:
+    """The registered method class of a checkpoint's kind (:func:`checkpoint_kind`), or None."""
+    found = UpdateMethod.registry.names.get(kind)
+    return found if isinstance(found, type) else None
+
+
+def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str | None:
     """The method a checkpoint was written by: recorded by the module, or read off the optimizer state of
     checkpoints that predate the record (``logra`` state vs torch's ``param_groups``)."""
     state = checkpoint.get("logra_pl") or {}

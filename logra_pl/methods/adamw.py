@@ -20,8 +20,17 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
+from logra_pl.config import register
 from logra_pl.errors import ConfigError, check_int, check_range
-from logra_pl.methods.base import AllReduceSum, StepResult, UpdateMethod, bytes_text, count_text, relative
+from logra_pl.methods.base import (
+    AllReduceSum,
+    PlanShapes,
+    StepResult,
+    UpdateMethod,
+    bytes_text,
+    count_text,
+    relative,
+)
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch import select_targets
 from logra_pl.sketch.memory import MemoryReport, memory_report
@@ -282,6 +291,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+@register("adamw")
 class DenseAdamW(UpdateMethod):
     """Dense AdamW on the module's target matrices (or, with ``adamw.train_all``, on every parameter).
 
@@ -297,6 +307,12 @@ class DenseAdamW(UpdateMethod):
         self.guard = DivergenceGuard()
         self.optimizer: ProposingAdamW | None = None
         self.last_relative_update = 0.0
+
+    @classmethod
+    @override
+    def from_sections(cls, sections: Mapping[str, Any]) -> DenseAdamW:
+        """``model.optimizer: adamw`` with the ``model.adamw`` section."""
+        return cls(sections.get("adamw"))
 
     def trainable(self, policy: nn.Module, targets: Sequence[str]) -> list[nn.Parameter]:
         """The parameters AdamW trains (``requires_grad`` set on them, cleared on the rest)."""
@@ -396,6 +412,16 @@ class DenseAdamW(UpdateMethod):
     @override
     def memory(self, policy: nn.Module) -> MemoryReport:
         return memory_report(policy, optimizer=self.optimizer)
+
+    @classmethod
+    @override
+    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
+        """A gradient per trained parameter and torch's AdamW state (``exp_avg``, ``exp_avg_sq`` in the parameter's
+        dtype and a float32 ``step``), sharded like the parameter: the targets, or every parameter (``train_all``)."""
+        trained = shapes.params if shapes.train_all else [m.weight for m in shapes.matrices.values()]
+        grads = sum(shapes.shard_bytes(p) for p in trained)
+        state = sum(2 * shapes.shard_bytes(p) + 4 for p in trained)
+        return MemoryReport(weights=shapes.weights, gradients=grads, optimizer_state=state)
 
     @override
     def trained_parameter_count(self, policy: nn.Module) -> int:

@@ -3,13 +3,15 @@
 The module runs rollouts, losses and backward passes; everything that depends on *how* the weights are trained goes
 through this one object: which tensors it trains and how their optimizer is built, the update itself (with the
 divergence guard's check before anything is merged), what a rollout engine receives, the memory it holds, its console
-line and its checkpoint kind. Callbacks ask a method what it can do (:attr:`UpdateMethod.ships_factors`,
+line, its checkpoint kind, its memory plan (``logra-pl plan``) and what an export writes of it. Callbacks ask a method
+what it can do (:attr:`UpdateMethod.ships_factors`,
 :attr:`UpdateMethod.makes_proposals`, :attr:`UpdateMethod.keeps_sketches`, :attr:`UpdateMethod.sketcher`), never
 what it is called; a step controller asks a method that makes proposals how its proposal moves the logits
 (:meth:`UpdateMethod.logit_tangent`), how many updates it applied and whether a proposal was applied.
 
 A new method is one class (``docs/extending.md``: "add an update method"), chosen in YAML by
-``model.method: {class_path: my_pkg.MyMethod, init_args: {...}}``.
+``model.method: {class_path: my_pkg.MyMethod, init_args: {...}}``; a built-in one also registers its short name
+(``@register("adamw")``, :mod:`logra_pl.config`) and is imported by ``logra_pl/methods/__init__.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from logra_pl.config import Registry, class_path_of
+from logra_pl.errors import ConfigError
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.rollout.base import GatheredState
 from logra_pl.sketch.memory import MemoryReport, memory_report
@@ -47,6 +51,47 @@ class StepResult:
     payload: Payload | None = None
 
 
+@dataclass
+class PlanShapes:
+    """What a method's memory plan reads (``logra-pl plan``): the model built on the meta device and the run's layout.
+
+    Arguments:
+        matrices: the target matrices (``nn.Linear`` on the meta device), by name.
+        params: every parameter once (tied weights once).
+        weights: bytes of the weights (and buffers) one rank holds.
+        ranks: data-parallel ranks the parameters and dense state are sharded over (by rows, padded).
+        rank: the sketch rank ``r``, and the adapters' rank.
+        dtype: the parameters' dtype.
+        train_all: a dense method trains every parameter, not only the targets.
+        logra_moments: LoGRA keeps a sketch-space first moment, stored as ``moment_dtype``.
+    """
+
+    matrices: dict[str, nn.Linear]
+    params: list[torch.Tensor]
+    weights: int
+    ranks: int = 1
+    rank: int = 64
+    dtype: torch.dtype = torch.float32
+    train_all: bool = False
+    logra_moments: bool = False
+    moment_dtype: torch.dtype = torch.float32
+
+    def shard_bytes(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one rank's dim-0 shard of ``t``, padded to ``ceil(rows / ranks)`` rows (as FSDP2 allocates it)."""
+        rows = t.shape[0] if t.dim() > 0 else 1
+        per_row = t[0].numel() if t.dim() > 0 else 1
+        return math.ceil(rows / self.ranks) * per_row * (dtype or t.dtype).itemsize
+
+
+def check_method(method: Any, setting: str = "model.method") -> None:
+    """Raise :class:`ConfigError` unless ``method`` is an :class:`UpdateMethod`."""
+    if not isinstance(method, UpdateMethod):
+        raise ConfigError(
+            f"{setting} {class_path_of(method)} is not an update method: name one by its short name or give an "
+            "instance of a subclass of logra_pl.methods.UpdateMethod"
+        )
+
+
 class UpdateMethod(ABC):
     """How a policy update is formed and merged. Subclass it; the module and callbacks use only what is here.
 
@@ -63,6 +108,9 @@ class UpdateMethod(ABC):
         step_knob: the setting to lower when the divergence guard keeps rejecting updates.
     """
 
+    registry: ClassVar[Registry] = Registry(
+        "update method", "model.method", "logra_pl.methods.DenseAdamW", lambda method, at: check_method(method, at)
+    )
     name: ClassVar[str] = "method"
     ships_factors: ClassVar[bool] = False
     makes_proposals: ClassVar[bool] = False
@@ -79,6 +127,12 @@ class UpdateMethod(ABC):
         return None
 
     # ------------------------------------------------------------------------------------------ set up
+    @classmethod
+    def from_sections(cls, sections: Mapping[str, Any]) -> UpdateMethod:
+        """The method a short name means, built from the module's settings sections (``model.logra``,
+        ``model.adamw``, ``model.lora``: None where not given). Default: the method with its defaults."""
+        return cls()
+
     def check_fits(self, source: str, targets: Sequence[str]) -> None:
         """Settings that depend on the model's shapes, checked from its config before any weights load."""
         return None
@@ -141,6 +195,19 @@ class UpdateMethod(ABC):
     def memory(self, policy: nn.Module) -> MemoryReport:
         """Bytes of training state by kind."""
         return memory_report(policy)
+
+    @classmethod
+    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
+        """The per-rank training state this method would hold for a model of these shapes (``logra-pl plan``),
+        by the kinds :meth:`memory` measures on a live run."""
+        raise NotImplementedError(f"{cls.__name__} has no memory plan")
+
+    # ------------------------------------------------------------------------------------------ exports
+    @classmethod
+    def exported_tensors(cls, tensors: dict[str, torch.Tensor], hparams: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The policy's tensors as a plain model holds them, from a checkpoint's (``logra-pl export``; ``hparams``:
+        the module's saved hyper-parameters). Default: as they are."""
+        return tensors
 
     # ------------------------------------------------------------------------------------------ console
     @abstractmethod

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from logra_pl.config import register
 from logra_pl.errors import ConfigError
-from logra_pl.methods.base import AllReduceSum, StepResult, UpdateMethod, bytes_text, count_text
+from logra_pl.methods.base import AllReduceSum, PlanShapes, StepResult, UpdateMethod, bytes_text, count_text
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, select_targets
 from logra_pl.sketch.config import DEFAULT_TARGETS
@@ -100,6 +101,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.sketcher.load_state_dict(state_dict["logra"])
 
 
+@register("logra")
 class LoGRAMethod(UpdateMethod):
     """LoGRA: the paper's method.
 
@@ -117,6 +119,12 @@ class LoGRAMethod(UpdateMethod):
         self.config = config or LoGRAConfig()
         self._sketcher: LoGRASketcher | None = None
         self.optimizer: LoGRAOptimizer | None = None
+
+    @classmethod
+    @override
+    def from_sections(cls, sections: Mapping[str, Any]) -> LoGRAMethod:
+        """``model.optimizer: logra`` with the ``model.logra`` section."""
+        return cls(sections.get("logra"))
 
     def with_targets(self, targets: Sequence[str]) -> LoGRAConfig:
         """The config with the module's targets (a differing, explicitly set ``logra.targets`` is refused)."""
@@ -143,8 +151,7 @@ class LoGRAMethod(UpdateMethod):
         """``rank ≤ d_in`` for every target matrix, read from the model's config on the meta device."""
         from transformers import AutoModelForCausalLM
 
-        from logra_pl.methods.memory_plan import load_config
-        from logra_pl.models.load import resolve_source
+        from logra_pl.models.load import load_config, resolve_source
 
         resolve_source(source)  # a source that cannot exist gets its clear PolicyLoadError here
         config = load_config(source)
@@ -223,6 +230,23 @@ class LoGRAMethod(UpdateMethod):
     @override
     def memory(self, policy: nn.Module) -> MemoryReport:
         return memory_report(policy, sketcher=self._sketcher)
+
+    @classmethod
+    @override
+    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
+        """Per matrix: a ``d_out × r`` fp32 sketch, an ``r × d_in`` fp32 projection and ``d_out`` fp32 row
+        statistics, whole on every rank (each rank sketches the full matrix; the sketches are all-reduced), and with
+        ``logra.beta1 > 0`` a ``d_out × r`` first moment; no gradients, no optimizer state."""
+        report = MemoryReport(weights=shapes.weights)
+        r = shapes.rank
+        for linear in shapes.matrices.values():
+            report.sketches += linear.out_features * r * 4
+            report.projections += r * linear.in_features * 4
+            report.row_statistics += linear.out_features * 4
+            if shapes.logra_moments:
+                report.sketch_moments += linear.out_features * r * shapes.moment_dtype.itemsize
+            report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
+        return report
 
     @override
     def trained_parameter_count(self, policy: nn.Module) -> int:

@@ -22,10 +22,12 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from logra_pl.config import register
 from logra_pl.errors import check_int, check_range
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
-from logra_pl.methods.base import count_text
+from logra_pl.methods.base import PlanShapes, count_text
 from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.sketch.memory import MemoryReport
 from logra_pl.sketch.merge import full_tensor
 
 ADAPTER = "default"
@@ -160,6 +162,7 @@ def merge_lora_state(tensors: Mapping[str, torch.Tensor], alpha: float) -> dict[
     return out
 
 
+@register("lora")
 class LoRAMethod(DenseAdamW):
     """LoRA adapters on the module's target matrices, trained by AdamW; the base weights stay frozen.
 
@@ -173,6 +176,12 @@ class LoRAMethod(DenseAdamW):
     def __init__(self, lora: LoRAConfig | None = None, adamw: AdamWConfig | None = None) -> None:
         super().__init__(adamw)
         self.lora = lora or LoRAConfig()
+
+    @classmethod
+    @override
+    def from_sections(cls, sections: Mapping[str, Any]) -> LoRAMethod:
+        """``model.optimizer: lora`` with the ``model.lora`` section, and ``model.adamw`` for the adapters."""
+        return cls(sections.get("lora"), sections.get("adamw"))
 
     @override
     def prepare_policy(self, policy: nn.Module, targets: Sequence[str]) -> None:
@@ -206,3 +215,40 @@ class LoRAMethod(DenseAdamW):
             f"{len(lora_layers(policy))} matrices ({', '.join(targets)}); the base weights are frozen. Its state: "
             f"{adapters} of adapters, as much again of gradients and {moments} of Adam moments"
         )
+
+    @classmethod
+    @override
+    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
+        """Per target matrix, adapters ``A`` (r × d_in) and ``B`` (d_out × r) in the weights' dtype (peft builds them
+        so; FSDP shards them on dim 0 too), their gradients, and AdamW's state on them."""
+        adapters = [
+            torch.empty(shape, dtype=shapes.dtype, device="meta")
+            for linear in shapes.matrices.values()
+            for shape in ((shapes.rank, linear.in_features), (linear.out_features, shapes.rank))
+        ]
+        size = sum(shapes.shard_bytes(t) for t in adapters)
+        state = sum(2 * shapes.shard_bytes(t) + 4 for t in adapters)
+        return MemoryReport(weights=shapes.weights, gradients=size, adapters=size, adapter_optimizer_state=state)
+
+    @classmethod
+    @override
+    def exported_tensors(cls, tensors: dict[str, torch.Tensor], hparams: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The adapters merged into their matrices (``W + (alpha/r)·B A``, the ``alpha`` the checkpoint trained with):
+        an export is a plain model."""
+        return merge_lora_state(tensors, _saved_alpha(hparams))
+
+
+def _saved_alpha(hparams: Mapping[str, Any]) -> float:
+    """LoRA's ``alpha`` in a module's saved hyper-parameters: its ``lora`` section, a ``method`` given as a LoRA
+    method (an object, or its ``{class_path, init_args}`` form), or the default."""
+    method = hparams.get("method")
+    if isinstance(method, LoRAMethod):
+        return float(method.lora.alpha)
+    section = hparams.get("lora")
+    if isinstance(method, Mapping) and isinstance(method.get("init_args"), Mapping):
+        section = method["init_args"].get("lora", section)
+    if isinstance(section, LoRAConfig):
+        return float(section.alpha)
+    if isinstance(section, Mapping):
+        return float(section.get("alpha", LoRAConfig().alpha))
+    return float(LoRAConfig().alpha)

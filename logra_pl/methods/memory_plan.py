@@ -1,16 +1,16 @@
 """Plan training-state memory before running: per-rank bytes for dense AdamW vs LoGRA, from a config alone.
 
-``plan(config, ranks=4, rank_r=256)`` builds the model on the meta device (shapes only, no weights), selects the
-LoGRA target matrices and counts, per rank, what :func:`logra_pl.sketch.memory.memory_report` measures on a live
-run: ``weights`` (FSDP shards every parameter by rows, padded to equal shards), ``gradients`` and
-``optimizer_state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` in the parameter's dtype and a ``step`` scalar per
-trained parameter, sharded like it), and for LoGRA ``sketches`` (``d_out × r`` fp32 per matrix), ``projections``
-(``r × d_in`` fp32) and ``row_statistics`` (``d_out`` fp32) — all three whole on every rank, since each rank
-sketches the full matrix and the sketches are all-reduced. With a KL penalty (``loss.kl_coef > 0``), the frozen
-reference policy too (``reference_policy``): every parameter and buffer in ``loss.reference_dtype``, sharded like the
-weights with ``reference: same`` (``logra_fsdp`` shards it) and whole in host memory with ``reference: cpu`` (one
-process only: the strategy refuses it on several ranks). Activations and the rollout engine are not training state
-and not included.
+``plan(config, ranks=4, rank_r=256)`` builds the model on the meta device (shapes only, no weights), selects the LoGRA
+target matrices and asks each update method (:meth:`~logra_pl.methods.UpdateMethod.plan_memory`) to count, per rank,
+what :func:`logra_pl.sketch.memory.memory_report` measures on a live run: ``weights`` (FSDP shards every parameter by
+rows, padded to equal shards), ``gradients`` and ``optimizer_state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` in the
+parameter's dtype and a ``step`` scalar per trained parameter, sharded like it), and for LoGRA ``sketches`` (``d_out ×
+r`` fp32 per matrix), ``projections`` (``r × d_in`` fp32) and ``row_statistics`` (``d_out`` fp32) — all three whole on
+every rank, since each rank sketches the full matrix and the sketches are all-reduced. With a KL penalty (``loss.kl_coef
+> 0``), the frozen reference policy too (``reference_policy``): every parameter and buffer in ``loss.reference_dtype``,
+sharded like the weights with ``reference: same`` (``logra_fsdp`` shards it) and whole in host memory with ``reference:
+cpu`` (one process only: the strategy refuses it on several ranks). Activations and the rollout engine are not training
+state and not included.
 
     logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --ranks 4 --rank 256     # a config.json, folder, hub id or tiny
     logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --reference cpu --reference-dtype bfloat16    # with a KL penalty
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -28,8 +27,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from logra_pl.methods.base import PlanShapes, UpdateMethod
+from logra_pl.models.load import load_config
 from logra_pl.sketch import DEFAULT_TARGETS, select_targets
 from logra_pl.sketch.config import MOMENT_DTYPES
 from logra_pl.sketch.memory import MemoryReport
@@ -54,55 +55,6 @@ class PlanRow:
         return out
 
 
-def load_config(source: str | Path | PretrainedConfig | dict[str, Any]) -> PretrainedConfig:
-    """A transformers config from a config object, a dict (``model_type`` required), a ``config.json``, a folder,
-    ``tiny[:preset]``, a ``.gguf`` file, ``smollm2`` or a hub id (read from the local cache when offline)."""
-    if isinstance(source, PretrainedConfig):
-        return source
-    if isinstance(source, dict):
-        data = dict(source)
-        model_type = data.pop("model_type", None)
-        if model_type is None:
-            raise ValueError("a config dict needs 'model_type' (e.g. 'qwen2')")
-        return AutoConfig.for_model(model_type, **data)
-    text = str(source)
-    if text == "tiny" or text.startswith("tiny:"):
-        from logra_pl.models.tiny import build_tiny_model
-
-        return AutoConfig.from_pretrained(build_tiny_model(text.partition(":")[2] or "tiny"))
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".json":
-        return load_config(json.loads(path.read_text()))
-    if text == "smollm2" or path.suffix == ".gguf":
-        from logra_pl.models.load import resolve_source
-
-        resolved = resolve_source(text)
-        return AutoConfig.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
-    try:
-        return AutoConfig.from_pretrained(text)
-    except OSError as err:
-        raise ValueError(
-            f"no model config for {text!r} here ({err.__class__.__name__}): pass a config.json, a save_pretrained "
-            "folder, tiny[:preset], or a hub id that is in the local Hugging Face cache"
-        ) from err
-
-
-def _shard_bytes(t: torch.Tensor, ranks: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes of one rank's dim-0 shard, padded to ``ceil(rows / ranks)`` rows (as FSDP2 allocates it)."""
-    rows = t.shape[0] if t.dim() > 0 else 1
-    per_row = t[0].numel() if t.dim() > 0 else 1
-    size = (dtype or t.dtype).itemsize
-    return math.ceil(rows / ranks) * per_row * size
-
-
-def _adapter_shapes(linear: nn.Linear, rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Meta tensors shaped like a LoRA layer's ``A`` (r × d_in) and ``B`` (d_out × r)."""
-    return [
-        torch.empty(rank, linear.in_features, dtype=dtype, device="meta"),
-        torch.empty(linear.out_features, rank, dtype=dtype, device="meta"),
-    ]
-
-
 def plan(
     config: str | Path | PretrainedConfig | dict[str, Any],
     ranks: int = 1,
@@ -116,14 +68,15 @@ def plan(
     reference: str | None = None,
     reference_dtype: str | None = None,
 ) -> dict[str, PlanRow]:
-    """Predict per-rank training-state bytes for each optimizer.
+    """Predict per-rank training-state bytes for each update method (each method's own
+    :meth:`~logra_pl.methods.UpdateMethod.plan_memory`).
 
     Arguments:
-        config: the model (see :func:`load_config`).
+        config: the model (see :func:`~logra_pl.models.load.load_config`).
         ranks: data-parallel ranks the parameters (and dense optimizer state) are sharded over.
         rank_r: LoGRA sketch rank ``r``, and the LoRA adapters' rank.
-        optimizers: which to plan: ``"adamw"`` (dense baseline), ``"lora"`` (adapters on the targets, AdamW on
-            them) and/or ``"logra"``.
+        optimizers: the short names of the methods to plan (``adamw``: the dense baseline, ``lora``: adapters on the
+            targets, AdamW on them, ``logra``...).
         weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
         targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
         train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
@@ -135,12 +88,12 @@ def plan(
     """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    unknown = set(optimizers) - {"adamw", "lora", "logra"}
+    methods = UpdateMethod.registry.names
+    unknown = sorted(set(optimizers) - set(methods))
     if unknown:
-        raise ValueError(f"unknown optimizers {sorted(unknown)}: plan 'adamw', 'lora' and/or 'logra'")
+        raise ValueError(f"unknown optimizers {unknown}: plan one or more of {', '.join(map(repr, methods))}")
     if moment_dtype not in MOMENT_DTYPES:
         raise ValueError(f"unknown moment_dtype {moment_dtype!r}: use one of {sorted(MOMENT_DTYPES)}")
-    moment_bytes = MOMENT_DTYPES[moment_dtype].itemsize
     cfg = load_config(config)
     dtype = _DTYPES[weight_dtype]
     with torch.device("meta"):
@@ -152,38 +105,22 @@ def plan(
         if rank_r > linear.in_features:
             raise ValueError(f"rank {rank_r} exceeds d_in={linear.in_features} of {name!r}")
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
-    weights = sum(_shard_bytes(p, ranks) for p in params) + sum(b.numel() * b.element_size() for b in model.buffers())
-    reference_bytes = _reference_bytes(model, params, ranks, reference, reference_dtype or weight_dtype)
+    shapes = PlanShapes(
+        matrices, params, 0, ranks, rank_r, dtype, train_all, logra_moments, MOMENT_DTYPES[moment_dtype]
+    )
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    shapes.weights = sum(shapes.shard_bytes(p) for p in params) + buffers
+    reference_bytes = _reference_bytes(model, params, shapes, reference, reference_dtype or weight_dtype)
     out: dict[str, PlanRow] = {}
-    if "adamw" in optimizers:
-        trained = params if train_all else [m.weight for m in matrices.values()]
-        grads = sum(_shard_bytes(p, ranks) for p in trained)
-        # torch's AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype, plus a float32 step scalar.
-        state = sum(2 * _shard_bytes(p, ranks) + 4 for p in trained)
-        out["adamw"] = PlanRow("adamw", ranks, MemoryReport(weights=weights, gradients=grads, optimizer_state=state))
-    if "lora" in optimizers:
-        # peft builds A (r × d_in) and B (d_out × r) in the base layer's dtype; FSDP shards them on dim 0 too.
-        adapters = [t for lin in matrices.values() for t in _adapter_shapes(lin, rank_r, dtype)]
-        size = sum(_shard_bytes(t, ranks) for t in adapters)
-        state = sum(2 * _shard_bytes(t, ranks) + 4 for t in adapters)
-        report = MemoryReport(weights=weights, gradients=size, adapters=size, adapter_optimizer_state=state)
-        out["lora"] = PlanRow("lora", ranks, report)
-    if "logra" in optimizers:
-        report = MemoryReport(weights=weights)
-        for linear in matrices.values():
-            report.sketches += linear.out_features * rank_r * 4
-            report.projections += rank_r * linear.in_features * 4
-            report.row_statistics += linear.out_features * 4
-            report.sketch_moments += linear.out_features * rank_r * moment_bytes if logra_moments else 0
-            report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
-        out["logra"] = PlanRow("logra", ranks, report)
-    for row in out.values():
-        row.report.reference_policy = reference_bytes
+    for name in optimizers:
+        report = methods[name].plan_memory(shapes)
+        report.reference_policy = reference_bytes
+        out[name] = PlanRow(name, ranks, report)
     return out
 
 
 def _reference_bytes(
-    model: nn.Module, params: list[torch.Tensor], ranks: int, reference: str | None, dtype_name: str
+    model: nn.Module, params: list[torch.Tensor], shapes: PlanShapes, reference: str | None, dtype_name: str
 ) -> int:
     """Per-rank bytes of a KL penalty's reference policy: every parameter (in ``dtype_name``) and buffer, sharded
     by rows over ``ranks`` when it sits with the policy (``same``), whole in host memory (``cpu``); 0 without one."""
@@ -193,14 +130,14 @@ def _reference_bytes(
         raise ValueError(f"unknown reference {reference!r}: plan 'same' (the policy's device) or 'cpu'")
     if dtype_name not in _DTYPES:
         raise ValueError(f"unknown reference dtype {dtype_name!r}: use one of {sorted(_DTYPES)}")
-    if reference == "cpu" and ranks > 1:
+    if reference == "cpu" and shapes.ranks > 1:
         raise ValueError(
             "reference 'cpu' keeps a whole copy in every process; logra_fsdp refuses it on several ranks: plan "
             "reference 'same' (sharded like the policy)"
         )
     dtype = _DTYPES[dtype_name]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return sum(_shard_bytes(p, ranks, dtype) for p in params) + buffers
+    return sum(shapes.shard_bytes(p, dtype) for p in params) + buffers
 
 
 def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
@@ -223,8 +160,8 @@ def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
     for kind in kinds:
         lines.append(f"{kind:<25}" + "".join(f"{getattr(rows[n].report, kind) / GiB:>12.3f}" for n in names))
     lines.append(f"{'total':<25}" + "".join(f"{rows[n].report.total / GiB:>12.3f}" for n in names))
-    for name in ("lora", "logra"):
-        if "adamw" in rows and name in rows:
+    for name in names:
+        if "adamw" in rows and name != "adamw":
             lines.append(f"{name} / adamw total: {rows[name].report.total / rows['adamw'].report.total:.3f}")
     return "\n".join(lines)
 

@@ -7,18 +7,29 @@ Sources, tried in this order:
 - a path to a ``*.gguf`` file;
 - a path to a folder written by ``save_pretrained``;
 - anything else is a hub id, read from the local Hugging Face cache when offline.
+
+:func:`load_config` reads a source's config alone (shapes, no weights): the memory planner and the rank checks use it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from logra_pl.errors import LoGRAError
 from logra_pl.models.tiny import PRESETS, build_tiny_model
@@ -134,3 +145,32 @@ def load_policy(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def load_config(source: str | Path | PretrainedConfig | dict[str, Any]) -> PretrainedConfig:
+    """A transformers config from a config object, a dict (``model_type`` required), a ``config.json``, a folder,
+    ``tiny[:preset]``, a ``.gguf`` file, ``smollm2`` or a hub id (read from the local cache when offline)."""
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, dict):
+        data = dict(source)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a config dict needs 'model_type' (e.g. 'qwen2')")
+        return AutoConfig.for_model(model_type, **data)
+    text = str(source)
+    if text == "tiny" or text.startswith("tiny:"):
+        return AutoConfig.from_pretrained(build_tiny_model(text.partition(":")[2] or "tiny"))
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return load_config(json.loads(path.read_text()))
+    if text == "smollm2" or path.suffix == ".gguf":
+        resolved = resolve_source(text)
+        return AutoConfig.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
+    try:
+        return AutoConfig.from_pretrained(text)
+    except OSError as err:
+        raise ValueError(
+            f"no model config for {text!r} here ({err.__class__.__name__}): pass a config.json, a save_pretrained "
+            "folder, tiny[:preset], or a hub id that is in the local Hugging Face cache"
+        ) from err

@@ -1,13 +1,19 @@
-"""The rollout-engine contract: sample responses with exact log-probs, and receive weight updates."""
+"""The rollout-engine contract: sample responses with exact log-probs, receive weight updates, and be built from
+settings (:class:`EngineSpec`, given an :class:`EngineRequest`; the short names live in
+:mod:`logra_pl.rollout.registry`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
+from logra_pl.config import Registry
+from logra_pl.errors import ConfigError
+from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.payload import Payload
 
@@ -120,7 +126,7 @@ class RolloutEngine(Protocol):
       full loads are cast to it before they are sent.
 
     An engine that can hold other weights than the trainer expects (a served one: a lost update, a restart) also
-    meets :class:`StaleableEngine`; :meth:`~logra_pl.module.LoGRAPolicyModule.generate_rollout` then checks and
+    meets :class:`StaleableEngine`; :meth:`~logra_pl.train.engine_link.EngineLink.generate` then checks and
     repairs it before generating.
     """
 
@@ -255,3 +261,97 @@ def cast_floats(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) 
     if dtype is None:
         return dict(tensors)
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+# ------------------------------------------------------------------------------------------ building an engine
+def _same_value(value: Any) -> Any:
+    return value
+
+
+@dataclass
+class EngineRequest:
+    """What an engine is built from: the loaded policy and the few settings of the run an engine reads.
+
+    Arguments:
+        source: the policy source the module loaded (a folder, ``tiny``, ``smollm2``, a ``.gguf`` file, a hub id).
+        model: the loaded policy (the trainer's; copy it if the engine needs weights of its own).
+        tokenizer: its tokenizer (left padding, a pad token).
+        eos: token ids that end a response.
+        world_size: training processes.
+        share_weights: sample with the trainer's own weights instead of a copy (``rollout.share_weights``: only an
+            engine in the trainer process can).
+        max_batch: responses per forward batch (``rollout.max_batch``).
+        dtype: the trainer's parameter dtype name (``float32``...): an engine's master copy must have it.
+        targets: last name parts of the trained matrices (``q_proj``...), as ``model.targets``.
+        rank: this process's global rank.
+        broadcast: ``broadcast(value)`` returns rank 0's ``value`` on every rank (a collective: call it on all
+            ranks or none); the identity in one process.
+    """
+
+    source: str
+    model: Any
+    tokenizer: Any
+    eos: list[int]
+    world_size: int = 1
+    share_weights: bool = False
+    max_batch: int = 256
+    dtype: str = "float32"
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    rank: int = 0
+    broadcast: Callable[[Any], Any] = _same_value
+
+
+def check_engine_spec(spec: Any, setting: str = "model.engine") -> None:
+    """Raise :class:`ConfigError` unless ``spec`` is engine settings (an :class:`EngineSpec`)."""
+    if not isinstance(spec, EngineSpec):
+        raise ConfigError(
+            f"{setting} must be a name, a dotted path or engine settings (a subclass of {__name__}.EngineSpec), "
+            f"got {type(spec).__name__}"
+        )
+
+
+class EngineSpec(ABC):
+    """An engine's settings and how to build it: what ``model.engine: {class_path, init_args}`` instantiates.
+
+    A spec subclasses this class (usually as a dataclass); its ``__init__`` arguments are the engine's YAML
+    settings, and :meth:`build` makes the engine. (A base class rather than a protocol: jsonargparse accepts a
+    protocol's implementation only when its ``build`` signature repeats the protocol's annotations exactly.) The
+    shipped specs register their short names (``hf``, ``vllm``, ``remote``) with :func:`logra_pl.config.register`.
+
+    Attributes:
+        max_training_processes: the most training processes the engine can serve (checked by the CLI before it
+            spawns them); None: any number.
+    """
+
+    registry: ClassVar[Registry] = Registry(
+        "engine",
+        "model.engine",
+        "logra_pl.rollout.vllm.VLLMSettings",
+        lambda spec, setting: check_engine_spec(spec, setting),
+    )
+    max_training_processes: ClassVar[int | None] = None
+
+    @abstractmethod
+    def build(self, request: EngineRequest) -> RolloutEngine:
+        """The engine, built for the loaded policy ``request.model``."""
+
+
+EngineBuilder = Callable[[EngineRequest], RolloutEngine]
+
+
+@dataclass(frozen=True)
+class BuilderSpec(EngineSpec):
+    """A builder function ``EngineRequest -> engine`` used as a spec (``model.engine: my_package.build``).
+
+    The function's own ``max_training_processes`` attribute, if it has one, is the spec's.
+    """
+
+    builder: EngineBuilder
+    name: str
+
+    def build(self, request: EngineRequest) -> RolloutEngine:
+        return self.builder(request)
+
+    @property
+    def max_training_processes(self) -> int | None:  # the builder's own attribute, if it has one
+        return getattr(self.builder, "max_training_processes", None)

@@ -16,9 +16,18 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from logra_pl.config import register
 from logra_pl.errors import ConfigError, PolicyDivergedError
-from logra_pl.rollout.base import FinishReason, Rollout, RolloutEngine, SamplingConfig, SyncReport, expand_prompts
-from logra_pl.rollout.registry import EngineRequest, EngineSpec
+from logra_pl.rollout.base import (
+    EngineRequest,
+    EngineSpec,
+    FinishReason,
+    Rollout,
+    RolloutEngine,
+    SamplingConfig,
+    SyncReport,
+    expand_prompts,
+)
 from logra_pl.sketch.payload import Payload, apply_payload, weight_tensors
 
 
@@ -34,6 +43,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+@register("hf")
 @dataclass
 class HFSettings(EngineSpec):
     """The transformers engine in the trainer process (``model.engine: hf``, the default).
@@ -45,8 +55,7 @@ class HFSettings(EngineSpec):
 
     def build(self, request: EngineRequest) -> RolloutEngine:
         """An :class:`HFEngine` on a private copy of ``request.model`` (or on the model itself: share_weights)."""
-        settings = request.rollout
-        if settings.share_weights and request.world_size > 1:
+        if request.share_weights and request.world_size > 1:
             raise ConfigError(
                 "rollout.share_weights generates with the trainer's weights, which are sharded over "
                 f"{request.world_size} ranks: set it to false for data-parallel runs"
@@ -55,8 +64,8 @@ class HFSettings(EngineSpec):
             request.model,
             request.eos,
             request.tokenizer.pad_token_id,
-            max_batch=settings.max_batch,
-            copy=not settings.share_weights,
+            max_batch=request.max_batch,
+            copy=not request.share_weights,
         )
 
 

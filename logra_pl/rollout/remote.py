@@ -13,7 +13,7 @@ ranks know the version the engines should hold without talking to each other (:m
 holds the rules). A generate request carries that version and the engine refuses it (409 →
 :class:`~logra_pl.errors.StaleEngineError`) when it holds other weights: nothing is sampled from stale weights. The
 module then agrees over all ranks that an engine is stale and repairs it with a full resync
-(:meth:`logra_pl.module.LoGRAPolicyModule.generate_rollout`). Requests and answers are the models of
+(:meth:`logra_pl.train.engine_link.EngineLink.generate`). Requests and answers are the models of
 :mod:`logra_pl.rollout.protocol`, shared with the server.
 
 An engine that does not answer is retried with exponential backoff for ``retry_for_s`` seconds (a restarting
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from logra_pl.config import register
 from logra_pl.errors import (
     ConfigError,
     EngineUnavailableError,
@@ -44,7 +45,16 @@ from logra_pl.errors import (
     StaleEngineError,
     check_range,
 )
-from logra_pl.rollout.base import FinishReason, Rollout, RolloutEngine, SamplingConfig, SyncReport, expand_prompts
+from logra_pl.rollout.base import (
+    EngineRequest,
+    EngineSpec,
+    FinishReason,
+    Rollout,
+    RolloutEngine,
+    SamplingConfig,
+    SyncReport,
+    expand_prompts,
+)
 from logra_pl.rollout.protocol import (  # re-exported: the API's names were defined here before protocol.py
     API_KEY_ENV,
     API_VERSION,
@@ -63,7 +73,6 @@ from logra_pl.rollout.protocol import (  # re-exported: the API's names were def
     bearer,
     describe,
 )
-from logra_pl.rollout.registry import EngineRequest, EngineSpec
 from logra_pl.rollout.versions import ExpectedVersions
 from logra_pl.sketch.payload import Payload
 
@@ -81,6 +90,7 @@ __all__ = [
 _RETRY_STATUS = (502, 503, 504)
 
 
+@register("remote")
 @dataclass
 class RemoteSettings(EngineSpec):
     """How the trainer reaches served engines (``model.engine: {class_path: ...RemoteSettings, init_args: ...}``).
@@ -128,7 +138,7 @@ class RemoteSettings(EngineSpec):
         """A :class:`RemoteEngine` on these engines, checked against the trainer's policy; any number of ranks."""
         from logra_pl.sketch.targets import select_targets
 
-        if request.rollout.share_weights:
+        if request.share_weights:
             raise ConfigError("rollout.share_weights applies to the HF engine; served engines hold their own weights")
         run_id = uuid.uuid4().hex[:12]
         if request.world_size > 1:

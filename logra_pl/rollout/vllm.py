@@ -14,12 +14,13 @@ weights would otherwise be reused silently.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,8 +29,11 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 
+from logra_pl.config import register
 from logra_pl.errors import ConfigError, PolicyDivergedError, check_choice, check_int, check_range
 from logra_pl.rollout.base import (
+    EngineRequest,
+    EngineSpec,
     FinishReason,
     Rollout,
     RolloutEngine,
@@ -38,7 +42,6 @@ from logra_pl.rollout.base import (
     derived_seed,
     expand_prompts,
 )
-from logra_pl.rollout.registry import EngineRequest, EngineSpec, engine_model_folder
 from logra_pl.rollout.vllm_worker import tensors_to_bytes
 from logra_pl.sketch.payload import Payload
 
@@ -49,6 +52,7 @@ _INSTALL_HINT = (
 )
 
 
+@register("vllm")
 @dataclass
 class VLLMSettings(EngineSpec):
     """One vLLM engine in the trainer process (``model.engine: {class_path: logra_pl.rollout.vllm.VLLMSettings}``).
@@ -99,7 +103,7 @@ class VLLMSettings(EngineSpec):
         """A :class:`VLLMEngine` on a safetensors folder of the policy (written once to the cache when needed)."""
         from logra_pl.models.load import resolve_source
 
-        if request.rollout.share_weights:
+        if request.share_weights:
             raise ConfigError("rollout.share_weights applies to the HF engine; vLLM holds its own weights")
         if request.world_size > 1:
             raise ConfigError(
@@ -337,3 +341,23 @@ def rollout_from_outputs(outputs: Sequence[Any], rows: list[list[int]], index: l
         prompt_index=index,
         timings={"generate_s": time.perf_counter() - start},
     )
+
+
+def engine_model_folder(source: str, resolved: Any, dtype: str, load: Callable[[], tuple[Any, Any]]) -> Path:
+    """A safetensors folder of the policy ``source`` that vLLM (and the worker's master copy) can read.
+
+    A folder with safetensors files is used as it is; anything else (a GGUF file, a hub id, a folder of ``.bin``
+    files) is written once, atomically, to the cache — keyed by source and dtype — from the model ``load()`` returns.
+    """
+    from logra_pl.models.tiny import cache_root
+    from logra_pl.runs.export import policy_folder_complete, save_policy_folder
+
+    folder = Path(resolved.location)
+    if resolved.gguf_file is None and not resolved.is_hub_id and any(folder.glob("*.safetensors")):
+        return folder
+    digest = hashlib.blake2b(f"{source}/{dtype}".encode(), digest_size=8).hexdigest()
+    folder = cache_root() / "engine" / digest
+    if not policy_folder_complete(folder):  # written atomically: a complete folder is a valid one
+        model, tokenizer = load()
+        save_policy_folder(model, tokenizer, folder, provenance={"source": source, "engine_cache": True})
+    return folder

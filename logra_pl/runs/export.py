@@ -222,7 +222,7 @@ def _export_state(
     if sharded:
         raise ExportError(
             f"{len(sharded)} tensors are sharded DTensors (e.g. {sharded[0]!r}): pass the gathered full tensors as "
-            "state_dict (LoGRAPolicyModule.full_state() gathers them on every rank)"
+            "state_dict (the update method's full_state(policy) gathers them on every rank)"
         )
     # transformers drops a tied copy only when both names share storage; gathered or cast tensors do not. A tied
     # target (lm_head.weight for tied embeddings) is left out here after checking it equals its source, and
@@ -413,6 +413,7 @@ def export_checkpoint(
     Returns:
         The absolute path of the written folder.
     """
+    from logra_pl.methods import UpdateMethod, checkpoint_kind, method_class
     from logra_pl.models.load import PolicyLoadError, load_policy
 
     path = Path(ckpt_path).expanduser()
@@ -424,15 +425,13 @@ def export_checkpoint(
         model, tokenizer = load_policy(policy, dtype=as_dtype(hp["dtype"]) or torch.float32)
     except (PolicyLoadError, OSError) as err:
         raise ExportError(f"the checkpoint's base policy {policy!r} cannot be loaded here: {err}") from err
-    if hp.get("optimizer") == "lora":  # adapters are merged into the matrices: the export is a plain model
-        from logra_pl.methods.lora import LoRAConfig, merge_lora_state
-
-        if state is None:
-            raise ExportError(f"{path}: exporting a sharded LoRA checkpoint is not supported; save a full one")
-        lora = hp.get("lora") or LoRAConfig()
-        alpha = float(lora.alpha if isinstance(lora, LoRAConfig) else lora.get("alpha", LoRAConfig().alpha))
+    # The method writes its tensors as a plain model holds them (LoRA: its adapters merged into the matrices).
+    method = method_class(checkpoint_kind(checkpoint) or "") or UpdateMethod
+    if state is not None:
         plain = {k.removeprefix(_POLICY_PREFIX): v for k, v in state.items() if k.startswith(_POLICY_PREFIX)}
-        state = {_POLICY_PREFIX + k: v for k, v in merge_lora_state(plain, alpha).items()}
+        state = {_POLICY_PREFIX + k: v for k, v in method.exported_tensors(plain, hp).items()}
+    elif method.exported_tensors.__func__ is not UpdateMethod.exported_tensors.__func__:
+        raise ExportError(f"{path}: exporting a sharded {method.name} checkpoint is not supported; save a full one")
     if state is None:
         _load_distributed_policy_tensors(model, path, policy)
     else:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from logra_pl.runtime.compat import distributed_checkpoint_metadata
-from logra_pl.errors import CheckpointNotFoundError, ResumeMismatchError
+from logra_pl.config import class_path_of, import_dotted
+from logra_pl.errors import CheckpointNotFoundError, LoGRAError, ResumeMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -146,22 +147,59 @@ def describe_changes(diffs: list[tuple[str, Any, Any]]) -> str:
 
 
 def canonical(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Plain nested settings with ``model.loss`` and ``model.baseline`` in their ``{class_path, init_args}`` form,
-    whichever form wrote them: a short name (``ppo``), an object, or the old ``{kind: ...}`` section and its
-    dataclasses (checkpoints of earlier versions). So a resume compares the loss class, not how it was spelled."""
-    from logra_pl.losses import canonical_settings
+    """Plain nested settings, written one way whichever way they were given, so a resume compares like with like:
 
+    - ``model.loss`` and ``model.baseline`` in their ``{class_path, init_args}`` form, from a short name (``ppo``), an
+      object, or the old ``{kind: ...}`` section and its dataclasses (checkpoints of earlier versions);
+    - every ``class_path`` named by its shortest import path (``logra_pl.losses.PPOClip``, whichever module defines
+      it, and whatever path of an earlier layout a checkpoint recorded);
+    - LoGRA's ``refresh`` and ``refresh_every`` both written out.
+    """
     out = dict(settings)
     model = out.get("model")
     if isinstance(model, Mapping):
         model = dict(model)
         for key in ("loss", "baseline"):
             if key in model:  # None is the module's default (ReinforceTIS, RunningBaseline)
-                model[key] = plain(canonical_settings(model[key], key))
+                model[key] = plain(_class_path_form(model[key], key))
         if isinstance(model.get("logra"), Mapping):
             model["logra"] = canonical_refresh(model["logra"])
         out["model"] = model
-    return out
+    return _shortest_class_paths(out)
+
+
+def _class_path_form(value: Any, kind: str) -> Any:
+    """A loss or baseline setting as ``{class_path, init_args}``; what cannot be built is returned unchanged."""
+    from logra_pl._graveyard.losses import class_path_form
+    from logra_pl.losses import build_baseline, build_loss
+
+    if isinstance(value, Mapping) and "class_path" in value:
+        return value
+    old = class_path_form(value, kind)
+    if old is not value:
+        return old
+    try:
+        return (build_loss if kind == "loss" else build_baseline)(value).to_config()
+    except (LoGRAError, TypeError, ValueError, AttributeError, ImportError):
+        return value
+
+
+def _shortest_class_paths(value: Any) -> Any:
+    """``value`` with every importable ``class_path`` replaced by the shortest path of the same class."""
+    if isinstance(value, Mapping):
+        out = {k: _shortest_class_paths(v) for k, v in value.items()}
+        path = out.get("class_path")
+        if isinstance(path, str):
+            try:
+                found = import_dotted(path, "class_path")
+            except LoGRAError:
+                found = None
+            if found is not None:
+                out["class_path"] = class_path_of(found)
+        return out
+    if isinstance(value, list):
+        return [_shortest_class_paths(v) for v in value]
+    return value
 
 
 def canonical_refresh(logra: Mapping[str, Any]) -> dict[str, Any]:

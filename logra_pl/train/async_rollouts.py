@@ -1,7 +1,8 @@
-"""Asynchronous rollouts for :class:`~logra_pl.module.LoGRAPolicyModule`: the next updates' batches sampled while
-this update trains (``rollout.max_staleness: k``), bounded by staleness and by the KL merged since (algorithm.md §12).
+"""Asynchronous rollouts: the next updates' batches sampled while this update trains (``rollout.max_staleness: k``),
+bounded by staleness and by the KL merged since (algorithm.md §12). The :class:`~logra_pl.train.sampler.Sampler` runs
+it and gives it the job that samples a batch; it reads the Trainer's position through the ranks.
 
-What the module asks of it, per training step of batch ``b`` (the run's ``b``-th batch):
+What the sampler asks of it, per training step of batch ``b`` (the run's ``b``-th batch):
 
 1. :meth:`AsyncRollouts.rollout` — the rollout of ``b``, sampled by version ``max(e, b − k)`` (``e``: the first
    batch of the epoch). Batches up to ``b + k`` not yet requested are requested now (an epoch's start: the
@@ -22,6 +23,7 @@ update per batch), since a request is made before the updates in between.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from logra_pl.data.schema import prompt_key
@@ -30,21 +32,28 @@ from logra_pl.rollout.base import Rollout
 from logra_pl.rollout.pipeline import RolloutPipeline
 from logra_pl.rollout.staleness import StaleKL, StalenessSchedule
 from logra_pl.runtime import compat
-from logra_pl.runtime.ranks import any_rank
-from logra_pl.train.step import sampling_seed
+from logra_pl.runtime.ranks import Ranks
+from logra_pl.train.engine_link import EngineLink
+
+# The sampler's job for one batch: given its prompts and index, their keys and the engine call that samples them.
+Job = Callable[[list[dict[str, Any]], int], tuple[list[str], Callable[[], Rollout]]]
 
 
 class AsyncRollouts:
-    """The module's side of the pipeline: which batches to request, their prompts and seeds, the KL ledger.
+    """The trainer's side of the pipeline: which batches to request and when, and the KL ledger.
 
     Arguments:
-        module: the policy module (its link, encoder, settings and trainer).
+        link: the engine link (its engine, and the repair of a stale one).
+        ranks: the training processes (and the Trainer: the loader's batches and the run's position).
+        job: the sampler's job for a batch (:data:`Job`).
         max_staleness: ``k`` (≥ 1).
         max_stale_kl: ``δ``, or None for a staleness bound only.
     """
 
-    def __init__(self, module: Any, max_staleness: int, max_stale_kl: float | None) -> None:
-        self.module = module
+    def __init__(
+        self, link: EngineLink, ranks: Ranks, job: Job, max_staleness: int, max_stale_kl: float | None
+    ) -> None:
+        self.link, self.ranks, self.job = link, ranks, job
         self.schedule = StalenessSchedule(max_staleness)
         self.pipeline = RolloutPipeline(StaleKL(max_stale_kl, window=max(1, max_staleness)))
         self.epoch_start = 0
@@ -54,9 +63,8 @@ class AsyncRollouts:
 
     # --------------------------------------------------------------------------------------------- setup
     @staticmethod
-    def check(module: Any, trainer: Any) -> None:
+    def check(engine: Any, trainer: Any) -> None:
         """Refuse a setting the pipeline cannot run exactly, naming the fix."""
-        engine = module.engine
         if engine.shares_weights:
             raise ConfigError(
                 "rollout.max_staleness >= 1 with rollout.share_weights: the engine generates with the trainer's own "
@@ -75,7 +83,7 @@ class AsyncRollouts:
         no collective of the trainer's threads interleaves with it): every rank's requests at the old weights have
         been answered. A request that overtakes the change it needs (its rank passed the barrier first) asks the
         engine to wait for that version (``wait_s``, up to ``retry_for_s``)."""
-        link = self.module.link
+        link = self.link
         if trainer.world_size < 2 or not link.can_go_stale:
             return
         import torch.distributed as dist
@@ -90,7 +98,7 @@ class AsyncRollouts:
     # ---------------------------------------------------------------------------------------------- step
     def rollout(self, items: list[dict[str, Any]]) -> tuple[Rollout, int]:
         """The rollout of the batch being trained and its staleness (updates since the weights that sampled it)."""
-        trainer, pipe = self.module.trainer, self.pipeline
+        trainer, pipe = self.ranks.trainer, self.pipeline
         batch, in_epoch = compat.batch_position(trainer)
         self.epoch_start = batch - in_epoch
         end = self.epoch_start + int(trainer.num_training_batches)
@@ -115,14 +123,14 @@ class AsyncRollouts:
         self.last = (batch - version, stale_kl)
         return rollout, batch - version
 
-    def finish(self) -> None:
-        """After the batch's update(s) and callbacks: record its KL and request batch ``b + k + 1`` (once)."""
-        trainer = self.module.trainer
+    def finish(self, kls: list[float]) -> None:
+        """After the batch's update(s) and callbacks: record its KL (``kls``: each update's, as a step controller
+        priced it) and request batch ``b + k + 1`` (once)."""
+        trainer = self.ranks.trainer
         batch, _ = compat.batch_position(trainer)
         if batch <= self.finished:
             return
-        ledger, ctx = self.pipeline.stale_kl, self.module.step_context
-        kls = ctx.update_kls if ctx is not None else []
+        ledger = self.pipeline.stale_kl
         if ledger.max_stale_kl is not None and not kls:
             raise ConfigError(
                 "rollout.max_stale_kl needs each update's KL: add PredictedKLControl (callbacks/kl_measure.yaml "
@@ -151,18 +159,18 @@ class AsyncRollouts:
         """``pipeline.take``; a served engine that refused the request (it holds other weights: restarted, an update
         lost) is repaired with the full weights and every requested batch is sampled again by the current weights
         (the pipeline restarts at ``batch``), 3 tries at most, as the synchronous path does."""
-        link, pipe, last = self.module.link, self.pipeline, None
+        link, pipe, last = self.link, self.pipeline, None
         for _ in range(3):
             taken = None
             try:
                 taken = pipe.take(batch)
             except StaleEngineError as err:
                 last = err
-            if not any_rank(self.module.trainer, taken is None):  # every rank restarts, or none
+            if not self.ranks.any(taken is None):  # every rank restarts, or none
                 return taken
             pipe.discard()
             pipe.call(lambda: None)  # the worker is idle: nothing is sampled while the engine is repaired
-            link.ensure_current(self.module.device)  # full weights (on the worker), counted in sync/engine_resyncs
+            link.ensure_current()  # full weights (on the worker), counted in sync/engine_resyncs
             self.restart = batch
             for b in self.schedule.prefill(batch, end):
                 self._request(b, batch)
@@ -182,18 +190,13 @@ class AsyncRollouts:
             )
         self.pipeline.load_state_dict(state)
         self.restart = int(state.get("restart", 0))
-        trainer = self.module.trainer
+        trainer = self.ranks.trainer
         self.finished = compat.batch_position(trainer)[0] - 1 if trainer is not None else -1
 
     # -------------------------------------------------------------------------------------------- helpers
     def _request(self, batch: int, version: int) -> None:
         """Sample ``batch`` on the worker after the weight changes submitted so far (they make ``version``)."""
-        module, trainer = self.module, self.module.trainer
-        in_epoch = batch - self.epoch_start
-        items = trainer.train_dataloader.batch_at(trainer.current_epoch, in_epoch)
-        rs = module.rollout_settings
-        sampling = rs.training_sampling(sampling_seed(module.seed, "train", batch))
-        seeds = [sampling_seed(module.seed, "train", batch, prompt_key(it)) for it in items]
-        prompts, engine = module.encode_prompts(items), module.link.engine
-        keys = [prompt_key(it) for it in items]
-        self.pipeline.request(batch, version, keys, lambda: engine.generate(prompts, sampling, prompt_seeds=seeds))
+        trainer = self.ranks.trainer
+        items = trainer.train_dataloader.batch_at(trainer.current_epoch, batch - self.epoch_start)
+        keys, sample = self.job(items, batch)
+        self.pipeline.request(batch, version, keys, sample)

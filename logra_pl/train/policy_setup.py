@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 
 from logra_pl.models.load import load_policy, resolve_source
+from logra_pl.rollout.base import EngineRequest
 from logra_pl.train.warm_start import WarmStart, warm_start_policy
 
 log = logging.getLogger("logra_pl.module")
@@ -77,12 +78,22 @@ def load_training_policy(source: str, dtype: str, attn_implementation: str | Non
 
 def engine_request(
     trainer: Any, source: str, model: Any, tokenizer: Any, eos: list[int], rollout: Any, dtype: str, targets: list[str]
-) -> Any:
+) -> EngineRequest:
     """What an engine spec builds from: the loaded policy and its stop tokens, the run's topology (world size, rank,
     and a broadcast of rank 0's value: served engines name weight versions by one run id), sampling and dtype."""
-    from logra_pl.rollout.registry import EngineRequest
-
     world = trainer.world_size if trainer is not None else 1
     rank = int(trainer.global_rank) if trainer is not None else 0
     broadcast = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else (lambda value: value)
-    return EngineRequest(source, model, tokenizer, eos, world, rollout, dtype, targets, rank, broadcast)
+    return EngineRequest(
+        source,
+        model,
+        tokenizer,
+        eos,
+        world_size=world,
+        share_weights=rollout.share_weights,
+        max_batch=rollout.max_batch,
+        dtype=dtype,
+        targets=targets,
+        rank=rank,
+        broadcast=broadcast,
+    )

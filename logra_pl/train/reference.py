@@ -11,7 +11,7 @@ the same folder the policy was loaded from (the warm-started copy, or the base p
   strategy the copy is sharded like the policy (:meth:`LoGRAStrategy.shard_reference`), so a rank holds ``1/N``.
 
 Its log-probs are computed once per rollout, without grad, in the same microbatches as the pre-update trainer
-log-probs (``LoGRAPolicyModule.make_step_context``); the loss never runs a second forward of it. Only a run that
+log-probs (:class:`~logra_pl.train.passes.TrainerPasses`); the loss never runs a second forward of it. Only a run that
 trains loads it (``logra-pl validate`` of the same config does not).
 
 **Resume.** The reference is not saved in checkpoints: a checkpoint would carry a second full model (LoGRA's

@@ -1,19 +1,18 @@
-"""The settings of a policy-update step that are not LoGRA's own: sampling, the loss, and scoring.
+"""The settings of a policy-update step that are not LoGRA's own or the loss's: sampling and scoring.
 
 Each is a dataclass that checks its values when it is built (``__post_init__``), so a bad value fails before any
 model is loaded; LightningCLI builds them from the ``model.rollout`` and ``model.scoring`` sections. The loss is an
-object of its own (:mod:`logra_pl.losses`); :class:`LossConfig`, its former settings block, is a deprecated adapter.
+object of its own (:mod:`logra_pl.losses`); its former settings block ``LossConfig`` lives in ``logra_pl/_graveyard``.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
+from logra_pl._graveyard import deprecated_names
 from logra_pl.errors import ConfigError, check_int, check_range
-from logra_pl.losses import _BUILTIN_SPECS, Loss, LossSpec, PPOClip, ReinforceTIS, SpecLoss, resolve_loss
 from logra_pl.rollout.base import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -86,6 +85,15 @@ class RolloutSettings:
                 "rollout.responses_per_prompt >= 2 (or use baseline: running)"
             )
 
+    def check_env(self, env: Any) -> None:
+        """A multi-turn environment runs its conversations with the trainer's engine calls: not ahead of it."""
+        if env is not None and self.max_staleness > 0:
+            raise ConfigError(
+                "rollout.max_staleness >= 1 (asynchronous rollouts) samples one reply per prompt ahead of the "
+                "trainer; a multi-turn env runs its conversations with the trainer's engine calls: set "
+                "rollout.max_staleness: 0, or drop model.env"
+            )
+
     def pass_at(self) -> list[int]:
         """The ``j`` of every ``val/pass@j`` logged (``pass@1`` always)."""
         wanted = self.val_pass_at or ([self.val_responses] if self.val_responses > 1 else [])
@@ -145,111 +153,6 @@ class RolloutSettings:
             )
 
 
-class LegacyLossSettings(TypedDict, total=False):
-    """The keys of the old ``loss: {kind: ..., tis_cap: ...}`` section (deprecated). Old configs and the
-    hyper-parameters of old CLI checkpoints hold it; :func:`logra_pl.losses.build_loss` reads it with a
-    ``FutureWarning`` that gives the ``class_path`` form, and refuses it without a ``kind``."""
-
-    kind: str
-    tis_cap: float
-    clip_eps: float
-    ppo_epochs: int
-    ppo_minibatches: int
-    length_reference: float | None
-    params: dict[str, float]
-
-
-@dataclass
-class LossConfig:
-    """Deprecated — pass a loss object (:class:`~logra_pl.losses.ReinforceTIS`, :class:`~logra_pl.losses.PPOClip`,
-    your own :class:`~logra_pl.losses.Loss`), or in YAML ``loss: {class_path: ..., init_args: ...}``.
-
-    The policy-gradient surrogate as one settings block. Old checkpoints pickle it in their hyper-parameters, so it
-    stays importable; the module turns it into the object :meth:`build` returns (same arithmetic, same plan).
-
-    Arguments:
-        kind: ``"reinforce_tis"`` (:class:`~logra_pl.losses.ReinforceTIS`), ``"ppo"``
-            (:class:`~logra_pl.losses.PPOClip`), or a name or dotted path of the deprecated registry
-            (:class:`~logra_pl.losses.SpecLoss`).
-        tis_cap: truncation of the rollout importance ratio (REINFORCE+TIS).
-        clip_eps: PPO ratio clip ``ε``.
-        ppo_epochs: passes over each rollout batch (losses against the pre-update trainer, e.g. PPO).
-        ppo_minibatches: updates per pass (likewise); each is one optimizer step.
-        length_reference: reweight each response by ``length_reference / L`` (algorithm.md §8 uses 1024); None: off.
-        params: hyper-parameters of a registered loss that are not fields here (by the names its spec lists).
-    """
-
-    kind: str = "reinforce_tis"
-    tis_cap: float = 2.0
-    clip_eps: float = 0.2
-    ppo_epochs: int = 2
-    ppo_minibatches: int = 2
-    length_reference: float | None = None
-    params: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def spec(self) -> LossSpec:
-        """The registered loss of ``kind``."""
-        return resolve_loss(self.kind)
-
-    def hyper_parameters(self) -> dict[str, Any]:
-        """The keyword arguments the loss (and its statistics) take, by the names its spec lists."""
-        out = {}
-        for name in self.spec.params:
-            if name in self.params:
-                out[name] = self.params[name]
-            elif hasattr(self, name) and name != "params":
-                out[name] = getattr(self, name)
-            else:
-                raise ConfigError(f"loss {self.kind!r} needs the hyper-parameter {name!r}: set loss.params.{name}")
-        return out
-
-    def build(self) -> Loss:
-        """The loss object these settings mean: :class:`ReinforceTIS`, :class:`PPOClip`, or a :class:`SpecLoss`."""
-        spec, params = self.spec, self.hyper_parameters()
-        if spec is _BUILTIN_SPECS["reinforce_tis"]:
-            return ReinforceTIS(length_reference=self.length_reference, **params)
-        if spec is _BUILTIN_SPECS["ppo"]:
-            return PPOClip(
-                epochs=self.ppo_epochs,
-                minibatches=self.ppo_minibatches,
-                length_reference=self.length_reference,
-                **params,
-            )
-        return SpecLoss(
-            self.kind,
-            params=params,
-            epochs=self.ppo_epochs,
-            minibatches=self.ppo_minibatches,
-            length_reference=self.length_reference,
-        )
-
-    def to_config(self) -> dict[str, Any]:
-        """The ``class_path`` form of these settings (what a resume compares)."""
-        return self.build().to_config()
-
-    def __post_init__(self) -> None:
-        warnings.warn(
-            "LossConfig is deprecated: pass a loss object (logra_pl.losses.ReinforceTIS, PPOClip, or your Loss "
-            "subclass); in YAML loss: {class_path: logra_pl.losses.PPOClip, init_args: {clip_eps: 0.2}}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        self.hyper_parameters()  # an unknown kind or a missing hyper-parameter fails here
-        check_range(
-            "loss.tis_cap",
-            self.tis_cap,
-            0.0,
-            low_open=True,
-            hint="a cap of 0 zeroes every token's weight",
-        )
-        check_range("loss.clip_eps", self.clip_eps, 0.0, 1.0, low_open=True, high_open=True)
-        check_int("loss.ppo_epochs", self.ppo_epochs, 1)
-        check_int("loss.ppo_minibatches", self.ppo_minibatches, 1)
-        if self.length_reference is not None:
-            check_range("loss.length_reference", self.length_reference, 0.0, low_open=True)
-
-
 @dataclass
 class ScoringSettings:
     """How responses are scored: in worker processes, with a time limit per call and a cap on answer length; which
@@ -293,3 +196,6 @@ class ScoringSettings:
             hint="the share of an update's responses without a reward at which the update fails",
         )
         check_int("scoring.max_failed_updates", self.max_failed_updates, 1)
+
+
+__getattr__ = deprecated_names(__name__)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from logra_pl.errors import ConfigError
 from logra_pl.rollout.base import Rollout
 
 
@@ -237,3 +238,17 @@ class RefillStream:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
+
+
+def refill_stream(trainer: Any) -> RefillStream:
+    """Dynamic sampling's stream of further prompts over the training loader's dataset (its batch size per rank)."""
+    loader = trainer.train_dataloader
+    dataset, per_rank = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+    if dataset is None or not per_rank or not hasattr(dataset, "__getitem__"):
+        raise ConfigError(
+            "rollout.dynamic_sampling samples further prompts from the training loader's dataset, but this loader "
+            "has no indexable dataset with a batch size (use the project's data modules, whose loaders do, or turn "
+            "dynamic_sampling off)"
+        )
+    sampler = getattr(loader, "sampler", None)
+    return RefillStream(dataset, trainer.world_size, trainer.global_rank, per_rank, getattr(sampler, "seed", 0))

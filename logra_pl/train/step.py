@@ -1,25 +1,24 @@
-"""``StepContext``: what one training step produced, for callbacks to read; the seeds a step samples with.
-
-``PolicyModuleView`` is what callbacks may read from the module — the whole contract (:class:`LoGRAPolicyModule`
-implements it; a module of your own that does can run the same callbacks).
+"""``StepContext``: what one training step produced, for callbacks to read, and how an update's sampled responses
+become it (:func:`build_step`: shaped rewards → advantages → the trainer's pre-update log-probs); the step's scalars.
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import math
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from logra_pl.rollout.base import Rollout, SamplingConfig
+from logra_pl.rollout.base import Rollout
 from logra_pl.sketch.payload import Payload
 from logra_pl.train.batching import padded_logprobs
 from logra_pl.train.logprobs import PackedResponses, pack_responses
+from logra_pl.train.sampler import Sampled
+from logra_pl.train.settings import RolloutSettings
+from logra_pl.train.shaping import overlong_penalty
 
 
 @dataclass
@@ -113,13 +112,6 @@ def scored_mask(mask: torch.Tensor, scored: torch.Tensor | None) -> torch.Tensor
     return mask * scored.to(mask.dtype).unsqueeze(1)
 
 
-def score_tensors(scores: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batch's :class:`~logra_pl.rewards.failures.Scores` as tensors: rewards ``(N,)`` float64 (NaN where there is
-    none), scored and correct ``(N,)`` bool."""
-    rewards = torch.tensor(scores.rewards, dtype=torch.float64)
-    return rewards, torch.tensor(scores.scored, dtype=torch.bool), torch.tensor(scores.correct, dtype=torch.bool)
-
-
 def scored_advantages(
     baseline: Any,
     rewards: torch.Tensor,
@@ -172,59 +164,43 @@ def _call_baseline(
     return baseline.advantages(rewards, all_reduce_sum, groups=groups)
 
 
-def sampling_seed(seed: int, split: str, update: int, key: str = "") -> int:
-    """The seed of one sampling call (or one prompt's responses, keyed by its question): independent of batch and
-    rank layout."""
-    blob = f"{seed}/{split}/{update}/{key}".encode()
-    return int.from_bytes(hashlib.blake2b(blob, digest_size=6).digest(), "little")
-
-
-@runtime_checkable
-class PolicyModuleView(Protocol):
-    """What callbacks read from the policy module — the whole contract.
-
-    ``policy`` (the trained causal LM), ``tokenizer``, ``engine`` (the rollout engine, or None before
-    ``configure_model``), ``method`` (the :class:`~logra_pl.methods.UpdateMethod`: ``sketcher``,
-    ``ships_factors``, ``makes_proposals``, ``keeps_sketches``, and for step controllers ``logit_tangent``,
-    ``applied_updates``, ``applied``), ``step_context`` (the current step's :class:`StepContext`, or None),
-    ``rollout_settings``, ``microbatch_size``, ``policy_source`` and ``dtype_name``; and the operations below
-    (``engine_call``: an engine call in order with every other one, on the asynchronous worker when rollouts
-    are sampled ahead; a Future).
-    """
-
-    policy: Any
-    tokenizer: Any
-    engine: Any
-    method: Any
-    step_context: StepContext | None
-    rollout_settings: Any
-    microbatch_size: int
-    policy_source: str
-    dtype_name: str
-
-    def encode_prompts(self, items: list[dict[str, Any]]) -> list[list[int]]: ...
-
-    def generate_rollout(
-        self, prompts: list[list[int]], sampling: SamplingConfig, prompt_seeds: list[int] | None = None
-    ) -> Rollout: ...
-
-    def trainer_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor: ...
-
-    def sync_engine(self, full: bool = False) -> None: ...
-
-    def engine_call(
-        self, fn: Callable[..., Any], *args: Any, changes_weights: bool = False, **kwargs: Any
-    ) -> Future: ...
-
-    def attach_sync(self, owner: object) -> None: ...
-
-    def trained_tensors(self) -> dict[str, torch.Tensor]: ...
-
-    def full_state(self) -> dict[str, torch.Tensor]: ...
-
-    def trained_parameter_count(self) -> int: ...
-
-    def training_report(self) -> str: ...
+def build_step(
+    update: int,
+    sampled: Sampled,
+    baseline: Any,
+    loss: Any,
+    settings: RolloutSettings,
+    passes: Any,
+    pad_id: int,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> StepContext:
+    """The step context of one update's sampled responses: DAPO's overlong penalty on the rewards the advantages see
+    (never on the raw ones), the baseline's advantages over the scored responses, the responses packed for the
+    trainer with its pre-update log-probs and entropy (``passes``: :class:`~logra_pl.train.passes.TrainerPasses`,
+    and the reference policy's log-probs with a KL penalty), and the loss mask (``loss.token_mask``, less the
+    responses without a reward)."""
+    drawn = sampled.drawn
+    items, rollout, rewards, correct = drawn.items, drawn.rollout, drawn.rewards, drawn.correct
+    scored = ~torch.isnan(rewards)  # a response without a reward has NaN (rewards/failures.py)
+    shaped, shaping = rewards, dict(sampled.shaping)
+    if settings.overlong_buffer:  # DAPO's soft overlong punishment: on the advantages' reward, never on the raw one
+        lengths = torch.tensor([len(r) for r in rollout.response_ids])
+        buffer, factor = settings.overlong_buffer, settings.overlong_penalty
+        penalty = overlong_penalty(lengths, settings.max_new_tokens, buffer, factor)
+        shaped = rewards + penalty
+        shaping["shaping/overlong_penalty"] = float(penalty.mean())
+        shaping["shaping/overlong_rate"] = float((penalty < 0).double().mean())
+    advantages = scored_advantages(baseline, shaped, scored, correct, list(rollout.prompt_index), all_reduce_sum)
+    temperature = settings.temperature if settings.temperature > 0 else 1.0
+    reference = passes.reference_logprobs if passes.reference is not None else None
+    ctx = assemble_step(update, items, rollout, rewards, advantages, pad_id, passes.scores, temperature, reference)
+    ctx.scored, ctx.correct = scored, correct
+    # The loss's tokens: less truncated responses (loss.mask_truncated), less the responses without a reward.
+    ctx.loss_mask = scored_mask(loss.token_mask(ctx.packed.response_mask, rollout.truncated), scored)
+    ctx.staleness, ctx.shaping, ctx.shaped_rewards = sampled.staleness, shaping, shaped
+    ctx.metrics["verifier/failure_rate"] = sampled.failure_rate  # over every response scored for the update
+    ctx.metrics |= sampled.episodes  # multi-turn: every round's trajectories' turns, truncation and environment counts
+    return ctx
 
 
 def step_metrics(
@@ -272,9 +248,3 @@ def mean_entropy(ctx: StepContext) -> float:
     """The policy's mean entropy per response token of this step (before its update)."""
     mask = ctx.packed.response_mask
     return float((ctx.entropy * mask).sum() / mask.sum().clamp(min=1))
-
-
-def view_of(pl_module: Any) -> PolicyModuleView | None:
-    """``pl_module`` as a :class:`PolicyModuleView` when it is one (callbacks that also work with other Lightning
-    modules do nothing of the policy kind otherwise), else None."""
-    return pl_module if isinstance(pl_module, PolicyModuleView) else None

@@ -83,7 +83,7 @@ def test_budget_schedule_counts_applied_updates_only() -> None:
     assert [h["effective_budget"] for h in kl.history] == pytest.approx([schedule(1), schedule(2), schedule(3)])
     rejected = PredictedKLControl(schedule)
     module, _ = _run([rejected], guard=DivergenceGuard(max_update_ratio=1e-12, max_consecutive=10))
-    assert module.rejections.total == 3 and module.sketcher.num_applied == 0
+    assert module.rejections.total == 3 and module.method.sketcher.num_applied == 0
     assert [h["effective_budget"] for h in rejected.history] == pytest.approx([schedule(1)] * 3)
 
 
@@ -174,8 +174,8 @@ def test_nan_prediction_skips_update() -> None:
 
     module, _ = _run([poison, kl, Snapshot()])
     assert kl.skipped == 1
-    assert module.sketcher.num_skipped == 1 and module.sketcher.num_applied == 2
-    assert "predicted KL is nan" in module.sketcher.last_skip_reason
+    assert module.method.sketcher.num_skipped == 1 and module.method.sketcher.num_applied == 2
+    assert "predicted KL is nan" in module.method.sketcher.last_skip_reason
     assert all(torch.equal(weights_seen[1][k], poison.before[k]) for k in poison.before)  # bit-identical
 
 
@@ -197,7 +197,7 @@ def test_dense_params_in_a_trainer_run() -> None:
     kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True)
     logra = LoGRAConfig(rank=16, update_ratio=1e-2, dense_params=("*norm.weight",), dense_lr=1e-3)
     module, _ = _run([kl], logra=logra)
-    assert module.sketcher.num_applied == 3 and len(module.sketcher.dense) == 5
+    assert module.method.sketcher.num_applied == 3 and len(module.method.sketcher.dense) == 5
     trainer_state, engine_state = module.policy.state_dict(), module.engine.model.state_dict()
     assert all(torch.equal(trainer_state[k], engine_state[k]) for k in engine_state)
     assert not torch.equal(trainer_state["model.norm.weight"], torch.ones_like(trainer_state["model.norm.weight"]))

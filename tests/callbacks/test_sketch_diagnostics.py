@@ -34,9 +34,9 @@ class Snapshot(pl.Callback):
         self.update_index = -1
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if pl_module.sketcher.update_index + 1 == self.at:
+        if pl_module.method.sketcher.update_index + 1 == self.at:
             self.weights = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
-            self.update_index = pl_module.sketcher.update_index
+            self.update_index = pl_module.method.sketcher.update_index
 
 
 def _run(callbacks, root, logger=False, optimizer: str = "logra", steps: int = UPDATES):
@@ -176,10 +176,10 @@ def test_run_logs_draws_and_trains_bit_identically(diagnosed, tmp_path) -> None:
     plain, _ = _run([], tmp_path)
     a, b = module.policy.state_dict(), plain.policy.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert module.sketcher.update_index == plain.sketcher.update_index == UPDATES
-    for name, stats in module.sketcher.row_stats.items():
+    assert module.method.sketcher.update_index == plain.sketcher.update_index == UPDATES
+    for name, stats in module.method.sketcher.row_stats.items():
         assert torch.equal(stats, plain.sketcher.row_stats[name])
-    for name, m in module.sketcher.matrices.items():
+    for name, m in module.method.sketcher.matrices.items():
         assert torch.equal(m.sketch, plain.sketcher.matrices[name].sketch)
 
     # A measurement by hand leaves everything as it found it: weights, sketches, hooks, flags, .grad, the RNG.
@@ -188,7 +188,7 @@ def test_run_logs_draws_and_trains_bit_identically(diagnosed, tmp_path) -> None:
     assert len(values) == 14 and all(0 < v.recon_cosine <= 1 and 0 < v.captured_energy <= 1 for v in values.values())
     assert torch.equal(rng, torch.get_rng_state())
     assert all(torch.equal(v, weights[k]) for k, v in module.policy.state_dict().items())
-    for m in module.sketcher.matrices.values():
+    for m in module.method.sketcher.matrices.values():
         assert m.handle is not None and m.handle.id in m.module._forward_hooks
         assert not m.module.weight.requires_grad and m.module.weight.grad is None
         assert not m.sketch.any()  # zeroed after the last update, and still zero

@@ -51,7 +51,7 @@ def test_policy_sync_modes_keep_engine_equal(tmp_path, mode: str) -> None:
     sync = PolicySync(mode=mode, verify_every=1, tolerance=1e-5, probe_lengths=[20, 140], probe_new_tokens=3)
     metrics = Metrics()
     _fit(module, sync, 3, tmp_path, [metrics])
-    assert module.sync_owner is None  # released at teardown
+    assert module.link.owner is None  # released at teardown
     for (name, a), b in zip(module.policy.state_dict().items(), module.engine.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert [len(p) for p in sync.probe] == [20, 140]
@@ -209,5 +209,5 @@ def test_hadamard_refreshed_every_3_updates_keeps_engine_equal(tmp_path) -> None
     assert not torch.equal(module.policy.state_dict()[f"{name}.weight"], start)
     assert [s[:2] for s in seen] == [(u, 3) for u in range(5)]
     assert [s[2] for s in seen] == [projection_seed(0, index, name) for index in (0, 0, 0, 3, 3)]
-    assert module.sketcher.matrices[name].d_in == 384
+    assert module.method.sketcher.matrices[name].d_in == 384
     assert sync.full_resyncs == 0 and all(row["sync/max_logprob_diff"] <= 1e-5 for row in metrics.rows)

@@ -114,10 +114,12 @@ def test_short_names_dotted_paths_and_checkpoint_kinds() -> None:
     assert type(resolve_method("logra_pl.methods.DenseAdamW")) is DenseAdamW
     mine = DenseAdamW()
     assert resolve_method(mine) is mine
-    with pytest.raises(ConfigError, match="unknown update method 'sgd'"):
-        resolve_method("sgd")
-    with pytest.raises(ConfigError, match="unknown optimizer"):
-        resolve_method(None, "sgd")
+    with pytest.raises(ConfigError, match=r"unknown model\.method 'nope': use one of 'adamw', 'logra', 'lora'"):
+        resolve_method("nope")
+    with pytest.raises(ConfigError, match="unknown optimizer 'nope'"):
+        resolve_method(None, "nope")
+    with pytest.raises(ConfigError, match=r"model\.method logra_pl\.methods\.AdamWConfig is not an update method"):
+        resolve_method("logra_pl.methods.AdamWConfig")
     assert checkpoint_kind({"logra_pl": {"optimizer": "lora"}}) == "lora"
     assert checkpoint_kind({"optimizer_states": [{"logra": {}}]}) == "logra"  # before the kind was recorded
     assert checkpoint_kind({"optimizer_states": [{"param_groups": []}]}) == "adamw"

@@ -16,7 +16,8 @@ from logra_pl.rewards.failures import Failure, FailurePolicy, Scores, verifier_l
 from logra_pl.rollout.base import Rollout
 from logra_pl.train.backward import backward_over, update_totals
 from logra_pl.train.metrics import MacroMean
-from logra_pl.train.step import assemble_step, score_tensors, scored_advantages, step_metrics
+from logra_pl.train.sampler import score_tensors
+from logra_pl.train.step import assemble_step, scored_advantages, step_metrics
 from logra_pl.train.validation import ValidationMetrics
 
 TRACE = 'Traceback (most recent call last):\n  File "mine.py", line 3, in __call__\nValueError: boom'

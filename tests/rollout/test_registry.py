@@ -13,24 +13,14 @@ from jsonargparse import ArgumentParser
 from logra_pl.errors import ConfigError
 from logra_pl.models.load import load_policy
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-from logra_pl.rollout.base import RolloutEngine, StaleableEngine, SyncReport
+from logra_pl.rollout.base import BuilderSpec, EngineRequest, EngineSpec, RolloutEngine, StaleableEngine, SyncReport
 from logra_pl.rollout.hf import HFEngine, HFSettings
-from logra_pl.rollout.registry import (
-    ENGINES,
-    BuilderSpec,
-    EngineRequest,
-    EngineSpec,
-    build_engine,
-    build_hf_engine,
-    engine_name,
-    engine_spec,
-    max_training_processes,
-    register_engine,
-    resolve_engine,
-)
+from logra_pl.rollout.registry import build_engine, engine_name, engine_spec, max_training_processes, register_engine
 from logra_pl.rollout.remote import RemoteSettings
 from logra_pl.rollout.vllm import VLLMSettings
 from logra_pl.sketch import LoGRAConfig
+
+ENGINES = EngineSpec.registry.names  # every short name of model.engine
 
 
 class CountingEngine:
@@ -63,7 +53,7 @@ class CountingEngine:
 
 
 def build_counting(request: EngineRequest) -> CountingEngine:
-    return CountingEngine(build_hf_engine(request))
+    return CountingEngine(HFSettings().build(request))
 
 
 def test_a_users_engine_by_dotted_path(tmp_path: Path, rl_run) -> None:
@@ -91,10 +81,10 @@ def test_a_users_engine_by_dotted_path(tmp_path: Path, rl_run) -> None:
 
 
 def test_unknown_engine_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"unknown model\.engine 'nope'"):
-        resolve_engine("nope")
+    with pytest.raises(ConfigError, match=r"unknown model\.engine 'nope': use one of 'hf', 'remote', 'vllm'"):
+        engine_spec("nope")
     with pytest.raises(ConfigError, match="cannot import it"):
-        resolve_engine("no_such_package.build")
+        engine_spec("no_such_package.build")
     assert {"hf", "vllm"} <= set(ENGINES)
 
 
@@ -124,7 +114,7 @@ class EchoSpec(EngineSpec):
 
 
 def build_limited(request: EngineRequest) -> RolloutEngine:
-    return build_hf_engine(request)
+    return HFSettings().build(request)
 
 
 build_limited.max_training_processes = 2
@@ -132,13 +122,13 @@ build_limited.max_training_processes = 2
 
 def test_specs_builders_and_registered_names_build_engines() -> None:
     model, tokenizer = load_policy("tiny")
-    request = EngineRequest("tiny", model, tokenizer, [1], rollout=RolloutSettings(max_batch=8))
+    request = EngineRequest("tiny", model, tokenizer, [1], max_batch=8)
     assert build_engine("hf", request).max_batch == 8  # the module's rollout settings reach the engine
     assert build_engine(EchoSpec(batch=3), request).max_batch == 3  # the spec's own settings
     name = f"{__name__}.build_limited"
     try:
         spec = engine_spec(name)
-        assert isinstance(spec, BuilderSpec) and spec.max_training_processes == 2 and name in ENGINES
+        assert isinstance(spec, BuilderSpec) and spec.max_training_processes == 2
         assert isinstance(build_engine(name, request), HFEngine)
         register_engine("echo", EchoSpec)
         assert engine_spec("echo") == EchoSpec() and max_training_processes("echo") is None
@@ -146,9 +136,7 @@ def test_specs_builders_and_registered_names_build_engines() -> None:
         ENGINES.pop(name, None)
         ENGINES.pop("echo", None)
     with pytest.raises(ConfigError, match="share_weights"):
-        RemoteSettings().build(
-            EngineRequest("tiny", model, tokenizer, [1], rollout=RolloutSettings(share_weights=True))
-        )
+        RemoteSettings().build(EngineRequest("tiny", model, tokenizer, [1], share_weights=True))
     with pytest.raises(ConfigError, match="one training process"):
         VLLMSettings().build(EngineRequest("tiny", model, tokenizer, [1], world_size=2))
 

@@ -527,7 +527,7 @@ def test_asynchronous_rollouts_on_a_served_engine_killed_and_restarted(server: S
         for i, lp in enumerate(r.logprobs):
             got[i, : len(lp)] = torch.tensor(lp)
         assert float((got - expected).abs().max()) <= TOL, b
-    names = [f"{n}.weight" for n in module.sketcher.sketches()]
+    names = [f"{n}.weight" for n in module.method.sketcher.sketches()]
     assert module.engine.weights_digest(names) == _digests(module.policy.state_dict(), names)
     module.engine.close()
 

@@ -89,7 +89,7 @@ def run_fit(out: Path) -> None:
             prompts = fixed_prompts(pl_module.tokenizer)
             r = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=8))
             report["prompts"], report["responses"], report["logprobs"] = prompts, r.response_ids, r.logprobs
-            names = [f"{n}.weight" for n in pl_module.sketcher.sketches()]
+            names = [f"{n}.weight" for n in pl_module.method.sketcher.sketches()]
             got = engine.get_weights(names)
             state = pl_module.policy.state_dict()
             report["bitwise_equal"] = {n: bool(torch.equal(got[n], state[n])) for n in names}
@@ -183,7 +183,7 @@ def run_hadamard(out: Path) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             assert isinstance(pl_module.engine, VLLMEngine)
             payload = pl_module.optimizers().optimizer.last_payload
-            names = [f"{n}.weight" for n in pl_module.sketcher.sketches()]
+            names = [f"{n}.weight" for n in pl_module.method.sketcher.sketches()]
             got = pl_module.engine.get_weights(names)
             state = pl_module.policy.state_dict()
             m = pl_module.step_context.metrics
@@ -192,10 +192,10 @@ def run_hadamard(out: Path) -> None:
                     "update_index": payload.update_index,
                     "distribution": payload.distribution,
                     "refresh_every": payload.refresh_every,
-                    "moment_dtype": str(pl_module.sketcher.moments[name].dtype),
-                    "moment_age": pl_module.sketcher.moment_age,
+                    "moment_dtype": str(pl_module.method.sketcher.moments[name].dtype),
+                    "moment_age": pl_module.method.sketcher.moment_age,
                     "seed": payload.seed(name),
-                    "d_in": pl_module.sketcher.matrices[name].d_in,
+                    "d_in": pl_module.method.sketcher.matrices[name].d_in,
                     "bitwise_equal": all(torch.equal(got[n], state[n]) for n in names),
                     **{k: float(v) for k, v in m.items() if k.startswith("sync/")},
                 }

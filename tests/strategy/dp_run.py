@@ -62,7 +62,7 @@ class Snapshot(pl.Callback):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         # Copies: on one CPU rank the "gathered" state holds the live parameters, which later merges change in place.
         state = {k: v.clone() for k, v in get_model_state_dict(pl_module.policy, options=options).items()}
-        sketcher = pl_module.sketcher
+        sketcher = pl_module.method.sketcher
         self.taken = {
             "policy": state,
             "engine": {k: v.clone() for k, v in pl_module.engine.model.state_dict().items()},
@@ -167,17 +167,17 @@ def main() -> None:
         torch.save(
             {
                 "policy": state,
-                "logra": module.sketcher.state_dict() if module.sketcher is not None else None,
+                "logra": module.method.sketcher.state_dict() if module.method.sketcher is not None else None,
                 "rows": sorted(r for part in rows for r in part),
                 "padded": padded,
                 "engine": module.engine.model.state_dict(),
                 "stats": trainer.strategy.stats,
                 "layer_forwards": counter.calls,
-                "sketch_dtypes": sorted({str(s.dtype) for s in module.sketcher.sketches().values()})
-                if module.sketcher is not None
+                "sketch_dtypes": sorted({str(s.dtype) for s in module.method.sketcher.sketches().values()})
+                if module.method.sketcher is not None
                 else [],
                 "persistent_bytes": memory_report(
-                    module.policy, optimizer=module.optimizers().optimizer, sketcher=module.sketcher
+                    module.policy, optimizer=module.optimizers().optimizer, sketcher=module.method.sketcher
                 ).persistent,
                 "kl": kl.history if kl is not None else None,
                 "reference": None

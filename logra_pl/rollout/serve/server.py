@@ -163,7 +163,7 @@ def is_loopback(host: str) -> bool:
 def served_model_folder(source: str, dtype: str) -> Path:
     """A safetensors folder of ``source`` that vLLM can read (written once to the cache when needed)."""
     from logra_pl.models.load import load_policy, resolve_source
-    from logra_pl.rollout.registry import engine_model_folder
+    from logra_pl.rollout.vllm import engine_model_folder
 
     resolved = resolve_source(source)
     return engine_model_folder(source, resolved, dtype, lambda: load_policy(source, dtype=getattr(torch, dtype)))

@@ -1,0 +1,54 @@
+"""``PolicyModuleView``: what the callbacks read from a policy module — the whole contract.
+
+:class:`~logra_pl.module.LoGRAPolicyModule` meets it; so can a LightningModule of your own, and then every callback
+of :mod:`logra_pl.callbacks` works with it. It is made of objects that each do their own job, not of methods on the
+module: the update method (what it trains, its sketches, its step control), the engine link (the engine, syncs, the
+order of engine calls), the sampler (prompts in, responses out) and the trainer's passes (log-probs before an update).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from logra_pl.train.step import StepContext
+
+
+@runtime_checkable
+class PolicyModuleView(Protocol):
+    """What callbacks read from the policy module — the whole contract.
+
+    Attributes:
+        policy: the trained causal LM.
+        tokenizer: its tokenizer.
+        method: the :class:`~logra_pl.methods.UpdateMethod` (``trained_tensors(policy)``, ``full_state(policy)``,
+            ``sketcher``, ``ships_factors``, ``makes_proposals``, ``keeps_sketches``; for step controllers
+            ``logit_tangent``, ``applied_updates``, ``applied``).
+        targets: the trained matrices (last name parts).
+        step_context: the current step's :class:`~logra_pl.train.step.StepContext`, or None.
+        rollout_settings: the run's :class:`~logra_pl.train.settings.RolloutSettings`.
+        policy_source: where the policy came from (``model.policy``).
+        dtype_name: the policy's parameter dtype (``float32``...).
+        link: the :class:`~logra_pl.train.engine_link.EngineLink` (``engine``; ``sync``, ``send`` and ``submit``:
+            engine calls in order with every other, on the asynchronous worker when rollouts are sampled ahead;
+            ``attach``: a callback that sends each update itself), or None before ``configure_model``.
+        sampler: the :class:`~logra_pl.train.sampler.Sampler` (``encode``, ``generate``), or None before it.
+        passes: the :class:`~logra_pl.train.passes.TrainerPasses` (``logprobs``), or None before it.
+    """
+
+    policy: Any
+    tokenizer: Any
+    method: Any
+    targets: tuple[str, ...]
+    step_context: StepContext | None
+    rollout_settings: Any
+    policy_source: str
+    dtype_name: str
+    link: Any
+    sampler: Any
+    passes: Any
+
+
+def view_of(pl_module: Any) -> PolicyModuleView | None:
+    """``pl_module`` as a :class:`PolicyModuleView` when it is one (callbacks that also work with other Lightning
+    modules do nothing of the policy kind otherwise), else None."""
+    return pl_module if isinstance(pl_module, PolicyModuleView) else None
