@@ -46,14 +46,12 @@ plots: pass@1 vs rank, reconstruction cosine vs rank with the √(r/d_in) refere
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -61,24 +59,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-ROOT = Path(__file__).resolve().parents[1]
-BASE = "configs/tiny_cpu.yaml"
-ABL = "configs/ablations"
-SCALARS = (
-    "train/reward_mean",
-    "val/pass@1",
-    "val/tune/pass@1",
-    "val/report/pass@1",
-    "kl/realized",
-    "kl/predicted_scaled",
-    "kl/effective_budget",
-    "kl/alpha",
-    "logra/recon_cosine",
-    "logra/captured_energy",
+from grid import (
+    BASE,
+    BASELINE_EXTRA,
+    COSTS,
+    ROOT,
+    VALIDATIONS,
+    aggregate,
+    delegate,
+    logra_pl_command,
+    pm,
+    read_scalars,
+    recorded_args,
+    rolling_mean,
+    run_one,
+    settings_key,
+    summarize_run,
 )
+
+ABL = "configs/ablations"
 
 
 @dataclass(frozen=True)
@@ -149,10 +148,6 @@ QUICK_ARGS = (
 # Grids of benchmarks/parity.py (the fair LoGRA vs tuned AdamW protocol; `levers` = `parity --stage levers`).
 PARITY_GRIDS = ("parity", "levers")
 DEFAULT_SEEDS = {"default": [0, 1, 2], "quick": [0, 1], "demo": [0, 1, 2, 3, 4]}
-VALIDATIONS = 4  # validations per run (the last one at the final update)
-# Seconds on this project's 2-core CPU with one thread per run and two runs at a time (measured with this harness):
-# process start-up and model build, one validation of 256 problems, and one update per optimizer (64 prompts).
-COSTS = {"startup": 25.0, "validation": 6.0, "logra": 0.32, "adamw": 0.22, "lora": 0.26}
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -206,92 +201,8 @@ def run_args(
     return args + [a for a in extra if cell.optimizer == "logra" or not a.startswith("--model.logra.")]
 
 
-def _settings_key(args: Sequence[str]) -> str:
-    """What a finished run is matched on when resuming: its arguments, minus where it writes."""
-    kept = [a for a in args if not a.startswith("--trainer.logger.init_args.save_dir")]
-    return hashlib.sha256("\0".join(kept).encode()).hexdigest()[:16]
-
-
-def recorded_args(args: Sequence[str]) -> list[str]:
-    """A run's arguments as its ``result.json`` keeps them: paths under the checkout relative to it (``./results/…``),
-    so committed results name no machine's folders (the settings key ignores where a run writes)."""
-    root = str(ROOT)
-    return [a.replace(f"={root}/", "=./").replace(root, ".") for a in args]
-
-
-def _logra_pl() -> list[str]:
-    return [sys.executable, "-c", "from logra_pl.cli import main; main()"]
-
-
 # ------------------------------------------------------------------------------------------------ reading runs
-def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the TensorBoard event files under ``folder``, as ``tag -> [(step, value)]`` sorted by step."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    found: dict[str, dict[int, float]] = {}
-    for events in sorted(folder.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "images": 1, "tensors": 1})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            for ev in acc.Scalars(tag):
-                found.setdefault(tag, {})[int(ev.step)] = float(ev.value)
-    return {tag: sorted(points.items()) for tag, points in found.items()}
-
-
-def _mean(values: Sequence[float]) -> float:
-    return statistics.fmean(values) if values else float("nan")
-
-
-def summarize_run(scalars: dict[str, list[tuple[int, float]]], val0: float, wall_s: float) -> dict:
-    """One run's numbers: final val pass@1 and its change from the start, reward gain, recon cosine, KL."""
-    rewards = [v for _, v in scalars.get("train/reward_mean", [])]
-    n = len(rewards)
-    window = max(10, n // 10) if n >= 20 else max(1, n // 2)  # short (smoke) runs: halves
-    gain = _mean(rewards[-window:]) - _mean(rewards[:window]) if n >= 2 * window else float("nan")
-    val = scalars.get("val/pass@1", [])
-    realized = [v for _, v in scalars.get("kl/realized", [])]
-    budget = dict(scalars.get("kl/effective_budget", []))
-    realized_steps = dict(scalars.get("kl/realized", []))
-    paired = [(realized_steps[s], budget[s]) for s in realized_steps if s in budget]
-    recon = [v for _, v in scalars.get("logra/recon_cosine", [])]
-    energy = [v for _, v in scalars.get("logra/captured_energy", [])]
-    return {
-        "updates": n,
-        "wall_s": wall_s,
-        "reward_first": _mean(rewards[:window]),
-        "reward_last": _mean(rewards[-window:]),
-        "reward_gain": gain,
-        "reward_window": window,
-        "val_start": val0,
-        "val_final": val[-1][1] if val else float("nan"),
-        "val_gain": (val[-1][1] - val0) if val else float("nan"),
-        "recon_cosine": _mean(recon),
-        "captured_energy": _mean(energy),
-        "kl_realized": _mean(realized),
-        "kl_realized_over_budget": (_mean([r for r, _ in paired]) / _mean([b for _, b in paired])) if paired else None,
-        "curves": {tag: scalars[tag] for tag in SCALARS if tag in scalars},
-    }
-
-
 # ------------------------------------------------------------------------------------------------ running
-def _run_one(cmd: list[str], folder: Path, threads: int, log_name: str = "run.log") -> float:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    folder.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with open(folder / log_name, "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = (folder / log_name).read_text().splitlines()[-15:]
-        raise RuntimeError(f"run in {folder} failed (exit {proc.returncode}); last lines:\n" + "\n".join(tail))
-    return wall
-
-
-# ``--extra`` overrides that change what the baseline validation sees (the policy before any update, the problems).
-BASELINE_EXTRA = ("--model.policy", "--model.warm_start", "--model.rollout.val", "--model.answer_format", "--data.")
-
-
 def baseline(grid: str, out: Path, threads: int, extra: Sequence[str] = ()) -> float:
     """Greedy val pass@1 of the warm-started policy (no update), once per grid; cached in ``<out>/baseline.json``.
 
@@ -303,12 +214,12 @@ def baseline(grid: str, out: Path, threads: int, extra: Sequence[str] = ()) -> f
     if grid == "quick":
         args += [a for a in QUICK_ARGS if not a.startswith("--data.prompts") and "microbatch" not in a]
     args += [a for a in extra if a.startswith(BASELINE_EXTRA)]
-    key = _settings_key(args)
+    key = settings_key(args)
     cached = out / "baseline.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
         return json.loads(cached.read_text())["val_pass1"]
     shutil.rmtree(out / "baseline", ignore_errors=True)
-    _run_one([*_logra_pl(), *args], out / "baseline", threads)
+    run_one([*logra_pl_command(), *args], out / "baseline", threads)
     points = read_scalars(out / "baseline").get("val/pass@1", [])
     if not points:
         raise RuntimeError(f"the baseline validation in {out / 'baseline'} logged no val/pass@1")
@@ -335,7 +246,7 @@ def run_grid(
         for seed in seeds:
             folder = out / cell.name / f"seed{seed}"
             args = run_args(grid, cell, seed, updates, folder, diagnostics_every, extra)
-            key = _settings_key(args)
+            key = settings_key(args)
             done = folder / "result.json"
             if done.exists() and json.loads(done.read_text()).get("key") == key:
                 results[(cell.name, seed)] = json.loads(done.read_text())
@@ -346,7 +257,7 @@ def run_grid(
     def work(item: tuple) -> tuple[tuple[str, int], dict]:
         cell, seed, folder, args, key = item
         shutil.rmtree(folder, ignore_errors=True)  # an unfinished run starts over
-        wall = _run_one([*_logra_pl(), *args], folder, threads)
+        wall = run_one([*logra_pl_command(), *args], folder, threads)
         result = {"key": key, "cell": cell.name, "seed": seed, "args": recorded_args(args)}
         result.update(summarize_run(read_scalars(folder / "tb"), val0, wall))
         (folder / "result.json").write_text(json.dumps(result))
@@ -382,48 +293,7 @@ def run_grid(
     return report
 
 
-AGGREGATED = (
-    "updates",
-    "wall_s",
-    "reward_first",
-    "reward_last",
-    "reward_gain",
-    "val_start",
-    "val_final",
-    "val_gain",
-    "recon_cosine",
-    "captured_energy",
-    "kl_realized",
-    "kl_realized_over_budget",
-)
-
-
-def aggregate(runs: Sequence[dict], keys: Sequence[str] = AGGREGATED) -> dict:
-    """Mean and sample std over seeds of each number of ``keys`` (None where no run has a finite one)."""
-    out = {}
-    for key in keys:
-        values = [r[key] for r in runs if r.get(key) is not None and math.isfinite(r[key])]
-        if not values:
-            out[key] = None
-            continue
-        out[key] = {
-            "mean": statistics.fmean(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values),
-            "max": max(values),
-            "n": len(values),
-        }
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ reporting
-def _pm(stat: dict | None, digits: int = 3, signed: bool = False) -> str:
-    if stat is None:
-        return "–"
-    sign = "+" if signed else ""
-    return f"{stat['mean']:{sign}.{digits}f} ± {stat['std']:.{digits}f}"
-
-
 def table(report: dict) -> str:
     """The markdown table: one row per cell, mean ± std over seeds."""
     n = len(report["seeds"])
@@ -436,8 +306,8 @@ def table(report: dict) -> str:
         s = cell["summary"]
         groups = "; ".join(f"{g}: {label}" for g, label in cell["groups"].items())
         lines.append(
-            f"| `{name}` | {groups} | {_pm(s['val_final'])} | {_pm(s['reward_gain'], signed=True)} | "
-            f"{_pm(s['recon_cosine'])} | {_pm(s['kl_realized_over_budget'], 2)} | {_pm(s['wall_s'], 0)} |"
+            f"| `{name}` | {groups} | {pm(s['val_final'])} | {pm(s['reward_gain'], signed=True)} | "
+            f"{pm(s['recon_cosine'])} | {pm(s['kl_realized_over_budget'], 2)} | {pm(s['wall_s'], 0)} |"
         )
     updates = report["updates"] or "the config's"
     lines.append("")
@@ -594,7 +464,7 @@ def plots(report: dict, out: Path) -> list[Path]:
             length = min(len(s) for s in series)
             if length == 0:
                 continue
-            smooth = [_rolling([v for _, v in s[:length]], max(1, length // 25)) for s in series]
+            smooth = [rolling_mean([v for _, v in s[:length]], max(1, length // 25)) for s in series]
             steps = [st for st, _ in series[0][:length]]
             mean = [statistics.fmean(col) for col in zip(*smooth, strict=True)]
             std = [statistics.pstdev(col) for col in zip(*smooth, strict=True)]
@@ -634,16 +504,6 @@ def plots(report: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=6, markerscale=3)
         save(fig, "kl_realized_vs_predicted.png")
     return written
-
-
-def _rolling(values: list[float], width: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= width:
-            acc -= values[i - width]
-        out.append(acc / min(i + 1, width))
-    return out
 
 
 def target_input_dims() -> list[int]:
@@ -700,14 +560,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--model.logra.update_ratio=0.01; --model.logra.* ones reach LoGRA runs only",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
-    sys.modules.setdefault("ablate", sys.modules[__name__])  # parity imports this module by name (also as __main__)
-    import parity
-
-    parity.add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.grid in PARITY_GRIDS:
-        parity.main(args)
-        return
+    args, unknown = parser.parse_known_args(argv)
+    if args.grid in PARITY_GRIDS:  # benchmarks/parity.py, with every argument as given
+        raise SystemExit(delegate("parity.py", sys.argv[1:] if argv is None else list(argv)))
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     grid = "quick" if args.quick else args.grid
     cells = GRIDS[grid]
     if args.cells:

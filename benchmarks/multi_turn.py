@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import ablate
-from ablate import ROOT
+import grid
+from grid import ROOT, logra_pl_command, read_scalars, recorded_args
 
 BASE = ("configs/tiny_cpu.yaml",)
 OVERLAY = "configs/overlays/calculator.yaml"
@@ -99,7 +99,7 @@ def served_engine(log_dir: Path):
 def run_one(engine: str, seed: int, updates: int, out: Path, threads: int) -> dict[str, Any]:
     """One run (reused when its ``result.json`` holds the same arguments)."""
     folder = out / engine / f"seed{seed}"
-    recorded = ablate.recorded_args(run_args(engine, seed, updates, folder, "<served>"))
+    recorded = recorded_args(run_args(engine, seed, updates, folder, "<served>"))
     done = folder / "result.json"
     if done.exists() and json.loads(done.read_text()).get("args") == recorded:
         print(f"  {engine} seed {seed}: finished earlier, reused", flush=True)
@@ -109,8 +109,8 @@ def run_one(engine: str, seed: int, updates: int, out: Path, threads: int) -> di
         if folder.exists():
             for path in sorted(folder.rglob("*"), reverse=True):  # an unfinished run starts over
                 path.unlink() if path.is_file() else path.rmdir()
-        wall = ablate._run_one([*ablate._logra_pl(), *run_args(engine, seed, updates, folder, url)], folder, threads)
-    result = {"engine": engine, "seed": seed, "args": recorded, **summarize(ablate.read_scalars(folder / "tb"), wall)}
+        wall = grid.run_one([*logra_pl_command(), *run_args(engine, seed, updates, folder, url)], folder, threads)
+    result = {"engine": engine, "seed": seed, "args": recorded, **summarize(read_scalars(folder / "tb"), wall)}
     done.write_text(json.dumps(result))
     print(
         f"  {engine} seed {seed}: {result['updates']} updates in {wall:.0f} s, reward {result['reward_mean_first']:.3f}"
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         r
         for path in sorted(args.out.glob("*/seed*/result.json"))
         if (r := json.loads(path.read_text()))["updates"] == args.updates
-        and r["args"] == ablate.recorded_args(run_args(r["engine"], r["seed"], args.updates, path.parent, "<served>"))
+        and r["args"] == recorded_args(run_args(r["engine"], r["seed"], args.updates, path.parent, "<served>"))
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k != "curves"} for r in results]

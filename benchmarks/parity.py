@@ -26,7 +26,7 @@ on, and is reported on fresh seeds. The protocol, on ``configs/tiny_cpu.yaml``:
    (equal to 1e-9) go to the higher mean reward gain, then to the smaller knob value (the more conservative
    step); a value with a failed run (e.g. the divergence guard stopped it) is never chosen.
 3. **Report.** The chosen value runs on 5 fresh seeds (2-6); the table gives mean ± std over them of the reward
-   gain (``ablate.summarize_run``: the last 10% of updates' mean train reward minus the first 10%'s), the final
+   gain (``grid.summarize_run``: the last 10% of updates' mean train reward minus the first 10%'s), the final
    report-split pass@1, the realized KL per update (the mean of ``kl/realized`` over updates), the training state
    (bytes held for training besides the weights, counted by MemoryMonitor before each optimizer step: gradients,
    optimizer moments, adapters and theirs, sketches, projections, row statistics; the peak over updates) and the
@@ -59,7 +59,6 @@ import math
 import os
 import shutil
 import statistics
-import sys
 import time
 import typing
 from collections.abc import Mapping, Sequence
@@ -68,9 +67,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ablate
 import yaml
-from ablate import BASE, COSTS, ROOT, VALIDATIONS
+from grid import (
+    BASE,
+    BASELINE_EXTRA,
+    COSTS,
+    ROOT,
+    VALIDATIONS,
+    aggregate,
+    logra_pl_command,
+    read_scalars,
+    recorded_args,
+    rolling_mean,
+    run_one,
+    summarize_run,
+)
+from grid import pm as grid_pm
+from grid import settings_key as args_key
 
 PAPER_OVERLAY = "configs/overlays/paper_logra.yaml"
 LEVERS_OVERLAY = "configs/overlays/logra_levers.yaml"
@@ -371,7 +384,7 @@ def _without_added_defaults(config: Any) -> Any:
 
 
 def settings_key(args: Sequence[str]) -> str:
-    """What a finished run is matched on: its arguments (``ablate._settings_key``) and the parsed content of every
+    """What a finished run is matched on: its arguments (``grid.settings_key``) and the parsed content of every
     YAML file they name, so that editing an overlay (logra_levers.yaml, once the levers are chosen) reruns the runs
     it changes, while a comment edit, or a key added later at its default (:data:`ADDED_AT_DEFAULT`), does not."""
     files = sorted(
@@ -383,7 +396,7 @@ def settings_key(args: Sequence[str]) -> str:
         for f in files
         if (ROOT / f).is_file()
     ]
-    return ablate._settings_key([*args, *content])
+    return args_key([*args, *content])
 
 
 def _slug(model: str) -> str:
@@ -519,8 +532,8 @@ def training_state_bytes(scalars: Mapping[str, list[tuple[int, float]]]) -> floa
 
 
 def summarize(scalars: dict[str, list[tuple[int, float]]], val0: Mapping[str, float], wall_s: float) -> dict:
-    """One parity run's numbers: ``ablate.summarize_run``'s, the per-split pass@1, the tuning score, the state."""
-    out = ablate.summarize_run(scalars, val0.get("all", float("nan")), wall_s)
+    """One parity run's numbers: ``grid.summarize_run``'s, the per-split pass@1, the tuning score, the state."""
+    out = summarize_run(scalars, val0.get("all", float("nan")), wall_s)
     out.update(
         tune_score=tune_score(scalars),
         tune_final=_last(scalars, "val/tune/pass@1"),
@@ -543,7 +556,7 @@ def failed_result(spec: RunSpec, error: str, wall_s: float) -> dict:
         "key": spec.key,
         "cell": spec.cell,
         "seed": spec.seed,
-        "args": ablate.recorded_args(spec.args),
+        "args": recorded_args(spec.args),
         "failed": True,
         "error": error[-2000:],
         "wall_s": wall_s,
@@ -670,7 +683,7 @@ def widen(plan: Plan, out: Path, run: typing.Callable[[list[RunSpec]], None] | N
 
 # ------------------------------------------------------------------------------------------------ running
 def estimate_s(runs: Sequence[RunSpec], model: str, updates: int, jobs: int) -> float:
-    """Estimated wall seconds of ``runs``, ``jobs`` at a time (``ablate.COSTS``, scaled for the model)."""
+    """Estimated wall seconds of ``runs``, ``jobs`` at a time (``grid.COSTS``, scaled for the model)."""
     scale = MODEL_COST.get(model, max(MODEL_COST.values()))
     total = 0.0
     for spec in runs:
@@ -687,14 +700,14 @@ def parity_baseline(plan: Plan, out: Path, threads: int) -> dict[str, float]:
     args.append(f"--data.eval_tune_fraction={TUNE_FRACTION}")
     args += [f"--trainer.logger.init_args.save_dir={out / 'baseline'}", "--trainer.logger.init_args.name=tb"]
     args += ["--trainer.logger.init_args.version=0", "--trainer.enable_progress_bar=false"]
-    args += [a for a in plan.extra if a.startswith(ablate.BASELINE_EXTRA)]
+    args += [a for a in plan.extra if a.startswith(BASELINE_EXTRA)]
     key = settings_key(args)
     cached = out / "baseline.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
         return json.loads(cached.read_text())["val"]
     shutil.rmtree(out / "baseline", ignore_errors=True)
-    ablate._run_one([*ablate._logra_pl(), *args], out / "baseline", threads)
-    scalars = ablate.read_scalars(out / "baseline")
+    run_one([*logra_pl_command(), *args], out / "baseline", threads)
+    scalars = read_scalars(out / "baseline")
     val = {
         name: points[-1][1]
         for name, tag in (("all", "val/pass@1"), ("tune", "val/tune/pass@1"), ("report", "val/report/pass@1"))
@@ -739,13 +752,13 @@ def execute(
         shutil.rmtree(folder, ignore_errors=True)  # an unfinished run starts over
         start = time.perf_counter()
         try:
-            wall = ablate._run_one([*ablate._logra_pl(), *spec.args], folder, threads)
+            wall = run_one([*logra_pl_command(), *spec.args], folder, threads)
         except RuntimeError as err:
             (folder / "result.json").write_text(json.dumps(failed_result(spec, str(err), time.perf_counter() - start)))
             print(f"  {spec.cell} seed {spec.seed}: FAILED (kept as failed; --retry-failed reruns it)\n{err}")
             return
-        result = {"key": spec.key, "cell": spec.cell, "seed": spec.seed, "args": ablate.recorded_args(spec.args)}
-        result.update(summarize(ablate.read_scalars(folder / "tb"), val0, wall))
+        result = {"key": spec.key, "cell": spec.cell, "seed": spec.seed, "args": recorded_args(spec.args)}
+        result.update(summarize(read_scalars(folder / "tb"), val0, wall))
         (folder / "result.json").write_text(json.dumps(result))
         final = math.nan if result["report_final"] is None else result["report_final"]
         print(
@@ -809,7 +822,7 @@ def collect(plan: Plan, out: Path, found: Mapping[str, Choice], levers: Sequence
             ok = [r for r in done if not r.get("failed")]
             entry["failed"] = len(done) - len(ok)
             if ok and len(done) == len(runs):
-                entry["summary"] = ablate.aggregate(ok, SUMMARY_KEYS)
+                entry["summary"] = aggregate(ok, SUMMARY_KEYS)
         report["methods"][name] = entry
     paper = found.get("paper_logra")
     for spec in plan.lever_runs(paper, levers):
@@ -820,7 +833,7 @@ def collect(plan: Plan, out: Path, found: Mapping[str, Choice], levers: Sequence
     for lever in report["levers"].values():
         ok = [r for r in lever["runs"].values() if not r.get("failed")]
         complete = len(lever["runs"]) == len(plan.tune_seeds) and len(ok) == len(plan.tune_seeds)
-        lever["summary"] = ablate.aggregate(ok, (*SUMMARY_KEYS, "tune_score")) if complete else None
+        lever["summary"] = aggregate(ok, (*SUMMARY_KEYS, "tune_score")) if complete else None
         lever["failed"] = len(lever["runs"]) - len(ok)
     return report
 
@@ -846,7 +859,7 @@ def _pm(stat: dict | None, digits: int = 3, signed: bool = False, sci: bool = Fa
         return "—"
     if sci:
         return f"{stat['mean']:.2e} ± {stat['std']:.1e}"
-    return ablate._pm(stat, digits, signed)
+    return grid_pm(stat, digits, signed)
 
 
 def report_table(report: dict) -> str:
@@ -1063,7 +1076,7 @@ def _series(runs: Mapping[str, dict], tag: str) -> tuple[list[int], list[float],
     if not series:
         return None
     length = min(len(s) for s in series)
-    smooth = [ablate._rolling([v for _, v in s[:length]], max(1, length // 25)) for s in series]
+    smooth = [rolling_mean([v for _, v in s[:length]], max(1, length // 25)) for s in series]
     steps = [st for st, _ in series[0][:length]]
     mean = [statistics.fmean(col) for col in zip(*smooth, strict=True)]
     std = [statistics.pstdev(col) for col in zip(*smooth, strict=True)]
@@ -1243,7 +1256,7 @@ def describe(plan: Plan, stage: str, levers: Sequence[str], tune: Sequence[RunSp
         )
     scale = MODEL_COST.get(plan.model, max(MODEL_COST.values()))
     lines.append(
-        f"  total estimated {(est_tune + est_report + est_levers) / 60:.0f} min, finished runs included (ablate.COSTS,"
+        f"  total estimated {(est_tune + est_report + est_levers) / 60:.0f} min, finished runs included (grid.COSTS,"
         f" measured on tiny; x{scale} per update for {plan.model}; the KL measurement of AdamW/LoRA runs estimated)"
     )
     lines.append(
@@ -1286,8 +1299,10 @@ def dry_run(
         print(f"[{example.stage}] {where}: waits for {name}'s tuning ({found[name].reason}); e.g. logra-pl {text}")
 
 
-def main(args: argparse.Namespace) -> None:
-    """``ablate.py --grid parity|levers``: plan, print the estimate, run the stages, write the report."""
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python benchmarks/parity.py`` (or ``ablate.py --grid parity|levers``): plan, print the estimate, run the
+    stages, write the report."""
+    args = parser().parse_args(argv)
     plan, stage, levers = make_plan(args)
     out = plan.out
     if args.widen:  # the grids as far as finished runs already widened them
@@ -1349,29 +1364,42 @@ def main(args: argparse.Namespace) -> None:
     print((out / "results.md").read_text())
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The parity grid's own options (ablate.py's parser)."""
-    group = parser.add_argument_group("--grid parity / levers")
-    group.add_argument("--model", default="tiny", help="model.policy of every run: tiny (default) | tiny:small")
-    group.add_argument("--stage", choices=("tune", "report", "all", "levers"), default="all")
-    group.add_argument("--methods", nargs="+", default=None, help=f"only these of {list(METHODS)}")
-    group.add_argument("--levers", nargs="+", default=None, help=f"only these of {list(LEVERS)} (--stage levers)")
-    group.add_argument("--values", type=int, default=None, help="knob values per method (nearest the default)")
-    group.add_argument("--tune-seeds", type=int, nargs="+", default=None, help="default: 0 1")
-    group.add_argument("--report-seeds", type=int, nargs="+", default=None, help="default: 2 3 4 5 6")
-    group.add_argument(
+def parser() -> argparse.ArgumentParser:
+    """The parity grid's options (``ablate.py --grid parity`` passes every argument on)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--grid", choices=("parity", "levers"), default="parity", help="levers = --stage levers")
+    parser.add_argument("--updates", type=int, default=None, help="updates per run (default: the model's protocol)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cpu_count/jobs threads")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/parity/<model>")
+    parser.add_argument("--figures", type=Path, default=None, help="also copy the plots here")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
+    parser.add_argument("--model", default="tiny", help="model.policy of every run: tiny (default) | tiny:small")
+    parser.add_argument("--stage", choices=("tune", "report", "all", "levers"), default="all")
+    parser.add_argument("--methods", nargs="+", default=None, help=f"only these of {list(METHODS)}")
+    parser.add_argument("--levers", nargs="+", default=None, help=f"only these of {list(LEVERS)} (--stage levers)")
+    parser.add_argument("--values", type=int, default=None, help="knob values per method (nearest the default)")
+    parser.add_argument("--tune-seeds", type=int, nargs="+", default=None, help="default: 0 1")
+    parser.add_argument("--report-seeds", type=int, nargs="+", default=None, help="default: 2 3 4 5 6")
+    parser.add_argument(
         "--no-widen",
         dest="widen",
         action="store_false",
         help="keep each tuning grid as planned (default: follow a choice at a grid edge outward, widening())",
     )
-    group.add_argument("--retry-failed", action="store_true", help="rerun runs that failed (kept as failed)")
-    group.add_argument(
+    parser.add_argument("--retry-failed", action="store_true", help="rerun runs that failed (kept as failed)")
+    parser.add_argument(
         "--rerun-without-kl",
         action="store_true",
         help="rerun AdamW/LoRA runs that logged no kl/realized (finished before dense KL measurement existed)",
     )
+    parser.add_argument(
+        "--extra",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="logra-pl arguments added to every run (last on the command line, so they win)",
+    )
+    return parser
 
 
-if __name__ == "__main__":  # the entry point is ablate.py; this keeps `python benchmarks/parity.py` working too
-    sys.exit(ablate.main(["--grid", "parity", *sys.argv[1:]]))
+if __name__ == "__main__":
+    main()

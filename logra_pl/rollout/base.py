@@ -4,6 +4,8 @@ settings (:class:`EngineSpec`, given an :class:`EngineRequest`; the short names 
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +14,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 
 from logra_pl.config import Registry
-from logra_pl.errors import ConfigError
+from logra_pl.errors import ConfigError, PolicyDivergedError
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.payload import Payload
@@ -69,6 +71,27 @@ class Rollout:
     prompt_index: list[int]
     timings: dict[str, float] = field(default_factory=dict)
     response_masks: list[list[int]] | None = None
+
+    @classmethod
+    def sampled(
+        cls,
+        rows: list[list[int]],
+        index: list[int],
+        responses: list[list[int]],
+        logprobs: list[list[float]],
+        finish_reasons: list[FinishReason],
+        start: float,
+    ) -> Rollout:
+        """The rollout of one generate call, as every engine builds it: its rows (:func:`expand_prompts`), the
+        responses sampled for them with their log-probs and finish reasons, and the call's seconds since ``start``
+        (``time.perf_counter``). A non-finite log-prob of a sampled token means the weights are no longer finite:
+        :class:`~logra_pl.errors.PolicyDivergedError`."""
+        if not all(math.isfinite(lp) for row in logprobs for lp in row):
+            raise PolicyDivergedError(
+                "the engine reported non-finite log-probs for sampled tokens: the policy weights are no longer finite"
+            )
+        seconds = time.perf_counter() - start
+        return cls(rows, responses, logprobs, finish_reasons, index, timings={"generate_s": seconds})
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -171,14 +171,7 @@ class HFEngine:
             responses += r
             logprobs += lp
             reasons += fr
-        return Rollout(
-            prompt_ids=rows,
-            response_ids=responses,
-            logprobs=logprobs,
-            finish_reasons=reasons,
-            prompt_index=index,
-            timings={"generate_s": time.perf_counter() - start},
-        )
+        return Rollout.sampled(rows, index, responses, logprobs, reasons, start)
 
     def _generate_batch(
         self, rows: list[list[int]], sampling: SamplingConfig, gen: torch.Generator | list[torch.Generator]

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from logra_pl.rollout.base import SamplingConfig
+from logra_pl.sketch.targets import canonical_name
 
 API_VERSION = 1
 API_KEY_ENV = "LOGRA_PL_API_KEY"  # where both sides read the key of weight-changing requests by default
@@ -273,3 +274,10 @@ class ErrorAnswer(BaseModel):
 
     error: str
     version: str | None = None
+
+
+def checkpoint_key(key: str) -> str:
+    """A trainer state-dict key as it appears in a checkpoint, and on the wire of a full weight load (wrapper prefixes
+    such as activation checkpointing's and FSDP's stripped): the one name the trainer and every engine use."""
+    module, _, leaf = key.rpartition(".")
+    return f"{canonical_name(module)}.{leaf}" if module else key

@@ -71,6 +71,7 @@ from logra_pl.rollout.protocol import (  # re-exported: the API's names were def
     HealthInfo,
     WeightsPathRequest,
     bearer,
+    checkpoint_key,
     describe,
 )
 from logra_pl.rollout.versions import ExpectedVersions
@@ -393,14 +394,8 @@ class RemoteEngine:
         answers = [GenerateResponse.model_validate(a) for a in _results(jobs)]
         responses = [r for a in answers for r in a.responses]
         reasons: list[FinishReason] = ["stop" if r.finish_reason == "stop" else "length" for r in responses]
-        return Rollout(
-            prompt_ids=rows,
-            response_ids=[r.token_ids for r in responses],
-            logprobs=[r.logprobs for r in responses],
-            finish_reasons=reasons,
-            prompt_index=index,
-            timings={"generate_s": time.perf_counter() - start},
-        )
+        ids, logprobs = [r.token_ids for r in responses], [r.logprobs for r in responses]
+        return Rollout.sampled(rows, index, ids, logprobs, reasons, start)
 
     # ----------------------------------------------------------------------------------------- weights
     def _each_engine(self, send: Any) -> list[Any]:
@@ -443,12 +438,12 @@ class RemoteEngine:
         tensors only (a dense update's) must apply to the expected weights, like a payload. An engine that refuses
         or loses a transfer part-way is marked stale; the module's next check resends everything.
         """
-        from logra_pl.rollout.vllm_worker import _checkpoint_key, tensors_to_bytes
+        from logra_pl.rollout.vllm_worker import tensors_to_bytes
 
         prev, new = self.versions.next()
         served = set(next(iter(self.infos.values())).tensors)
-        names = [k for k in tensors if not served or _checkpoint_key(k) in served]
-        full = bool(served) and served <= {_checkpoint_key(k) for k in names}
+        names = [k for k in tensors if not served or checkpoint_key(k) in served]
+        full = bool(served) and served <= {checkpoint_key(k) for k in names}
         sizes = {k: _nbytes(tensors, k) for k in names}
         plan = _plan_chunks(sizes, int(self.settings.chunk_mib * 2**20))
         nbytes = sum(sizes.values())
@@ -458,7 +453,7 @@ class RemoteEngine:
         tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}") if folder is not None else None
         failed: set[str] = set()
         for index, keys in enumerate(plan):
-            chunk = {_checkpoint_key(k): tensors[k] for k in keys}  # gathered here, on every rank
+            chunk = {checkpoint_key(k): tensors[k] for k in keys}  # gathered here, on every rank
             if self.rank != 0:
                 continue
             if tmp is not None:

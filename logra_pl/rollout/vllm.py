@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import time
@@ -30,7 +29,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from logra_pl.config import register
-from logra_pl.errors import ConfigError, PolicyDivergedError, check_choice, check_int, check_range
+from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.rollout.base import (
     EngineRequest,
     EngineSpec,
@@ -326,21 +325,9 @@ def rollout_from_outputs(outputs: Sequence[Any], rows: list[list[int]], index: l
         seq = out.outputs[0]
         ids = list(seq.token_ids)
         responses.append(ids)
-        lps = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)]
-        if not all(math.isfinite(lp) for lp in lps):
-            raise PolicyDivergedError(
-                "vLLM reported non-finite log-probs for sampled tokens: the policy weights are no longer finite"
-            )
-        logprobs.append(lps)
+        logprobs.append([float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs or [], strict=True)])
         reasons.append("stop" if seq.finish_reason == "stop" else "length")
-    return Rollout(
-        prompt_ids=rows,
-        response_ids=responses,
-        logprobs=logprobs,
-        finish_reasons=reasons,
-        prompt_index=index,
-        timings={"generate_s": time.perf_counter() - start},
-    )
+    return Rollout.sampled(rows, index, responses, logprobs, reasons, start)
 
 
 def engine_model_folder(source: str, resolved: Any, dtype: str, load: Callable[[], tuple[Any, Any]]) -> Path:

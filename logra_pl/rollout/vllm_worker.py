@@ -33,9 +33,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
+from logra_pl.rollout.protocol import checkpoint_key
 from logra_pl.rollout.slices import EngineSlice, apply_payload_to_slices, column_parallel_slices, row_parallel_slice
 from logra_pl.sketch.payload import Payload, apply_payload
-from logra_pl.sketch.targets import canonical_name
 
 SYNC_MODES = ("auto", "inplace", "shadow")
 
@@ -174,7 +174,7 @@ class LoGRAWorkerExtension:
         vLLM's weights once, at :meth:`logra_reload` after the last chunk.
         """
         start = time.perf_counter()
-        tensors = {_checkpoint_key(k): v for k, v in st_load(data).items()}
+        tensors = {checkpoint_key(k): v for k, v in st_load(data).items()}
         if self._logra_mode == "shadow":
             tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
             unknown = [k for k in tensors if k not in self._logra_shadow and not (tied and k == "lm_head.weight")]
@@ -235,12 +235,6 @@ class LoGRAWorkerExtension:
         method = getattr(head, "quant_method", None)
         if getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False) and method is not None:
             method.process_weights_after_loading(head)
-
-
-def _checkpoint_key(key: str) -> str:
-    """A trainer state-dict key as it appears in the checkpoint (wrapper prefixes stripped)."""
-    module, _, leaf = key.rpartition(".")
-    return f"{canonical_name(module)}.{leaf}" if module else key
 
 
 def _read_checkpoint(folder: str) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import ablate  # noqa: E402
+import grid  # noqa: E402
 import parity  # noqa: E402
 
 MiB = 2**20
@@ -129,7 +129,7 @@ def test_knob_values_kept_nearest_the_default() -> None:
 def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ablate.main(["--grid", "parity", "--dry-run", "--out", str(tmp_path)])
+    parity.main(["--dry-run", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     assert "tune: 38 runs" in text and "report: 20 runs" in text and "total estimated" in text
     commands = [line for line in text.splitlines() if line.startswith("[tune] ")]
@@ -155,7 +155,7 @@ def test_dry_run_prints_every_command_with_its_knob_and_kl_measurement(
     assert len(waits) == 4 and all("waits for" in line and "<tuned " in line for line in waits)
     assert not list(tmp_path.iterdir())  # nothing ran, nothing was written
 
-    ablate.main(["--grid", "parity", "--model", "tiny:small", "--dry-run", "--out", str(tmp_path)])
+    parity.main(["--model", "tiny:small", "--dry-run", "--out", str(tmp_path)])
     small = capsys.readouterr().out
     assert "--model.policy=tiny:small" in small and "cut from the full protocol: 300 updates" in small
     # tiny:small's own warm-start lr reaches every run (and tiny's runs keep the config's).
@@ -175,7 +175,7 @@ def test_unknown_logra_keys_are_refused_by_name(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setitem(parity.LEVERS, "bogus", {"no_such_lever": 1})
     monkeypatch.setattr(parity, "parity_baseline", lambda *a: pytest.fail("a run started"))
     with pytest.raises(SystemExit, match="unknown key 'no_such_lever'"):
-        ablate.main(["--grid", "levers", "--levers", "bogus", "--out", str(tmp_path)])
+        parity.main(["--grid", "levers", "--levers", "bogus", "--out", str(tmp_path)])
 
 
 def test_report_ratios_goal_line_and_missing_kl(tmp_path: Path) -> None:
@@ -336,12 +336,12 @@ def test_a_budget_past_the_alpha_cap_is_reported_as_saturated_not_as_an_edge(tmp
 
 def test_results_record_paths_relative_to_the_checkout() -> None:
     """A committed result.json names no machine's folders, and its settings key does not depend on where it ran."""
-    args = [f"--trainer.logger.init_args.save_dir={ablate.ROOT}/results/parity/tiny/adamw/seed0", "--model.seed=0"]
+    args = [f"--trainer.logger.init_args.save_dir={grid.ROOT}/results/parity/tiny/adamw/seed0", "--model.seed=0"]
     relative = "--trainer.logger.init_args.save_dir=./results/parity/tiny/adamw/seed0"
-    assert ablate.recorded_args(args) == [relative, args[1]]
-    assert ablate._settings_key(args) == ablate._settings_key(ablate.recorded_args(args))
-    for done in (ablate.ROOT / "results").rglob("result.json"):
-        assert str(ablate.ROOT) not in done.read_text(), done
+    assert grid.recorded_args(args) == [relative, args[1]]
+    assert grid.settings_key(args) == grid.settings_key(grid.recorded_args(args))
+    for done in (grid.ROOT / "results").rglob("result.json"):
+        assert str(grid.ROOT) not in done.read_text(), done
         # whichever checkout wrote it: every path a run was given is relative (a run made in another checkout
         # than the one it wrote into once kept an absolute save_dir)
         for arg in json.loads(done.read_text()).get("args", []):
@@ -408,3 +408,23 @@ def test_widening_follows_an_edge_choice_outward_then_stops(tmp_path: Path) -> N
             result["curves"]["kl/alpha"] = [(s, 3.0 if s <= frac else 1.0) for s in range(1, 41)]
             (spec.folder(capped) / "result.json").write_text(json.dumps(result))
     assert parity.widen(plan, capped, run).widened == {}  # 90% capped: a larger budget is the same run
+
+
+def test_ablate_runs_the_parity_grid_as_its_own_harness(tmp_path: Path) -> None:
+    """``ablate.py --grid parity`` hands every argument to ``parity.py`` (the two share ``grid.py``, not imports)."""
+    import subprocess
+
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "ablate.py"),
+        "--grid",
+        "parity",
+        "--dry-run",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tune: 38 runs" in done.stdout and "report: 20 runs" in done.stdout
+    source = (ROOT / "benchmarks" / "ablate.py").read_text() + (ROOT / "benchmarks" / "parity.py").read_text()
+    assert "import parity" not in source and "import ablate" not in source

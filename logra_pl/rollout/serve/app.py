@@ -33,6 +33,7 @@ from logra_pl.rollout.protocol import (
     WeightsAnswer,
     WeightsPathRequest,
     bearer,
+    checkpoint_key,
     describe,
     parse_hold,
 )
@@ -135,15 +136,13 @@ def build_app(state: EngineState) -> Any:
         body = await model_of(request, WeightsPathRequest)
         from safetensors.torch import load_file
 
-        from logra_pl.rollout.vllm_worker import _checkpoint_key
-
         path = Path(body.path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
             raise RequestError(400, f"no safetensors files at {str(path)!r} on the engine's host")
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
-            tensors.update({_checkpoint_key(k): v for k, v in load_file(str(f)).items()})
+            tensors.update({checkpoint_key(k): v for k, v in load_file(str(f)).items()})
         state.check_named(tensors)
         answer = await state.load_weights(tensors, b"", body.expect_version, body.new_version, "0/1", body.full)
         return _json(answer, exclude_none=True)

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,12 +29,11 @@ from logra_pl.rollout.protocol import (
     GenerateResponse,
     HealthInfo,
     WeightsAnswer,
+    checkpoint_key,
     parse_chunk,
 )
+from logra_pl.rollout.serve.settings import ServeSettings
 from logra_pl.rollout.versions import VersionError, VersionLedger
-
-if TYPE_CHECKING:
-    from logra_pl.rollout.serve.server import ServeSettings
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[list[int], str]]:
@@ -260,10 +259,8 @@ class EngineState:
         """Parse safetensors bytes of full tensors and check names, shapes and finiteness."""
         from safetensors.torch import load as st_load
 
-        from logra_pl.rollout.vllm_worker import _checkpoint_key
-
         try:
-            tensors = {_checkpoint_key(k): v for k, v in st_load(data).items()}
+            tensors = {checkpoint_key(k): v for k, v in st_load(data).items()}
         except Exception as err:
             raise RequestError(400, f"malformed weights: not safetensors bytes ({err})") from err
         return self.check_named(tensors)
