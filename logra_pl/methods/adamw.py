@@ -413,12 +413,11 @@ class DenseAdamW(UpdateMethod):
     def memory(self, policy: nn.Module) -> MemoryReport:
         return memory_report(policy, optimizer=self.optimizer)
 
-    @classmethod
     @override
-    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
+    def plan_memory(self, shapes: PlanShapes) -> MemoryReport:
         """A gradient per trained parameter and torch's AdamW state (``exp_avg``, ``exp_avg_sq`` in the parameter's
         dtype and a float32 ``step``), sharded like the parameter: the targets, or every parameter (``train_all``)."""
-        trained = shapes.params if shapes.train_all else [m.weight for m in shapes.matrices.values()]
+        trained = shapes.params if self.adamw.train_all else [m.weight for m in shapes.matrices.values()]
         grads = sum(shapes.shard_bytes(p) for p in trained)
         state = sum(2 * shapes.shard_bytes(p) + 4 for p in trained)
         return MemoryReport(weights=shapes.weights, gradients=grads, optimizer_state=state)

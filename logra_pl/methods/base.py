@@ -53,28 +53,22 @@ class StepResult:
 
 @dataclass
 class PlanShapes:
-    """What a method's memory plan reads (``logra-pl plan``): the model built on the meta device and the run's layout.
+    """What a method's memory plan reads (``logra-pl plan``): the model built on the meta device and how it is
+    sharded. The method's own settings (LoGRA's rank, AdamW's ``train_all``...) are the method's.
 
     Arguments:
         matrices: the target matrices (``nn.Linear`` on the meta device), by name.
         params: every parameter once (tied weights once).
         weights: bytes of the weights (and buffers) one rank holds.
         ranks: data-parallel ranks the parameters and dense state are sharded over (by rows, padded).
-        rank: the sketch rank ``r``, and the adapters' rank.
         dtype: the parameters' dtype.
-        train_all: a dense method trains every parameter, not only the targets.
-        logra_moments: LoGRA keeps a sketch-space first moment, stored as ``moment_dtype``.
     """
 
     matrices: dict[str, nn.Linear]
     params: list[torch.Tensor]
     weights: int
     ranks: int = 1
-    rank: int = 64
     dtype: torch.dtype = torch.float32
-    train_all: bool = False
-    logra_moments: bool = False
-    moment_dtype: torch.dtype = torch.float32
 
     def shard_bytes(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
         """Bytes of one rank's dim-0 shard of ``t``, padded to ``ceil(rows / ranks)`` rows (as FSDP2 allocates it)."""
@@ -196,11 +190,10 @@ class UpdateMethod(ABC):
         """Bytes of training state by kind."""
         return memory_report(policy)
 
-    @classmethod
-    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
-        """The per-rank training state this method would hold for a model of these shapes (``logra-pl plan``),
-        by the kinds :meth:`memory` measures on a live run."""
-        raise NotImplementedError(f"{cls.__name__} has no memory plan")
+    def plan_memory(self, shapes: PlanShapes) -> MemoryReport:
+        """The per-rank training state this method, with its settings, would hold for a model of these shapes
+        (``logra-pl plan``), by the kinds :meth:`memory` measures on a live run."""
+        raise NotImplementedError(f"{type(self).__name__} has no memory plan")
 
     # ------------------------------------------------------------------------------------------ exports
     @classmethod

@@ -23,7 +23,7 @@ from logra_pl.errors import ConfigError
 from logra_pl.methods.base import AllReduceSum, PlanShapes, StepResult, UpdateMethod, bytes_text, count_text
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, select_targets
-from logra_pl.sketch.config import DEFAULT_TARGETS
+from logra_pl.sketch.config import DEFAULT_TARGETS, MOMENT_DTYPES
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, logit_tangent
@@ -231,20 +231,21 @@ class LoGRAMethod(UpdateMethod):
     def memory(self, policy: nn.Module) -> MemoryReport:
         return memory_report(policy, sketcher=self._sketcher)
 
-    @classmethod
     @override
-    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
+    def plan_memory(self, shapes: PlanShapes) -> MemoryReport:
         """Per matrix: a ``d_out × r`` fp32 sketch, an ``r × d_in`` fp32 projection and ``d_out`` fp32 row
         statistics, whole on every rank (each rank sketches the full matrix; the sketches are all-reduced), and with
-        ``logra.beta1 > 0`` a ``d_out × r`` first moment; no gradients, no optimizer state."""
+        ``logra.beta1 > 0`` a ``d_out × r`` first moment in ``logra.moment_dtype``; no gradients, no optimizer
+        state."""
         report = MemoryReport(weights=shapes.weights)
-        r = shapes.rank
+        cfg = self.config
+        r, moment = cfg.rank, MOMENT_DTYPES[cfg.moment_dtype].itemsize
         for linear in shapes.matrices.values():
             report.sketches += linear.out_features * r * 4
             report.projections += r * linear.in_features * 4
             report.row_statistics += linear.out_features * 4
-            if shapes.logra_moments:
-                report.sketch_moments += linear.out_features * r * shapes.moment_dtype.itemsize
+            if cfg.beta1 > 0:
+                report.sketch_moments += linear.out_features * r * moment
             report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
         return report
 

@@ -216,15 +216,14 @@ class LoRAMethod(DenseAdamW):
             f"{adapters} of adapters, as much again of gradients and {moments} of Adam moments"
         )
 
-    @classmethod
     @override
-    def plan_memory(cls, shapes: PlanShapes) -> MemoryReport:
+    def plan_memory(self, shapes: PlanShapes) -> MemoryReport:
         """Per target matrix, adapters ``A`` (r × d_in) and ``B`` (d_out × r) in the weights' dtype (peft builds them
         so; FSDP shards them on dim 0 too), their gradients, and AdamW's state on them."""
         adapters = [
             torch.empty(shape, dtype=shapes.dtype, device="meta")
             for linear in shapes.matrices.values()
-            for shape in ((shapes.rank, linear.in_features), (linear.out_features, shapes.rank))
+            for shape in ((self.lora.rank, linear.in_features), (linear.out_features, self.lora.rank))
         ]
         size = sum(shapes.shard_bytes(t) for t in adapters)
         state = sum(2 * shapes.shard_bytes(t) + 4 for t in adapters)

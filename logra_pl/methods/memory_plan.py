@@ -29,9 +29,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from logra_pl.methods.adamw import AdamWConfig
 from logra_pl.methods.base import PlanShapes, UpdateMethod
+from logra_pl.methods.lora import LoRAConfig
 from logra_pl.models.load import load_config
-from logra_pl.sketch import DEFAULT_TARGETS, select_targets
+from logra_pl.sketch import DEFAULT_TARGETS, LoGRAConfig, select_targets
 from logra_pl.sketch.config import MOMENT_DTYPES
 from logra_pl.sketch.memory import MemoryReport
 
@@ -105,15 +107,20 @@ def plan(
         if rank_r > linear.in_features:
             raise ValueError(f"rank {rank_r} exceeds d_in={linear.in_features} of {name!r}")
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
-    shapes = PlanShapes(
-        matrices, params, 0, ranks, rank_r, dtype, train_all, logra_moments, MOMENT_DTYPES[moment_dtype]
-    )
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    shapes = PlanShapes(matrices, params, 0, ranks, dtype)
     shapes.weights = sum(shapes.shard_bytes(p) for p in params) + buffers
     reference_bytes = _reference_bytes(model, params, shapes, reference, reference_dtype or weight_dtype)
+    # Each method as a run's sections would build it (model.logra, model.adamw, model.lora): its own settings.
+    moments = {"beta1": 0.9, "moment_dtype": moment_dtype} if logra_moments else {}
+    sections = {
+        "logra": LoGRAConfig(rank=rank_r, targets=tuple(targets), **moments),
+        "adamw": AdamWConfig(train_all=train_all),
+        "lora": LoRAConfig(rank=rank_r, alpha=2.0 * rank_r),
+    }
     out: dict[str, PlanRow] = {}
     for name in optimizers:
-        report = methods[name].plan_memory(shapes)
+        report = methods[name].from_sections(sections).plan_memory(shapes)
         report.reference_policy = reference_bytes
         out[name] = PlanRow(name, ranks, report)
     return out
