@@ -14,7 +14,7 @@ from logra_pl.sketch import select_targets
 class PlainSGD(UpdateMethod):
     """``W ← W − lr·G`` on the module's target matrices (``lr``: the learning rate); the guard refuses big steps."""
 
-    name = "sgd"  # recorded in checkpoints: a resume under another method is refused
+    name = "plain_sgd"  # recorded in checkpoints: a resume under another method is refused
 
     def __init__(self, lr: float = 0.1) -> None:
         self.lr = lr
