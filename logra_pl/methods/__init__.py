@@ -16,7 +16,7 @@ from typing import Any
 
 from logra_pl.config import resolve
 from logra_pl.errors import ConfigError
-from logra_pl.methods import adamw, logra, lora  # noqa: F401  (the built-in methods register their short names)
+from logra_pl.methods import adamw, logra, lora, sgd  # noqa: F401  (the built-in methods register their short names)
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
 from logra_pl.methods.base import PlanShapes, StepResult, UpdateMethod
 from logra_pl.methods.logra import LoGRAMethod

@@ -1,0 +1,189 @@
+"""``DenseSGD``: stateless dense SGD on the target matrices — the memory baseline that keeps a gradient per trained
+parameter and nothing else (RL post-training reports plain SGD on par with AdamW: arXiv 2602.07729).
+
+``W ← W − lr·(G + wd·W)``, or with momentum ``μ > 0`` (one buffer per trained parameter more): ``B ← μ·B + (G +
+wd·W)`` (``B = G + wd·W`` at the first step), ``W ← W − lr·B`` — torch's SGD without dampening or Nesterov. The
+divergence guard judges the step before it is taken (formed as torch forms it, one parameter at a time, without
+taking it), so a rejected step changes nothing; engines receive the changed tensors. ``model.method: sgd`` (its
+defaults) or ``{class_path: logra_pl.methods.sgd.DenseSGD, init_args: {sgd: {lr: 0.01}}}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from logra_pl.config import register
+from logra_pl.errors import check_range
+from logra_pl.methods.base import (
+    AllReduceSum,
+    PlanShapes,
+    StepResult,
+    UpdateMethod,
+    bytes_text,
+    count_text,
+    relative,
+)
+from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.sketch import select_targets
+from logra_pl.sketch.memory import MemoryReport, memory_report
+from logra_pl.sketch.merge import full_tensor
+from logra_pl.sketch.targets import canonical_name
+
+
+@dataclass
+class SGDConfig:
+    """Dense SGD's settings.
+
+    Arguments:
+        lr: the learning rate (constant).
+        momentum: ``μ`` of the momentum buffer; 0 keeps no state at all.
+        weight_decay: L2 weight decay added to the gradient (torch's SGD).
+        train_all: train every parameter (embeddings, norms, head too); False trains the module's target matrices.
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    train_all: bool = False
+
+    def __post_init__(self) -> None:
+        check_range("sgd.lr", self.lr, 0.0, low_open=True)
+        check_range("sgd.momentum", self.momentum, 0.0, 1.0, high_open=True)
+        check_range("sgd.weight_decay", self.weight_decay, 0.0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def sgd_step_deltas(optimizer: torch.optim.SGD) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """``(parameter, ΔW)`` of the next ``optimizer.step()`` for every parameter with a gradient, without taking it
+    (this process's shard of each; one parameter's temporaries at a time)."""
+    for group in optimizer.param_groups:
+        if group.get("nesterov") or group.get("dampening") or group.get("maximize"):
+            raise ValueError("sgd_step_deltas forms torch's SGD without nesterov, dampening or maximize")
+        lr, momentum, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            d = _local(p.grad)
+            if wd:
+                d = d.add(_local(p.detach()), alpha=wd)
+            if momentum:
+                buf = optimizer.state.get(p, {}).get("momentum_buffer")
+                d = d.clone() if buf is None else _local(buf).mul(momentum).add_(d)
+            yield p, d.mul(-lr)
+
+
+@register("sgd")
+class DenseSGD(UpdateMethod):
+    """Dense SGD on the module's target matrices (or, with ``sgd.train_all``, on every parameter).
+
+    Arguments:
+        sgd: learning rate, momentum, weight decay (:class:`SGDConfig`).
+    """
+
+    name = "sgd"
+
+    def __init__(self, sgd: SGDConfig | None = None) -> None:
+        self.sgd = sgd or SGDConfig()
+        self.guard = DivergenceGuard()
+        self.optimizer: torch.optim.SGD | None = None
+        self.last_relative_update = 0.0
+
+    @classmethod
+    @override
+    def from_sections(cls, sections: Mapping[str, Any]) -> DenseSGD:
+        """``model.optimizer: sgd``: its defaults (the module has no ``sgd`` section; ``model.method`` sets them)."""
+        return cls(sections.get("sgd"))
+
+    def _trained(self, policy: nn.Module) -> list[nn.Parameter]:
+        return [p for p in policy.parameters() if p.requires_grad]
+
+    @override
+    def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
+        self.guard = guard
+        wanted = {id(p) for p in policy.parameters()} if self.sgd.train_all else None
+        if wanted is None:
+            wanted = {id(m.weight) for m in select_targets(policy, targets).values()}
+        for p in policy.parameters():
+            p.requires_grad_(id(p) in wanted)
+        cfg = self.sgd
+        self.optimizer = torch.optim.SGD(
+            self._trained(policy), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+        return self.optimizer
+
+    @override
+    def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
+        """The guard's verdict on the step first (its size and finiteness over all ranks), then torch's SGD step
+        through Lightning's optimizer (so ``on_before_optimizer_step`` fires), or none."""
+        update_sq = weight_sq = nonfinite = 0.0
+        for p, delta in sgd_step_deltas(optimizer.optimizer):
+            w = _local(p.detach())
+            update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
+            weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
+            nonfinite += int((~torch.isfinite(w + delta)).sum())
+        sums = torch.tensor([update_sq, weight_sq, nonfinite], dtype=torch.float64)
+        update_sq, weight_sq, nonfinite = all_reduce_sum(sums).tolist()
+        self.last_relative_update = relative(update_sq, weight_sq)
+        rejected = None
+        if self.guard.enabled:
+            if nonfinite:
+                rejected = f"the step would make {int(nonfinite)} weights non-finite"
+            elif not self.last_relative_update <= self.guard.max_update_ratio:  # NaN fails too
+                rejected = (
+                    f"update size ‖ΔW‖/‖W‖ = {self.last_relative_update:.3g} exceeds the guard's max_update_ratio "
+                    f"{self.guard.max_update_ratio:g}"
+                )
+        if rejected is None:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(rejected, 0.0 if rejected else math.sqrt(update_sq))
+
+    @override
+    def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
+        # Engine names: activation checkpointing puts `_checkpoint_wrapped_module.` into the policy's parameter names.
+        return {canonical_name(n): full_tensor(p).detach() for n, p in policy.named_parameters() if p.requires_grad}
+
+    @override
+    def changed_numel(self, policy: nn.Module) -> int:
+        return sum(p.numel() for p in self._trained(policy))
+
+    @override
+    def metrics(self) -> dict[str, float]:
+        return {"guard/relative_update": self.last_relative_update}
+
+    @override
+    def memory(self, policy: nn.Module) -> MemoryReport:
+        return memory_report(policy, optimizer=self.optimizer)
+
+    @override
+    def plan_memory(self, shapes: PlanShapes) -> MemoryReport:
+        """A gradient per trained parameter (the targets, or every parameter with ``train_all``), sharded like it;
+        with momentum, one buffer as large again."""
+        trained = shapes.params if self.sgd.train_all else [m.weight for m in shapes.matrices.values()]
+        grads = sum(shapes.shard_bytes(p) for p in trained)
+        return MemoryReport(weights=shapes.weights, gradients=grads, optimizer_state=grads if self.sgd.momentum else 0)
+
+    @override
+    def trained_parameter_count(self, policy: nn.Module) -> int:
+        return self.changed_numel(policy)
+
+    @override
+    def report(self, policy: nn.Module, targets: Sequence[str]) -> str:
+        grads = sum(p.numel() * p.element_size() for p in self._trained(policy))
+        what = "every parameter" if self.sgd.train_all else f"{', '.join(targets)}"
+        state = f"{bytes_text(grads)} of momentum" if self.sgd.momentum else "no optimizer state"
+        return (
+            f"dense SGD (lr {self.sgd.lr:g}) trains {count_text(self.trained_parameter_count(policy))} parameters "
+            f"({what}): {bytes_text(grads)} of gradients and {state}"
+        )
