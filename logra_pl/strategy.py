@@ -63,6 +63,12 @@ class LoGRAStrategy(ModelParallelStrategy):
 
     strategy_name = "logra_fsdp"
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """The strategy names itself, as Lightning's strategies do: ``--trainer.strategy logra_fsdp``."""
+        strategy_registry.register(cls.strategy_name, cls, description="FSDP2 + LoGRA sketch all-reduce")
+
     def __init__(
         self,
         data_parallel_size: int | str = "auto",
@@ -255,4 +261,4 @@ class LoGRAStrategy(ModelParallelStrategy):
         return checkpoint
 
 
-StrategyRegistry.register(LoGRAStrategy.strategy_name, LoGRAStrategy, description="FSDP2 + LoGRA sketch all-reduce")
+LoGRAStrategy.register_strategies(StrategyRegistry)
