@@ -3,9 +3,11 @@
 The records were written by ``python -m tests.behaviour.record`` on the code before the update-method, engine and
 loss seams were refactored (issue 22): LoGRA, dense AdamW and LoRA on the demo config with the HF engine, LoGRA
 with an in-process vLLM engine, and LoGRA against a served ``logra-pl serve`` engine — 6 updates each, validation and
-checkpoints every 3. Each run here is a fresh ``logra-pl fit`` process; every logged scalar (wall-clock and process
-memory aside), every weight's digest and the checkpoint's computed contents must be equal. What was added since
-(a new option's setting or state, a new scalar) is listed below with the value it must take in these runs.
+checkpoints every 3. A kind of machine whose float results differ from the first records' has its own, written with
+``--machine`` on the reference code before the package was regrouped into wings (``golden/machines/<id>/``). Each run
+here is a fresh ``logra-pl fit`` process; every logged scalar (wall-clock and process memory aside), every weight's
+digest and the checkpoint's computed contents must be equal. What was added since (a new option's setting or state,
+a new scalar) is listed below with the value it must take in these runs.
 """
 
 from __future__ import annotations

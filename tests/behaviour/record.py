@@ -1,4 +1,4 @@
-"""Write the reference records: ``python -m tests.behaviour.record [NAME ...]`` (all scenarios by default).
+"""Write the reference records: ``python -m tests.behaviour.record [--machine] [NAME ...]`` (all scenarios by default).
 
 Run it on the code whose behaviour is the reference (before a refactor), alone on the machine; it writes
 ``tests/behaviour/golden/<name>.json`` with the machine's fingerprint. Served scenarios start a real
@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers.serve)
 
-from tests.behaviour.scenarios import GOLDEN, SCENARIOS, capture, fingerprint, golden_path, run
+from tests.behaviour.scenarios import SCENARIOS, capture, fingerprint, golden_path, machine_id, run
 
 
 def record(name: str, workdir: Path) -> dict:
@@ -37,14 +37,18 @@ def record(name: str, workdir: Path) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    names = argv or list(SCENARIOS)
-    GOLDEN.mkdir(parents=True, exist_ok=True)
+    """``[--machine] [NAME ...]``: ``--machine`` writes this kind of machine's records beside the first ones
+    (``golden/machines/<id>/``), for a machine whose fingerprint differs from theirs; run it on the reference code."""
+    machine = machine_id() if "--machine" in argv else None
+    names = [a for a in argv if a != "--machine"] or list(SCENARIOS)
     os.environ.setdefault("LOGRA_PL_CACHE", str(Path.home() / ".cache" / "logra-pl"))
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             out = record(name, Path(tmp))
-            golden_path(name).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-            print(f"{name}: {len(out['scalars'])} scalar tags, {len(out['weights'])} tensors -> {golden_path(name)}")
+            path = golden_path(name, machine)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+            print(f"{name}: {len(out['scalars'])} scalar tags, {len(out['weights'])} tensors -> {path}")
 
 
 if __name__ == "__main__":

@@ -205,9 +205,20 @@ def capture(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def golden_path(name: str) -> Path:
-    return GOLDEN / f"{name}.json"
+def machine_id(print_: dict[str, str] | None = None) -> str:
+    """A short name of a machine fingerprint (the folder its records are kept in)."""
+    blob = json.dumps(print_ or fingerprint(), sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=6).hexdigest()
+
+
+def golden_path(name: str, machine: str | None = None) -> Path:
+    """The record of scenario ``name``: the first one written (``golden/<name>.json``), or the one of another kind of
+    machine (``golden/machines/<machine id>/<name>.json``), recorded there on the same reference code."""
+    return GOLDEN / f"{name}.json" if machine is None else GOLDEN / "machines" / machine / f"{name}.json"
 
 
 def load_golden(name: str) -> dict[str, Any]:
-    return json.loads(golden_path(name).read_text())
+    """The record to compare with on this machine: its own kind's when one was recorded, else the first one (whose
+    values are then not comparable here: only the structure is checked)."""
+    mine = golden_path(name, machine_id())
+    return json.loads((mine if mine.is_file() else golden_path(name)).read_text())
