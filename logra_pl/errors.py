@@ -97,17 +97,3 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) ->
     """``value`` is one of ``choices``."""
     if value not in choices:
         raise ConfigError(f"unknown {name} {value!r}: use one of {', '.join(repr(c) for c in choices)}")
-
-
-def import_dotted(path: str, setting: str) -> Any | None:
-    """The object a dotted path ``package.module.NAME`` names (a config's way to pick user code); None if ``path``
-    has no dot. An import that fails is a :class:`ConfigError` naming ``setting`` and the import error."""
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        return None
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{setting} {path!r}: cannot import it ({err})") from None
