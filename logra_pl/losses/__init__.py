@@ -59,7 +59,7 @@ from logra_pl.losses.functional import (
     shuffled_plan,
     truncation_mask,
 )
-from logra_pl.losses.policy import CISPO, GSPO, PPOClip, ReinforceTIS
+from logra_pl.losses.policy import CISPO, GSPO, PPOClip, ReinforceTIS, TrainerRatioLoss
 
 __all__ = [
     "AGGREGATIONS",
@@ -80,6 +80,7 @@ __all__ = [
     "ReinforceTIS",
     "RunningBaseline",
     "SharedSettings",
+    "TrainerRatioLoss",
     "UpdateTotals",
     "aggregation_scale",
     "build_baseline",

@@ -64,8 +64,37 @@ class ReinforceTIS(Loss):
         return reinforce_tis_loss(logp, ref_logp, advantages, mask, num_tokens, weights, tis_cap=self.tis_cap)
 
 
+class TrainerRatioLoss(Loss):
+    """A loss taken against the trainer before the update (``π_old``) in ``epochs × minibatches`` updates per rollout:
+    what PPO's clip, GSPO and CISPO share. Each epoch is a seeded random permutation of the rollout cut into
+    ``minibatches`` parts; each part is one optimizer step.
+
+    Arguments:
+        epochs: passes over each rollout (1; each subclass states its own default).
+        minibatches: updates per pass (1).
+        length_reference: reweight each response by ``length_reference / L``; None: off.
+        **shared: the settings every loss shares (:class:`~logra_pl.losses.base.Loss`).
+    """
+
+    reference: ClassVar[Reference] = "trainer"
+
+    def __init__(
+        self, epochs: int = 1, minibatches: int = 1, length_reference: float | None = None, **shared: Any
+    ) -> None:
+        check_int("loss.epochs", epochs, 1)
+        check_int("loss.minibatches", minibatches, 1)
+        check_length_reference(length_reference)
+        self.epochs, self.minibatches = epochs, minibatches
+        self.length_reference = length_reference
+        super().__init__(**shared)
+
+    def plan(self, rows: int, generator_seed: int) -> list[list[int]]:
+        """``epochs`` seeded permutations of the rows, each cut into ``minibatches`` updates."""
+        return shuffled_plan(rows, generator_seed, self.epochs, self.minibatches)
+
+
 @register("ppo")
-class PPOClip(Loss):
+class PPOClip(TrainerRatioLoss):
     """PPO's clipped surrogate against the trainer before the update, ``epochs × minibatches`` updates per rollout;
     with ``eps_high > eps_low``, DAPO's clip-higher (arXiv 2503.14476).
 
@@ -85,8 +114,6 @@ class PPOClip(Loss):
         **shared: the settings every loss shares (:class:`~logra_pl.losses.base.Loss`: ``aggregation``,
             ``mask_truncated``, the KL penalty...).
     """
-
-    reference: ClassVar[Reference] = "trainer"
 
     def __init__(
         self,
@@ -108,22 +135,12 @@ class PPOClip(Loss):
                 f"and eps_high={eps_high} were given too: remove clip_eps and set eps_low and eps_high (e.g. DAPO's "
                 "0.2 and 0.28), or make them equal to clip_eps"
             )
-        check_int("loss.epochs", epochs, 1)
-        check_int("loss.minibatches", minibatches, 1)
-        check_length_reference(length_reference)
         self.eps_low, self.eps_high = eps_low, eps_high
         default = 0.2 if clip_eps is None else clip_eps
         self.low, self.high = clip_bounds(default, eps_low, eps_high)
         # clip_eps reads back as the symmetric ε when the interval is symmetric (so PPOClip() says clip_eps=0.2).
         self.clip_eps = self.low if self.low == self.high else None
-        self.epochs = epochs
-        self.minibatches = minibatches
-        self.length_reference = length_reference
-        super().__init__(**shared)
-
-    def plan(self, rows: int, generator_seed: int) -> list[list[int]]:
-        """``epochs`` seeded permutations of the rows, each cut into ``minibatches`` updates."""
-        return shuffled_plan(rows, generator_seed, self.epochs, self.minibatches)
+        super().__init__(epochs, minibatches, length_reference, **shared)
 
     def __call__(
         self,
@@ -144,7 +161,7 @@ class PPOClip(Loss):
 
 
 @register("gspo")
-class GSPO(Loss):
+class GSPO(TrainerRatioLoss):
     """Group Sequence Policy Optimization (Zheng et al., arXiv 2507.18071): PPO's clip on one ratio per sequence.
 
     ``s_i = (π(y_i|x)/π_old(y_i|x))^(1/|y_i|) = exp(mean_t(log π − log π_old))``, and
@@ -166,8 +183,6 @@ class GSPO(Loss):
             ``reference_dtype``) as in :class:`Loss`.
     """
 
-    reference: ClassVar[Reference] = "trainer"
-
     def __init__(
         self,
         eps_low: float = 3e-4,
@@ -181,17 +196,8 @@ class GSPO(Loss):
     ) -> None:
         check_eps("eps_low", eps_low, 1.0)
         check_eps("eps_high", eps_high)
-        check_int("loss.epochs", epochs, 1)
-        check_int("loss.minibatches", minibatches, 1)
-        check_length_reference(length_reference)
         self.eps_low, self.eps_high = eps_low, eps_high
-        self.epochs, self.minibatches = epochs, minibatches
-        self.length_reference = length_reference
-        super().__init__(aggregation=aggregation, **shared)
-
-    def plan(self, rows: int, generator_seed: int) -> list[list[int]]:
-        """``epochs`` seeded permutations of the rows, each cut into ``minibatches`` updates."""
-        return shuffled_plan(rows, generator_seed, self.epochs, self.minibatches)
+        super().__init__(epochs, minibatches, length_reference, aggregation=aggregation, **shared)
 
     def __call__(
         self,
@@ -210,7 +216,7 @@ class GSPO(Loss):
 
 
 @register("cispo")
-class CISPO(Loss):
+class CISPO(TrainerRatioLoss):
     """Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by the detached,
     clipped token ratio, so no token's gradient is dropped.
 
@@ -232,8 +238,6 @@ class CISPO(Loss):
             ``mask_truncated``, the KL penalty...).
     """
 
-    reference: ClassVar[Reference] = "trainer"
-
     def __init__(
         self,
         eps_high: float = 0.28,
@@ -245,17 +249,8 @@ class CISPO(Loss):
     ) -> None:
         check_eps("eps_high", eps_high)
         check_eps("eps_low", eps_low, 1.0)
-        check_int("loss.epochs", epochs, 1)
-        check_int("loss.minibatches", minibatches, 1)
-        check_length_reference(length_reference)
         self.eps_high, self.eps_low = eps_high, eps_low
-        self.epochs, self.minibatches = epochs, minibatches
-        self.length_reference = length_reference
-        super().__init__(**shared)
-
-    def plan(self, rows: int, generator_seed: int) -> list[list[int]]:
-        """``epochs`` seeded permutations of the rows, each cut into ``minibatches`` updates."""
-        return shuffled_plan(rows, generator_seed, self.epochs, self.minibatches)
+        super().__init__(epochs, minibatches, length_reference, **shared)
 
     def __call__(
         self,
