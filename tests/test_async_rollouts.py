@@ -167,6 +167,17 @@ def test_settings_the_pipeline_cannot_run_are_refused_by_name(tmp_path: Path) ->
         quick_trainer(tmp_path, 1).fit(_module(1, 1e-3), datamodule=_data())
 
 
-def test_staleness_zero_is_the_synchronous_path() -> None:
+def test_staleness_zero_is_the_synchronous_path(tmp_path: Path) -> None:
+    """With ``max_staleness: 0`` no pipeline starts: each step samples inline with the weights it trains."""
+
+    class Inline(pl.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[object, int]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.seen.append((pl_module.sampler.pipeline, pl_module.step_context.staleness))
+
+    inline = Inline()
     module = _module(0)
-    assert module.rollout_settings.max_staleness == 0 and module.sampler.pipeline is None
+    quick_trainer(tmp_path, 1, callbacks=[inline]).fit(module, datamodule=_data())
+    assert module.rollout_settings.max_staleness == 0 and inline.seen == [(None, 0)]

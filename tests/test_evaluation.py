@@ -29,16 +29,24 @@ def test_pass_at_k_and_per_task_pass_at_1(tmp_path: Path) -> None:
         answer_format="plain",
     )
     scored: list[list[float]] = []
-    original = module.score
 
-    def spy(rollout, items):  # record what validation scored, to recompute the metrics independently
-        scores = original(rollout, items)
-        scored.append(list(scores.rewards))
-        return scores
+    class Spy(pl.Callback):
+        """Record what validation scored (the module's sampler, built at setup), to recompute the metrics here."""
 
-    module.score = spy
+        def on_validation_start(self, trainer: pl.Trainer, pl_module: LoGRAPolicyModule) -> None:
+            original = pl_module.sampler.score
+
+            def spy(rollout, items):
+                scores = original(rollout, items)
+                scored.append(list(scores.rewards))
+                return scores
+
+            pl_module.sampler.score = spy
+
     logger = TensorBoardLogger(tmp_path, name="eval")
-    trainer = pl.Trainer(accelerator="cpu", logger=logger, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=logger, enable_progress_bar=False, enable_model_summary=False, callbacks=[Spy()]
+    )
     metrics = trainer.validate(module, datamodule=data)[0]
     flat = [r for batch in scored for r in batch]
     assert len(flat) == 12 * 4

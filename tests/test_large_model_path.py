@@ -13,8 +13,10 @@ from logra_pl.callbacks import BudgetSchedule, PredictedKLControl
 from logra_pl.models.load import load_policy
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.runtime.checkpointing import checkpointed_layers, decoder_layers
+from logra_pl.runtime.ranks import Ranks
 from logra_pl.sketch import LoGRAConfig
 from logra_pl.train.logprobs import pack_responses
+from logra_pl.train.passes import TrainerPasses
 
 
 class CountLayerForwards(pl.Callback):
@@ -92,10 +94,10 @@ def test_dense_adamw_with_activation_checkpointing_keeps_its_engine_in_sync(fit,
 
 
 def test_token_budget_microbatches(fit, tmp_path: Path) -> None:
-    module = LoGRAPolicyModule(policy="tiny", microbatch_size=8, max_tokens_per_microbatch=40)
+    passes = TrainerPasses(load_policy("tiny")[0], microbatch_size=8, max_tokens=40, ranks=Ranks())
     prompts = [[1] * n for n in (5, 5, 30, 6, 6, 6, 6, 6, 6, 6)]
     packed = pack_responses(prompts, [[2, 3]] * len(prompts), 0)
-    groups, padding = module.passes.microbatches(list(range(len(prompts))), packed)
+    groups, padding = passes.microbatches(list(range(len(prompts))), packed)
     assert padding == 0  # one process: no padding microbatches
     assert [r for g in groups for r in g] == list(range(len(prompts)))  # consecutive, every row once
     lengths = packed.attention_mask.sum(dim=1).tolist()

@@ -45,12 +45,12 @@ class Ranks:
         trainer: Callable[[], Any] = lambda: None,
         device: Callable[[], torch.device] = lambda: torch.device("cpu"),
     ) -> None:
-        self._trainer, self._device = trainer, device
+        self._trainer_now, self._device = trainer, device
 
     @property
     def trainer(self) -> Any:
         """The Trainer now, or None."""
-        return self._trainer()
+        return self._trainer_now()
 
     @property
     def device(self) -> torch.device:

@@ -176,11 +176,11 @@ def test_run_logs_draws_and_trains_bit_identically(diagnosed, tmp_path) -> None:
     plain, _ = _run([], tmp_path)
     a, b = module.policy.state_dict(), plain.policy.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert module.method.sketcher.update_index == plain.sketcher.update_index == UPDATES
+    assert module.method.sketcher.update_index == plain.method.sketcher.update_index == UPDATES
     for name, stats in module.method.sketcher.row_stats.items():
-        assert torch.equal(stats, plain.sketcher.row_stats[name])
+        assert torch.equal(stats, plain.method.sketcher.row_stats[name])
     for name, m in module.method.sketcher.matrices.items():
-        assert torch.equal(m.sketch, plain.sketcher.matrices[name].sketch)
+        assert torch.equal(m.sketch, plain.method.sketcher.matrices[name].sketch)
 
     # A measurement by hand leaves everything as it found it: weights, sketches, hooks, flags, .grad, the RNG.
     rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in module.policy.state_dict().items()}

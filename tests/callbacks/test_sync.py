@@ -74,8 +74,7 @@ def test_full_sync_wire_dtype(tmp_path) -> None:
         policy="tiny", logra=LoGRAConfig(rank=16, update_ratio=1e-2), rollout=RolloutSettings(max_new_tokens=4)
     )
     sync = PolicySync(mode="full", wire_dtype="bfloat16", verify_every=0)
-    assert PolicySync().wire_dtype_for(object()) is None  # auto, an engine without a stored dtype: as trained
-    assert sync.wire_dtype_for(object()) == torch.bfloat16
+    assert PolicySync().wire_dtype == "auto" and sync.wire_dtype == "bfloat16"  # auto: the engine's stored dtype
     metrics = Metrics()
     _fit(module, sync, 2, tmp_path, [metrics])
     targets = select_targets(module.policy, module.targets)

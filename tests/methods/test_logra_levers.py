@@ -38,14 +38,14 @@ def test_levers_reach_the_engine_and_resume_bit_for_bit(tmp_path, rl_run) -> Non
     straight = _module()
     every2 = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
     rl_run(straight, tmp_path, 4, callbacks=[_sync(), every2], enable_checkpointing=True)
-    sketcher = straight.sketcher
+    sketcher = straight.method.sketcher
     assert sketcher.num_applied == 4 and sketcher.moment_age == 4
     mine, engine = straight.policy.state_dict(), straight.engine.model.state_dict()
     assert all(torch.equal(mine[k], engine[k]) for k in mine)  # factors of the new rules merge alike on both sides
     resumed = _module()
     rl_run(resumed, tmp_path, 4, callbacks=[_sync()], ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
-    assert resumed.sketcher.moment_age == 4 and resumed.sketcher.config.refresh_every == 3
+    assert resumed.method.sketcher.moment_age == 4 and resumed.method.sketcher.config.refresh_every == 3
     for name, value in straight.policy.state_dict().items():
         assert torch.equal(value, resumed.policy.state_dict()[name]), name
     for name, moment in sketcher.moments.items():
-        assert moment.dtype == torch.bfloat16 and torch.equal(moment, resumed.sketcher.moments[name]), name
+        assert moment.dtype == torch.bfloat16 and torch.equal(moment, resumed.method.sketcher.moments[name]), name
