@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PIP = $(VENV)/bin/pip
 PY = $(VENV)/bin/python
 
-.PHONY: demo smoke bench ablate test lint tutorials clean
+.PHONY: demo smoke bench ablate test test-system test-all lint tutorials clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,17 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The fast tier: every test not marked `system` (run it before every commit).
 test: $(VENV)/.test lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not system"
+
+# The system tier: multi-process FSDP ranks, served and in-process vLLM engines, kill -9 resumes, the GPU script's
+# CPU mode, the behaviour records.
+test-system: $(VENV)/.test
+	$(PY) -m pytest -m system
+
+# Both tiers (what CI runs).
+test-all: test test-system
 
 # Execute every notebook of tutorials/ in full mode, refreshing the outputs committed in them (a few minutes each).
 tutorials: $(VENV)/.test

@@ -21,7 +21,7 @@ import pytest
 
 from tests.behaviour.scenarios import SCENARIOS, capture, comparable, fingerprint, load_golden, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 
 def _zero(values: list[float]) -> bool:

@@ -368,6 +368,7 @@ def test_vllm_serves_an_exported_folder(trained, tmp_path: Path) -> None:
     _check_engine_logprobs(AutoModelForCausalLM.from_pretrained(out).eval(), report)
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_smollm2_with_the_vllm_engine(tmp_path: Path) -> None:
     """policy=smollm2 (a GGUF file) + engine=vllm: the engine's cache folder is written atomically and serves.

@@ -163,6 +163,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[i
     return reference
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_kill9_then_resume_last_continues_the_wandb_and_mlflow_runs_with_each_step_once(
     tmp_path: Path, straight: dict, monkeypatch: pytest.MonkeyPatch

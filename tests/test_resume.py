@@ -61,6 +61,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_dir / "tiny_cpu" / "version_0"
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_kill9_before_first_validation_then_resume_last_is_bitwise(tmp_path: Path, straight_run: Path) -> None:
     killed = _cli(tmp_path, "--trainer.max_steps=8", kill_at=6)
@@ -118,6 +119,7 @@ def _straight_killed_resumed(
     return run, ref_run, saved, mine, ref
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(tmp_path: Path) -> None:
     """``rollout.max_staleness: 1``: the checkpoint at update 4 waits for the batch in flight and stores it; the run
@@ -130,6 +132,7 @@ def test_kill9_with_asynchronous_rollouts_in_flight_then_resume_last_is_bitwise(
     assert set(_scalars(ref_run, "async/staleness").values()) == {0.0, 1.0}
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_kill9_mid_run_with_a_tool_calling_environment_then_resume_last_is_bitwise(tmp_path: Path) -> None:
     """The calculator example (configs/overlays/calculator.yaml: multi-turn conversations, tool calls in worker

@@ -182,6 +182,7 @@ def test_every_trained_group_is_mixed_and_the_counts_are_logged(tmp_path: Path) 
     assert 0.35 < uniform / sampled < 0.75  # about half the groups were uniform (and dropped)
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_dynamic_sampling_kill9_then_resume_last_is_bitwise(tmp_path: Path) -> None:
     shaping = [

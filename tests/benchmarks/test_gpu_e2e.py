@@ -15,6 +15,8 @@ import torch
 
 from logra_pl.models.load import load_policy
 
+pytestmark = pytest.mark.system  # the system tier: make test-system
+
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_e2e.py"
 SCENARIOS = ("logra", "adamw", "logra_fsdp")

@@ -137,6 +137,7 @@ def test_bad_settings(tmp_path: Path) -> None:
         trainer.fit(BoringModel())
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_two_fsdp_ranks_gather_and_rank0_writes(tmp_path: Path, tiny_model_dir: Path) -> None:
     """2 gloo ranks (LoGRAStrategy, FSDP2): exports equal the gathered policy and the distributed checkpoint."""

