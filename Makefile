@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PIP = $(VENV)/bin/pip
 PY = $(VENV)/bin/python
 
-.PHONY: demo smoke bench ablate test test-system test-all lint tutorials clean
+.PHONY: demo smoke bench ablate test test-system test-all coverage lint tutorials clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,17 @@ test-system: $(VENV)/.test
 
 # Both tiers (what CI runs).
 test-all: test test-system
+
+# Line and branch coverage of logra_pl/ over both tiers, child processes included: the report in runs/coverage/, the
+# two totals printed last (a change to the tests must not lower them). TESTS=tests/sketch measures a part.
+coverage: $(VENV)/.test
+	rm -rf .coverage .coverage.* runs/coverage
+	mkdir -p runs/coverage
+	$(PY) -m coverage run -m pytest -p no:cacheprovider $(TESTS)
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage json -q -o runs/coverage/coverage.json
+	$(PY) -m coverage report --skip-covered > runs/coverage/report.txt
+	$(PY) scripts/coverage_totals.py runs/coverage/coverage.json
 
 # Execute every notebook of tutorials/ in full mode, refreshing the outputs committed in them (a few minutes each).
 tutorials: $(VENV)/.test
