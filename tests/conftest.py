@@ -13,6 +13,17 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+# pytest-timeout's default (pyproject.toml) fits the fast tier, so a new slow test there is a decision; a system-tier
+# test without a timeout of its own gets this one (FSDP ranks, engine restarts and kill -9 resumes take minutes).
+SYSTEM_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give each ``system`` test without its own ``timeout`` mark the system tier's limit."""
+    for item in items:
+        if item.get_closest_marker("system") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SYSTEM_TIMEOUT_S))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
