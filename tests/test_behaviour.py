@@ -12,14 +12,13 @@ a new scalar) is listed below with the value it must take in these runs.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.behaviour.scenarios import SCENARIOS, capture, comparable, fingerprint, load_golden, run
+from tests.behaviour.scenarios import SCENARIOS, capture, comparable, diff, fingerprint, load_golden, run, structure
 
 pytestmark = [pytest.mark.slow, pytest.mark.system]
 
@@ -78,31 +77,6 @@ def _without_additions(image: object, found: dict[str, list[object]]) -> object:
     return image
 
 
-def _diff(ref: object, mine: object, path: str = "") -> list[str]:
-    """Every place where two JSON images differ (first 20)."""
-    if isinstance(ref, dict) and isinstance(mine, dict):
-        out = [f"{path}/{k}: missing" for k in ref if k not in mine]
-        out += [f"{path}/{k}: unexpected" for k in mine if k not in ref]
-        for k in ref:
-            if k in mine:
-                out += _diff(ref[k], mine[k], f"{path}/{k}")
-        return out[:20]
-    if isinstance(ref, list) and isinstance(mine, list) and len(ref) == len(mine):
-        return [d for r, m, k in zip(ref, mine, range(len(ref)), strict=True) for d in _diff(r, m, f"{path}[{k}]")]
-    return [] if ref == mine else [f"{path}: {json.dumps(ref)[:120]} != {json.dumps(mine)[:120]}"]
-
-
-def _structure(image: object) -> object:
-    """Names, shapes and dtypes only (what must hold on any machine)."""
-    if isinstance(image, dict):
-        if "sha" in image:
-            return {k: v for k, v in image.items() if k != "sha"}
-        return {k: _structure(v) for k, v in image.items()}
-    if isinstance(image, list):
-        return [_structure(v) for v in image]
-    return type(image).__name__
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_reference_run_reproduces(name: str, tmp_path: Path) -> None:
     scenario = SCENARIOS[name]
@@ -135,12 +109,12 @@ def test_reference_run_reproduces(name: str, tmp_path: Path) -> None:
         )  # the new options at their defaults
     assert sorted(mine["scalars"]) == sorted(ref["scalars"]), "logged scalar tags changed"
     assert sorted(mine["weights"]) == sorted(ref["weights"]), "the policy's tensors changed"
-    assert _diff(_structure(ref["checkpoint"]), _structure(mine["checkpoint"])) == []
+    assert diff(structure(ref["checkpoint"]), structure(mine["checkpoint"])) == []
     if ref["fingerprint"] != fingerprint():
         pytest.skip(
             f"structure checked; values were recorded on {ref['fingerprint']} and this machine is {fingerprint()}: "
             "RL runs are bit-reproducible on one kind of CPU only (rerun tests.behaviour.record on the reference code)"
         )
-    assert _diff(ref["scalars"], mine["scalars"]) == []
-    assert _diff(ref["weights"], mine["weights"]) == []
-    assert _diff(ref["checkpoint"], mine["checkpoint"]) == []
+    assert diff(ref["scalars"], mine["scalars"]) == []
+    assert diff(ref["weights"], mine["weights"]) == []
+    assert diff(ref["checkpoint"], mine["checkpoint"]) == []

@@ -17,46 +17,21 @@ import pytest
 import torch
 
 from tests.behaviour.legacy import LEGACY, run_cli, run_notebook_resume
-from tests.behaviour.scenarios import capture, fingerprint
+from tests.behaviour.scenarios import capture, diff, fingerprint, structure
 
 pytestmark = pytest.mark.slow
 
 
-def _diff(ref: object, mine: object, path: str = "") -> list[str]:
-    """Every place where two JSON images differ (first 20)."""
-    if isinstance(ref, dict) and isinstance(mine, dict):
-        out = [f"{path}/{k}: missing" for k in ref if k not in mine]
-        out += [f"{path}/{k}: unexpected" for k in mine if k not in ref]
-        for k in ref:
-            if k in mine:
-                out += _diff(ref[k], mine[k], f"{path}/{k}")
-        return out[:20]
-    if isinstance(ref, list) and isinstance(mine, list) and len(ref) == len(mine):
-        return [d for r, m, k in zip(ref, mine, range(len(ref)), strict=True) for d in _diff(r, m, f"{path}[{k}]")]
-    return [] if ref == mine else [f"{path}: {json.dumps(ref)[:120]} != {json.dumps(mine)[:120]}"]
-
-
-def _structure(image: object) -> object:
-    """Names, shapes and dtypes only (what must hold on any machine)."""
-    if isinstance(image, dict):
-        if "sha" in image:
-            return {k: v for k, v in image.items() if k != "sha"}
-        return {k: _structure(v) for k, v in image.items()}
-    if isinstance(image, list):
-        return [_structure(v) for v in image]
-    return type(image).__name__
-
-
 def _compare(ref: dict, mine: dict) -> None:
     assert sorted(mine["weights"]) == sorted(ref["weights"]), "the policy's tensors changed"
-    assert _diff(_structure(ref["checkpoint"]), _structure(mine["checkpoint"])) == []
+    assert diff(structure(ref["checkpoint"]), structure(mine["checkpoint"])) == []
     if ref["fingerprint"] != fingerprint():
         pytest.skip(
             f"structure checked; values were recorded on {ref['fingerprint']} and this machine is {fingerprint()}"
         )
     for key in ("weights", "checkpoint", "scalars", "reward", "global_step"):
         if key in ref:
-            assert _diff(ref[key], mine[key]) == [], key
+            assert diff(ref[key], mine[key]) == [], key
 
 
 def test_a_cli_checkpoint_of_the_old_layout_resumes_bit_for_bit(tmp_path: Path) -> None:

@@ -222,3 +222,28 @@ def load_golden(name: str) -> dict[str, Any]:
     values are then not comparable here: only the structure is checked)."""
     mine = golden_path(name, machine_id())
     return json.loads((mine if mine.is_file() else golden_path(name)).read_text())
+
+
+def diff(ref: object, mine: object, path: str = "") -> list[str]:
+    """Every place where two JSON images differ (first 20)."""
+    if isinstance(ref, dict) and isinstance(mine, dict):
+        out = [f"{path}/{k}: missing" for k in ref if k not in mine]
+        out += [f"{path}/{k}: unexpected" for k in mine if k not in ref]
+        for k in ref:
+            if k in mine:
+                out += diff(ref[k], mine[k], f"{path}/{k}")
+        return out[:20]
+    if isinstance(ref, list) and isinstance(mine, list) and len(ref) == len(mine):
+        return [d for r, m, k in zip(ref, mine, range(len(ref)), strict=True) for d in diff(r, m, f"{path}[{k}]")]
+    return [] if ref == mine else [f"{path}: {json.dumps(ref)[:120]} != {json.dumps(mine)[:120]}"]
+
+
+def structure(image: object) -> object:
+    """Names, shapes and dtypes only (what must hold on any machine)."""
+    if isinstance(image, dict):
+        if "sha" in image:
+            return {k: v for k, v in image.items() if k != "sha"}
+        return {k: structure(v) for k, v in image.items()}
+    if isinstance(image, list):
+        return [structure(v) for v in image]
+    return type(image).__name__
