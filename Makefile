@@ -5,6 +5,10 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PIP = $(VENV)/bin/pip
 PY = $(VENV)/bin/python
+# pytest-xdist workers; each test file runs on one worker (its module fixtures built once), and tests marked
+# cores(2) run alone (tests/conftest.py). WORKERS=0 runs in this process.
+WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadfile
 
 .PHONY: demo smoke bench ablate test test-system test-all coverage lint tutorials clean
 
@@ -48,22 +52,23 @@ lint: $(VENV)/.test
 
 # The fast tier: every test not marked `system` (run it before every commit).
 test: $(VENV)/.test lint
-	$(PY) -m pytest -m "not system"
+	$(PY) -m pytest $(XDIST) -m "not system"
 
 # The system tier: multi-process FSDP ranks, served and in-process vLLM engines, kill -9 resumes, the GPU script's
 # CPU mode, the behaviour records.
 test-system: $(VENV)/.test
-	$(PY) -m pytest -m system
+	$(PY) -m pytest $(XDIST) -m system
 
-# Both tiers (what CI runs).
-test-all: test test-system
+# Both tiers in one run, side by side on the workers (what CI runs).
+test-all: $(VENV)/.test lint
+	$(PY) -m pytest $(XDIST)
 
 # Line and branch coverage of logra_pl/ over both tiers, child processes included: the report in runs/coverage/, the
 # two totals printed last (a change to the tests must not lower them). TESTS=tests/sketch measures a part.
 coverage: $(VENV)/.test
 	rm -rf .coverage .coverage.* runs/coverage
 	mkdir -p runs/coverage
-	$(PY) -m coverage run -m pytest -p no:cacheprovider $(TESTS)
+	$(PY) -m coverage run -m pytest $(XDIST) -p no:cacheprovider $(TESTS)
 	$(PY) -m coverage combine -q
 	$(PY) -m coverage json -q -o runs/coverage/coverage.json
 	$(PY) -m coverage report --skip-covered > runs/coverage/report.txt

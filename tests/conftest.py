@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # Before transformers/huggingface_hub are imported: they read these once, at import.
@@ -11,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
+from helpers.machine import MachineShare
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 # pytest-timeout's default (pyproject.toml) fits the fast tier, so a new slow test there is a decision; a system-tier
@@ -23,6 +26,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("system") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SYSTEM_TIMEOUT_S))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = getattr(config, "workerinput", None)  # set on pytest-xdist's workers only
+    if worker is not None:
+        config.stash[_SHARE] = MachineShare(Path(tempfile.gettempdir()) / f"logra-pl-tests-{worker['testrunuid']}")
+
+
+_SHARE = pytest.StashKey[MachineShare]()
+
+
+@pytest.hookimpl(tryfirst=True, wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Take this test's share of the machine around its whole protocol (module fixtures set up in its setup
+    included), outside pytest-timeout's clock: waiting for another worker's ``cores(2)`` test is not this test's
+    time."""
+    share = item.config.stash.get(_SHARE, None)
+    if share is None:
+        return (yield)
+    marker = item.get_closest_marker("cores")
+    with share.hold(exclusive=marker is not None and marker.args[0] >= 2):
+        return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,6 +25,7 @@ def _ablate(out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)  # two runs at a time (--jobs 2)
 def test_quick_grid_runs_reports_and_resumes(tmp_path: Path) -> None:
     """2 cells x 2 seeds, each its own process: curves, mean ± std, recon cosine, plots; a rerun reuses every run."""
     out = tmp_path / "quick"

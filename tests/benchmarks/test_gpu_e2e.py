@@ -15,7 +15,7 @@ import torch
 
 from logra_pl.models.load import load_policy
 
-pytestmark = pytest.mark.system  # the system tier: make test-system
+pytestmark = [pytest.mark.system, pytest.mark.cores(2)]  # the system tier (make test-system); two jobs: runs alone
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_e2e.py"

@@ -138,6 +138,7 @@ def test_bad_settings(tmp_path: Path) -> None:
 
 
 @pytest.mark.system
+@pytest.mark.cores(2)
 @pytest.mark.slow
 def test_two_fsdp_ranks_gather_and_rank0_writes(tmp_path: Path, tiny_model_dir: Path) -> None:
     """2 gloo ranks (LoGRAStrategy, FSDP2): exports equal the gathered policy and the distributed checkpoint."""

@@ -194,6 +194,7 @@ def test_unreachable_engine_names_its_url() -> None:
     assert time.monotonic() - start < 15
 
 
+@pytest.mark.cores(2)
 def test_two_engines_share_prompts_and_receive_every_update(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``--data-parallel-size 2``: two engines on two ports; full weights through a shared folder."""
     tmp = tmp_path_factory.mktemp("serve-dp2")
@@ -329,6 +330,7 @@ def fits(server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return runs
 
 
+@pytest.mark.cores(2)
 def test_two_fsdp_ranks_on_a_served_engine(fits: dict[str, Path], server: Server) -> None:
     one, two = read_rollouts(fits["one"] / "rollouts"), read_rollouts(fits["two"] / "rollouts")
     assert {r["rank"] for r in two} == {0, 1} and len(one) == len(two) == 5 * 16
@@ -379,6 +381,7 @@ def _node_command(launcher: str, node: int, port: int, args: list[str]) -> tuple
     return [sys.executable, *fit], _fit_env() | slurm
 
 
+@pytest.mark.cores(2)
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(
     fits: dict[str, Path], server: Server, tmp_path: Path, launcher: str
@@ -419,6 +422,7 @@ def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(
     assert max(float((mine[k] - ref[k]).abs().max()) for k in ref) <= 1e-6
 
 
+@pytest.mark.cores(2)
 def test_asynchronous_rollouts_two_fsdp_ranks_equal_one(server: Server, tmp_path: Path) -> None:
     """``rollout.max_staleness: 1`` with PolicySync on one served engine: 2 FSDP ranks (rank 0 sends the changes,
     each rank its own requests, a barrier of the ranks' workers before each change) sample exactly the responses

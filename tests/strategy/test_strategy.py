@@ -13,7 +13,7 @@ from transformers import BertConfig, BertModel
 
 from logra_pl.strategy import LoGRAStrategy, decoder_layers, row_offset
 
-pytestmark = pytest.mark.system  # the system tier: make test-system
+pytestmark = [pytest.mark.system, pytest.mark.cores(2)]  # the system tier (make test-system); 2 ranks: runs alone
 
 RUN = str(Path(__file__).with_name("dp_run.py"))
 
