@@ -18,40 +18,63 @@ pytestmark = [pytest.mark.system, pytest.mark.cores(2)]  # the system tier (make
 RUN = str(Path(__file__).with_name("dp_run.py"))
 
 
-def _run(tmp: Path, devices: int, steps: int, name: str, *extra: str) -> dict:
+def _start(tmp: Path, devices: int, steps: int, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """Launch ``dp_run.py`` (one thread per rank), its output in ``tmp/name.log``."""
     out = tmp / f"{name}.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, RUN, str(devices), str(steps), str(out), *extra],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with (tmp / f"{name}.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, RUN, str(devices), str(steps), str(out), *extra],
+            cwd=tmp,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, out
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> dict:
+    code = proc.wait(timeout=900)
+    assert code == 0, out.with_suffix(".log").read_text(errors="replace")[-3000:]
     return torch.load(out)
+
+
+def _run(tmp: Path, devices: int, steps: int, name: str, *extra: str) -> dict:
+    return _finish(*_start(tmp, devices, steps, name, *extra))
+
+
+def _side_by_side(tmp: Path, *runs: tuple) -> list[dict]:
+    """One-rank runs (one thread each) two at a time: the module's tests hold both cores (``cores(2)``)."""
+    started = [_start(tmp, *run) for run in runs]
+    return [_finish(*s) for s in started]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir) -> dict:
     tmp = tmp_path_factory.mktemp("dp")
     ckpt, ckpt1, dckpt = tmp / "ckpt", tmp / "ckpt1", tmp / "dckpt"
+    budget = ("--loss-menu", "--max-tokens", "70")  # token budgets that pad one rank: the reference pads with it
     out = {
         "two_ac": _run(tmp, 2, 3, "two_ac", "--activation-checkpointing"),
         "two_bf16": _run(tmp, 2, 3, "two_bf16", "--activation-checkpointing", "--param-dtype", "bfloat16"),
         # 7 updates: also what the grouped step's per-matrix reference run is compared with.
         "two7": _run(tmp, 2, 7, "two7", "--ckpt-dir", str(ckpt), "--snapshot-at", "3"),
         "resumed7": _run(tmp, 2, 7, "resumed7", "--ckpt-resume", str(ckpt / "step=3.ckpt")),
-        "one6": _run(tmp, 1, 6, "one6", "--ckpt-dir", str(ckpt1), "--snapshot-at", "3"),
-        "one_resumed6": _run(tmp, 1, 6, "one_resumed6", "--ckpt-resume", str(ckpt1 / "step=3.ckpt")),
         "adamw": _run(tmp, 2, 2, "adamw", "--optimizer", "adamw", "--kl-control"),
-        "adamw_one": _run(tmp, 1, 2, "adamw_one", "--optimizer", "adamw", "--kl-control"),
         "dist6": _run(tmp, 2, 6, "dist6", "--ckpt-dir", str(dckpt), "--distributed-ckpt"),
         "dist_resumed6": _run(
             tmp, 2, 6, "dist_resumed6", "--ckpt-resume", str(dckpt / "step=3.ckpt"), "--distributed-ckpt"
         ),
+        "menu_two": _run(tmp, 2, 3, "menu_two", *budget),
     }
+    out["one6"], out["adamw_one"] = _side_by_side(
+        tmp,
+        (1, 6, "one6", "--ckpt-dir", str(ckpt1), "--snapshot-at", "3"),
+        (1, 2, "adamw_one", "--optimizer", "adamw", "--kl-control"),
+    )
+    out["one_resumed6"], out["menu_one"] = _side_by_side(
+        tmp, (1, 6, "one_resumed6", "--ckpt-resume", str(ckpt1 / "step=3.ckpt")), (1, 3, "menu_one", *budget)
+    )
     # The 3-update runs on 1 and 2 ranks are the longer runs as they stood after update 3 (no runs of their own).
     out["one"], out["two"] = _after_3(out["one6"]), _after_3(out["two7"])
     return out
@@ -183,14 +206,13 @@ def test_persistent_state_halves(runs) -> None:
 
 
 @pytest.fixture(scope="module")
-def menu_runs(tmp_path_factory, tiny_model_dir) -> dict:
+def menu_runs(runs) -> dict:
     """Sequence-mean aggregation and a KL penalty (reference kept with the policy) on 1 and 2 ranks, with a token
     budget per microbatch that makes one rank pad (tests the reference's padded forwards). (The random
     tiny policy of these runs rarely ends a response with EOS, so mask_truncated would mask almost everything; its
-    normalisers' rank invariance is tested in-process: tests/test_loss_menu.py.)"""
-    tmp = tmp_path_factory.mktemp("menu")
-    budget = ("--loss-menu", "--max-tokens", "70")  # token budgets that pad one rank: the reference pads with it
-    return {"one": _run(tmp, 1, 3, "menu_one", *budget), "two": _run(tmp, 2, 3, "menu_two", *budget)}
+    normalisers' rank invariance is tested in-process: tests/test_loss_menu.py.) They are runs of the module's
+    fixture, where the one-rank runs go two at a time."""
+    return {"one": runs["menu_one"], "two": runs["menu_two"]}
 
 
 def test_loss_normalisers_and_the_sharded_reference_are_the_same_on_two_ranks(menu_runs) -> None:
