@@ -113,6 +113,12 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
             auto_configure_optimizers=False,
         )
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate``: Lightning's ``test`` and ``predict`` have no step in this module, so they are not
+        offered (``logra-pl --help`` lists the other verbs)."""
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in _SUBCOMMANDS}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Every run checkpoints: ``checkpoint.*`` configures the :class:`UpdateCheckpoint` added to the Trainer."""
         parser.add_lightning_class_args(UpdateCheckpoint, "checkpoint")
@@ -338,7 +344,7 @@ _NOISE = re.compile(
     r"^(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|Given value:|"
     r"- Expected a <class 'NoneType'>|Parser key \"[^\"]+\":$|- Problem with given class_path '[^']+':$)"
 )
-_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_SUBCOMMANDS = ("fit", "validate")
 MAX_ERROR_LINES = 5
 
 
@@ -355,8 +361,9 @@ def parse_error_lines(message: str, parser: Any = None) -> list[str]:
     """
     lines = _explain(message, parser)
     lines = [f"logra-pl: error: {lines[0]}", *(f"  {line}" for line in lines[1:])][: MAX_ERROR_LINES - 1]
-    help_cmd = " ".join(p for p in ("logra-pl", _subcommand(parser), "--help") if p)
-    lines.append(f"  ({help_cmd} lists every option; LOGRA_PL_TRACEBACK=1 prints jsonargparse's full report)")
+    sub = _subcommand(parser)
+    what = f"logra-pl {sub} --help lists every option" if sub else "logra-pl --help lists the verbs"
+    lines.append(f"  ({what}; LOGRA_PL_TRACEBACK=1 prints jsonargparse's full report)")
     return [_clip(line) for line in lines]
 
 
@@ -532,11 +539,33 @@ def _console() -> None:
         pass
 
 
+# Every verb of ``logra-pl``, one line each: what ``logra-pl`` and ``logra-pl --help`` print.
+VERBS: dict[str, str] = {
+    "fit": "train a policy from a YAML recipe: LoGRA RL, or a dense AdamW / LoRA baseline (configs/README.md)",
+    "validate": "score a policy or a checkpoint on the validation set (pass@1, reward) without training",
+    "serve": "run vLLM rollout engines behind an HTTP API that takes LoGRA factor updates (docs/serving.md)",
+    "plan": "the memory each update method needs for a model, before any run (logra-pl plan --model ...)",
+    "export": "write a checkpoint's policy as a Hugging Face folder, or a GGUF file",
+}
+
+
+def verbs_help() -> str:
+    """The top-level help: usage, the verbs and where each verb's own options are listed."""
+    width = max(map(len, VERBS))
+    lines = ["usage: logra-pl VERB [options]", "", "verbs:"]
+    lines += [f"  {verb:<{width}}  {text}" for verb, text in VERBS.items()]
+    lines += ["", "logra-pl VERB --help lists its options (logra-pl fit --config configs/tiny_cpu.yaml --help)"]
+    return "\n".join(lines)
+
+
 def main(args: list[str] | None = None) -> None:
     """Console-script entry point: LightningCLI subcommands (``fit``, ``validate``), ``plan``, ``export``, ``serve``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # about LightningCLI's internals, not the user
     argv = sys.argv[1:] if args is None else list(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(verbs_help())
+        sys.exit(0 if argv else 2)
     if argv[:1] == ["plan"]:
         from logra_pl.methods.memory_plan import main as plan_main
 

@@ -187,3 +187,37 @@ def test_tokenizer_without_chat_template(tmp_path: Path, tiny_model_dir: Path) -
     module = LoGRAPolicyModule(policy=str(plain))
     with pytest.raises(ValueError, match="has no chat template"):
         module.configure_model()
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+def test_the_top_level_help_lists_every_verb(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == (2 if not argv else 0)  # no verb at all is a usage error
+    text = capsys.readouterr().out
+    listed = [line.split()[0] for line in text.splitlines() if line.startswith("  ")]
+    assert listed == ["fit", "validate", "serve", "plan", "export"]
+    assert "logra-pl VERB --help lists its options" in text
+
+
+def test_verbs_without_a_step_in_this_module_are_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning's ``test`` and ``predict`` would run nothing useful here: refused, naming the verbs there are."""
+    for verb in ("test", "predict"):
+        with pytest.raises(SystemExit):
+            main([verb])
+        err = capsys.readouterr().err
+        assert f"invalid choice: '{verb}' (choose from 'fit', 'validate')" in err
+        assert "logra-pl --help lists the verbs" in err
+
+
+def test_every_serve_flag_has_a_help_text_and_says_its_default() -> None:
+    from logra_pl.rollout.serve.server import serve_parser
+
+    parser = serve_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        text = formatter._get_help_string(action)
+        assert action.help and len(action.help) > 10, action.dest
+        assert "default" in text, (action.dest, text)

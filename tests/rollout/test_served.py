@@ -560,3 +560,26 @@ def test_engine_stays_down_then_resume(server: Server, tmp_path: Path, staleness
     rows = read_rollouts(run / "rollouts")
     assert sorted({r["update"] for r in rows}) == list(range(1, 9))
     json.dumps(rows[:1])  # rows are plain JSON
+
+
+def test_sigterm_stops_the_server_and_its_engine_processes(tmp_path: Path) -> None:
+    """``kill PID`` (what schedulers, ``docker stop`` and Kubernetes send) shuts the server down as Ctrl-C does:
+    exit 0, and no process of its group (vLLM's EngineCore and workers) is left holding memory."""
+    import signal
+
+    srv = Server(tmp_path).start()
+    pid = srv.proc.pid  # its own session: the group id is the pid
+    engines = subprocess.run(["ps", "-o", "pid=", "-g", str(pid)], capture_output=True, text=True).stdout.split()
+    assert len(engines) >= 2  # the server and at least vLLM's engine core
+    os.kill(pid, signal.SIGTERM)  # the server process only, not its group
+    assert srv.proc.wait(timeout=120) == 0, srv.log.read_text()[-3000:]
+    srv.proc = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return  # the group is empty
+        time.sleep(0.5)
+    left = subprocess.run(["ps", "-o", "pid,ppid,args", "-g", str(pid)], capture_output=True, text=True).stdout
+    pytest.fail(f"processes left after SIGTERM:\n{left}")

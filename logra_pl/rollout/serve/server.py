@@ -164,31 +164,71 @@ def _as_flags(values: dict[str, Any]) -> list[str]:
     return out
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ServeSettings:
-    """``logra-pl serve`` flags → :class:`ServeSettings` (``--help`` lists them)."""
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already says it (or there is none to say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: {action.default})"
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The ``logra-pl serve`` flags, each with its help and default (``--help`` lists them)."""
     defaults = ServeSettings()
     p = argparse.ArgumentParser(
         prog="logra-pl serve",
         description="Serve vLLM engines with LoGRA factor sync over HTTP (docs/serving.md).",
+        formatter_class=_DefaultsHelp,
     )
     p.add_argument("--model", default=defaults.model, help="folder | tiny[:preset] | smollm2 | file.gguf | hub id")
     p.add_argument("--dtype", default=defaults.dtype, help="engine dtype: float32 | bfloat16 | float16")
-    p.add_argument("--master-dtype", default=defaults.master_dtype, help="shadow master copy dtype (the trainer's)")
+    p.add_argument(
+        "--master-dtype", default=defaults.master_dtype, help="dtype of the trainer's weights (the shadow master copy)"
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor-parallel ranks per engine")
     p.add_argument("--data-parallel-size", type=int, default=1, help="engines, on ports port..port+D-1")
-    p.add_argument("--host", default=defaults.host, help="bind address (non-loopback needs --api-key)")
+    p.add_argument("--host", default=defaults.host, help="bind address (a non-loopback one needs --api-key)")
     p.add_argument("--port", type=int, default=defaults.port, help="port of the first engine")
-    p.add_argument("--devices", default=None, help="GPU ids split over the engines, e.g. 4,5,6,7")
-    p.add_argument("--api-key", default=None, help=f"token for weight-changing requests (or ${API_KEY_ENV})")
-    p.add_argument("--max-request-mib", type=float, default=defaults.max_request_mib, help="largest request body")
-    p.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache (CPU build)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + response limit")
-    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    p.add_argument("--sync-mode", default="auto", help="auto | inplace | shadow")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
-    ns = p.parse_args(argv)
+    p.add_argument("--devices", default=None, help="GPU ids split over the engines, e.g. 4,5,6,7 (default: all)")
+    p.add_argument(
+        "--api-key", default=None, help=f"token for weight-changing requests (default: ${API_KEY_ENV}, else none)"
+    )
+    p.add_argument(
+        "--max-request-mib", type=float, default=defaults.max_request_mib, help="largest request body accepted"
+    )
+    p.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache (the CPU build only)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=defaults.gpu_memory_utilization,
+        help="share of each GPU's memory vLLM may take (weights, KV cache)",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + response limit (default: the model's)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=defaults.max_num_seqs, help="sequences an engine decodes at once"
+    )
+    p.add_argument(
+        "--sync-mode",
+        default="auto",
+        help="shadow: a master copy in --master-dtype takes the updates and the engine gets its cast (exact "
+        "against the trainer); inplace: the engine's own weights take them (no copy; in bf16 they drift from the "
+        "trainer's); auto: shadow on CPU, inplace on a GPU",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="no CUDA graphs or torch.compile (faster start; the only mode on CPU)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServeSettings:
+    """``logra-pl serve`` flags → :class:`ServeSettings`."""
+    ns = serve_parser().parse_args(argv)
     return ServeSettings(**{k: v for k, v in vars(ns).items()})
 
 
@@ -200,6 +240,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = settings.device_groups()
     if groups[0] is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = groups[0]
+    # SIGTERM (kill, scancel, docker stop, Kubernetes) stops the server as Ctrl-C does. uvicorn catches both while it
+    # serves and, once shut down, raises the signal again under the handler it found: with Python's default for
+    # SIGTERM the process would die right there, before vLLM's engine client shuts its engine processes down
+    # (orphaned EngineCore and workers, holding their memory). This handler turns it into the KeyboardInterrupt that
+    # unwinds through the client's shutdown.
+    signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve_engine(settings))
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as KeyboardInterrupt: the engine is shut down on the way out."""
+    raise KeyboardInterrupt(f"signal {signum}")
