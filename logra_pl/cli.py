@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,6 +30,7 @@ import yaml
 from jsonargparse import get_loader, set_loader
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from logra_pl._graveyard.losses import translate_config
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
@@ -588,6 +590,11 @@ def main(args: list[str] | None = None) -> None:
     cli: LoGRACLI | None = None
     try:
         cli = LoGRACLI(args=args)
+    except SIGTERMException:
+        # A scheduler's preemption: the update in progress finished and last.ckpt holds it (UpdateCheckpoint).
+        # 128 + SIGTERM, as a process killed by it would report: the job did not finish, and says why.
+        print("logra-pl: stopped: SIGTERM; resume with the same command and --ckpt_path last", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except LoGRAError as err:
         kind = "stopped" if isinstance(err, PolicyDivergedError | VerifierFailedError) else "error"
         print(f"logra-pl: {kind}: {err}", file=sys.stderr)

@@ -35,12 +35,15 @@ FAST = [
 ]
 
 
-def _cli(save_dir: Path, *extra: str, kill_at: int | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(
+    save_dir: Path, *extra: str, kill_at: int | None = None, signum: str = "SIGKILL"
+) -> subprocess.CompletedProcess[str]:
     """``logra-pl fit`` in a child process (so it can be killed for real)."""
     args = [sys.executable, "-m", "logra_pl.cli", "fit", f"--config={CONFIG}", *FAST]
     args += [f"--trainer.logger.init_args.save_dir={save_dir}", *extra]
     if kill_at is not None:
         args += ["--trainer.callbacks+=tests.helpers.kill.KillAt", f"--trainer.callbacks.update={kill_at}"]
+        args += [f"--trainer.callbacks.signum={signum}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -91,6 +94,34 @@ def test_kill9_before_first_validation_then_resume_last_is_bitwise(tmp_path: Pat
     assert "KL calibration over 8 updates" in resumed.stderr + resumed.stdout
     assert not list(run.glob("checkpoints/.*tmp*"))  # no temp file of an interrupted write
     assert "not resumable" not in resumed.stderr  # the prompt loader is resumable, and Lightning knows it
+
+
+@pytest.mark.system
+@pytest.mark.slow
+def test_sigterm_saves_the_finished_update_exits_143_then_resume_last_is_bitwise(
+    tmp_path: Path, straight_run: Path
+) -> None:
+    """A scheduler's SIGTERM during update 6 (checkpoints every 4): the update finishes, ``last.ckpt`` holds update 6
+    (not 4: nothing is lost), the exit status is 143 (the job did not finish), and the resumed run ends where the
+    uninterrupted one ends, bit for bit."""
+    stopped = _cli(tmp_path, "--trainer.max_steps=8", kill_at=6, signum="SIGTERM")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "SIGTERM: stopped after update 6" in stopped.stderr
+    assert "resume with the same command and --ckpt_path last" in stopped.stderr
+    run = tmp_path / "tiny_cpu" / "version_0"
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert not list(run.glob("checkpoints/.*tmp*"))
+
+    resumed = _cli(tmp_path, "--trainer.max_steps=8", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    mine = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    ref = torch.load(straight_run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert mine["global_step"] == ref["global_step"] == 8
+    for key, value in ref["state_dict"].items():
+        assert torch.equal(mine["state_dict"][key], value), key
+    for name, v in ref["optimizer_states"][0]["logra"]["row_stats"].items():
+        assert torch.equal(mine["optimizer_states"][0]["logra"]["row_stats"][name], v), name
+    assert _scalars(run, "train/reward_mean") == _scalars(straight_run, "train/reward_mean")
 
 
 def _straight_killed_resumed(

@@ -9,7 +9,13 @@ matter for RL runs, and are handled here:
 - a checkpoint is written to a temporary file in the same folder, flushed to disk and renamed over the old one
   (:class:`AtomicCheckpointIO`), so a kill mid-write leaves the previous checkpoint intact — Lightning's own
   writer stages the whole checkpoint in memory and in the system temp folder, where a kill leaves it behind;
-- weights that are not finite are never saved: the last checkpoint stays the last good one.
+- weights that are not finite are never saved: the last checkpoint stays the last good one;
+- SIGTERM (what schedulers send before they kill a preempted job): the update in progress finishes, every rank
+  stops after the same update, and ``last.ckpt`` is saved there, so the run resumes from it with
+  ``--ckpt_path last`` (``logra-pl fit`` then exits with 143, not 0: the job did not finish). The signal handler
+  only notes the signal; the ranks agree on it at the end of each update with one all-reduce of a flag. (Lightning's
+  own handler broadcasts from inside the signal handler, wherever the signal lands: a rank interrupted before a
+  collective that another rank is already in pairs the wrong calls, and the run hangs.)
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,6 +33,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from logra_pl.errors import ConfigError, check_int
@@ -139,6 +148,8 @@ class UpdateCheckpoint(ModelCheckpoint):
         self.every_n_updates = every_n_updates
         self.at_end = at_end
         self.refused = 0
+        self.preempted_at: int | None = None  # the update after which SIGTERM stopped the run (saved there)
+        self._sigterm = False  # this process received SIGTERM; the ranks agree on it at an update's end
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -148,15 +159,30 @@ class UpdateCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self.dirpath:
             sweep_stale_temps(self.dirpath)
 
+    def _note_sigterm(self, trainer: pl.Trainer, signum: int) -> None:
+        """The SIGTERM handler: note it (and pass it on to ranks this process launched); no collective here."""
+        if not self._sigterm:
+            log.info("rank %d: received SIGTERM: stopping after the update in progress", trainer.global_rank)
+            compat.forward_signal_to_launched_ranks(trainer, signum)
+        self._sigterm = True
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A resumed run starts from a checkpoint of this very step: the next save is at the next multiple.
         compat.set_last_saved_step(self, max(compat.last_saved_step(self), trainer.global_step))
+        if threading.current_thread() is threading.main_thread():
+            # Replaces the handler Lightning registered for this run (it restores the original at the run's end).
+            signal.signal(signal.SIGTERM, lambda signum, _frame: self._note_sigterm(trainer, signum))
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        stop = self._sigterm
+        if trainer.world_size > 1:  # a SIGTERM on any rank stops every rank after this update
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
+            compat.set_received_sigterm(trainer)
         n = self.every_n_updates
         if n < 1 or compat.skips_saving(self, trainer):
             return
@@ -176,6 +202,21 @@ class UpdateCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.at_end and not compat.skips_saving(self, trainer):
             self.save_now(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """SIGTERM stopped the run after a finished update (every rank at the same one): save it as ``last.ckpt``."""
+        if not isinstance(exception, SIGTERMException):
+            return
+        self.preempted_at = trainer.global_step
+        if not compat.skips_saving(self, trainer):  # unless this very update was just saved
+            self.save_now(trainer, pl_module)
+        if trainer.is_global_zero:
+            log.warning(
+                "SIGTERM: stopped after update %d, saved in %s; resume with the same command and --ckpt_path last",
+                trainer.global_step,
+                self.last_model_path or self.dirpath,
+            )
 
     def save_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Save ``last.ckpt`` (and a numbered one with ``save_top_k``) unless a weight is not finite."""

@@ -283,6 +283,20 @@ def set_last_saved_step(callback: Any, step: int) -> None:
     callback._last_global_step_saved = step
 
 
+def forward_signal_to_launched_ranks(trainer: Any, signum: int) -> None:
+    """Pass a signal on to the rank processes Lightning itself started (its subprocess launcher on rank 0), as
+    Lightning's own SIGTERM handler does (2.6.6: ``_SignalConnector._sigterm_notifier_fn``)."""
+    launcher = trainer.strategy.launcher
+    if launcher is not None:
+        launcher.kill(signum)
+
+
+def set_received_sigterm(trainer: Any) -> None:
+    """Mark the run as stopping after this update: Lightning's loops raise ``SIGTERMException`` at the update's end
+    (2.6.6: ``_SignalConnector.received_sigterm``, read by ``Trainer.received_sigterm``)."""
+    trainer._signal_connector.received_sigterm = True
+
+
 def skips_saving(callback: Any, trainer: Any) -> bool:
     """Whether a ModelCheckpoint would not save now: fast_dev_run, sanity check, not fitting, or already saved at
     this step (``_should_skip_saving_checkpoint``, 2.6.6)."""

@@ -10,7 +10,9 @@ controller's history).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -18,9 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from logra_pl.callbacks import BudgetSchedule, HFExport, PredictedKLControl
+from logra_pl.callbacks import BudgetSchedule, HFExport, PredictedKLControl, UpdateCheckpoint
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.losses import ReinforceTIS
 from logra_pl.methods.adamw import AdamWConfig
@@ -85,6 +88,18 @@ class Record(pl.Callback):
             self.rows.append((ctx.update_index, ctx.items[i]["question"], resp))
 
 
+class SigtermAt(pl.Callback):
+    """Send SIGTERM to this process at the end of update ``update`` on rank ``rank`` only (a scheduler's signal that
+    reached one rank first)."""
+
+    def __init__(self, update: int, rank: int) -> None:
+        self.update, self.rank = update, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.update:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("devices", type=int)
@@ -105,6 +120,9 @@ def main() -> None:
         action="store_true",
         help="sequence-mean aggregation and a k3 KL penalty to a reference kept with the policy (sharded)",
     )
+    parser.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM after this update (on --sigterm-rank)")
+    parser.add_argument("--sigterm-rank", type=int, default=1)
+    parser.add_argument("--preempt-dir", default=None, help="UpdateCheckpoint's folder (saves on SIGTERM)")
     parser.add_argument(
         "--per-matrix", action="store_true", help="LoGRA's step one matrix at a time (the reference, not the grouped)"
     )
@@ -139,6 +157,8 @@ def main() -> None:
     kl = PredictedKLControl(BudgetSchedule("constant", delta_max=1e-4), calibrate=True) if args.kl_control else None
     if kl is not None:
         callbacks.append(kl)
+    if args.sigterm_at is not None:
+        callbacks += [SigtermAt(args.sigterm_at, args.sigterm_rank), UpdateCheckpoint(0, dirpath=args.preempt_dir)]
     snapshot = Snapshot(args.snapshot_at, counter) if args.snapshot_at else None
     if snapshot is not None:
         callbacks.append(snapshot)
@@ -152,13 +172,19 @@ def main() -> None:
             param_dtype=args.param_dtype,
         ),
         logger=False,
-        enable_checkpointing=bool(args.ckpt_dir),
+        enable_checkpointing=bool(args.ckpt_dir or args.preempt_dir),
         enable_progress_bar=False,
         limit_val_batches=0,
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_resume)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_resume)
+    except SIGTERMException:  # each rank says where it stopped (the process group is gone: no gather)
+        stopped = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+        with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
+            json.dump(stopped, f)
+        raise SystemExit(143) from None
     state = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rows, padded = [None] * trainer.world_size, [None] * trainer.world_size
     torch.distributed.all_gather_object(rows, record.rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -237,6 +238,19 @@ def _initial() -> dict[str, torch.Tensor]:
 
     model, _ = load_policy("tiny")
     return dict(model.state_dict())
+
+
+def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_update(tmp_path: Path) -> None:
+    """SIGTERM reaches rank 1 only, after update 2: both ranks stop after update 2 (no hang in the next collective),
+    the checkpoint holds update 2 and the run exits with 143."""
+    out, folder = tmp_path / "preempted.pt", tmp_path / "preempt"
+    args = ("--sigterm-at", "2", "--sigterm-rank", "1", "--preempt-dir", str(folder))
+    proc, _ = _start(tmp_path, 2, 5, "preempted", *args)
+    assert proc.wait(timeout=900) == 143, (tmp_path / "preempted.log").read_text(errors="replace")[-3000:]
+    for rank in (0, 1):
+        stopped = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert stopped == {"rank": rank, "global_step": 2}
+    assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
 def test_bad_input() -> None:
