@@ -22,7 +22,7 @@ Grids (``default`` reproduces the paper's ablations; a cell shared by several co
 - optimizer: LoGRA / dense AdamW / LoRA at LoGRA's rank (the paper's claim: LoGRA learns about as well as AdamW).
 
 ``quick`` is a 2-cell, 2-seed smoke version for the test suite; ``demo`` is the README's demo (LoGRA vs dense AdamW
-at the configs' own length) over seeds 0-4.
+at the configs' own length) over seeds 0-4 (its table: docs/benchmarks.md).
 
 ``parity`` (``benchmarks/parity.py``, whose docstring has the whole protocol) is the fair comparison the optimizer
 cells above are not: the paper's LoGRA, LoGRA with the levers of ``configs/overlays/logra_levers.yaml``, dense
@@ -40,7 +40,8 @@ updates per run is chosen from measured per-update costs of this harness on a 2-
 whole grid fits the budget; ``--updates`` sets it directly. Output in ``<out>``: ``results.json`` (every run's
 curves and numbers, the per-cell mean ± std), ``results.md`` (the table and the findings, with the numbers) and PNG
 plots: pass@1 vs rank, reconstruction cosine vs rank with the √(r/d_in) reference, reward curves with a seed band
-(LoGRA vs AdamW vs LoRA), realized vs predicted KL. ``--figures DIR`` also copies the plots there (the README's).
+(LoGRA vs AdamW vs LoRA), realized vs predicted KL. ``--figures DIR`` also copies the plots there
+(docs/benchmarks.md shows them).
 """
 
 from __future__ import annotations

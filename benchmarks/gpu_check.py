@@ -18,7 +18,7 @@ The optimizers:
 - ``logra``: ``LoGRASketcher`` with ``LoGRAConfig(rank=256)`` (refreshed Rademacher projections, RowAdam),
   frozen base weights, ``propose()`` + ``apply()`` after the backward.
 
-Run it on a GPU machine (about 1 minute on one H200, measured; README "On a GPU" has the numbers)::
+Run it on a GPU machine (about 1 minute on one H200, measured; docs/benchmarks.md "On a GPU" has the numbers)::
 
     python benchmarks/gpu_check.py [--json out.json] [--updates 3] [--adamw-all] [--models 1.5b,7b]
 

@@ -36,7 +36,7 @@ fused backward kernels (memory-efficient and flash attention) accumulate the que
 order varies from run to run; the eager path (matmul, softmax) has no such reduction, and neither has anything else on
 this path (the gathers of sampled-token log-probs touch one element per row). ``--attn sdpa`` runs the fused kernels.
 
-On a lent GPU machine without network (torch, transformers, lightning, peft, tensorboard installed; README "On a
+On a GPU machine without network (torch, transformers, lightning, peft, tensorboard installed; docs/benchmarks.md "On a
 GPU"), from the checkout's root::
 
     python benchmarks/gpu_wheels.py --out .whl    # HERE, with network: the wheels of what that image lacks (~12 MiB)

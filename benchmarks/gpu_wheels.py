@@ -1,13 +1,13 @@
 """The wheels ``benchmarks/gpu_e2e.py`` needs on a GPU machine without network: what logra-pl needs and its image lacks.
 
-A lent GPU machine (the project's H200: see README "On a GPU") has torch, transformers, lightning, peft, tensorboard,
-matplotlib and many other packages, but no network. logra-pl's other requirements (reasoning-gym and its puzzle
-libraries, jsonargparse, pebble, math-verify, datasets, ...) travel with the checkout as a folder of wheels. This script
-builds that folder on a machine with network:
+A GPU machine without network (one H200 was measured: docs/benchmarks.md "On a GPU") has torch, transformers, lightning,
+peft, tensorboard, matplotlib and many other packages, but no network. logra-pl's other requirements (reasoning-gym and
+its puzzle libraries, jsonargparse, pebble, math-verify, datasets, ...) travel with the checkout as a folder of wheels.
+This script builds that folder on a machine with network:
 
 1. It walks logra-pl's requirements (``pyproject.toml``'s ``[project].dependencies``, extras included), evaluating
    markers for the target interpreter (``--python-version``, Linux x86-64), and stops at every distribution the target
-   image already has (``--have``: a ``pip list``/``pip freeze`` of the target, or this script's list of the lent
+   image already has (``--have``: a ``pip list``/``pip freeze`` of the target, or this script's list of the measured
    H200 image). Each distribution it keeps is pinned to the version installed *here*, the version the tests ran with.
 2. ``pip download --no-deps --only-binary=:all:`` fetches those pins as wheels for the target platform; a
    distribution published only as a source archive is built here with ``pip wheel --no-deps`` (pure Python ones only:
@@ -15,7 +15,7 @@ builds that folder on a machine with network:
 3. It writes ``requirements.txt`` (the pins) beside the wheels and refuses a folder over ``--max-mib`` (the device
    tool carries at most 64 MiB of working tree per call).
 
-Run here, from the checkout's root, then install there without network (``README.md``, "On a GPU")::
+Run here, from the checkout's root, then install there without network (docs/benchmarks.md, "On a GPU")::
 
     python benchmarks/gpu_wheels.py --out .whl            # needs network and logra-pl's dependencies installed here
     python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation --find-links .whl \\
@@ -44,7 +44,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024**2
 
-# The Python distributions of the lent H200 image ('cuda'), as the device tool's notes listed them on 2026-11-17. Only
+# The Python distributions of the measured H200 image ('cuda'), as listed on 2026-11-17. Only
 # names matter: a distribution listed here is taken from the image, whatever its version there.
 H200_IMAGE = """  # whitespace-separated
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
@@ -186,7 +186,7 @@ def download(pins: dict[str, str], out: Path, python_version: str) -> tuple[list
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".whl", help="wheel folder to write (default .whl, ignored by git)")
-    parser.add_argument("--have", default=None, help="pip list/freeze of the target; default: the lent H200 image")
+    parser.add_argument("--have", default=None, help="pip list/freeze of the target; default: the measured H200 image")
     parser.add_argument("--python-version", default="3.12", help="target interpreter (default 3.12: the H200 image)")
     parser.add_argument("--max-mib", type=float, default=48.0, help="refuse a folder larger than this (default 48)")
     parser.add_argument("--dry-run", action="store_true", help="print the pins, download nothing")

@@ -863,7 +863,7 @@ def _pm(stat: dict | None, digits: int = 3, signed: bool = False, sci: bool = Fa
 
 
 def report_table(report: dict) -> str:
-    """The README-ready table: per method at its chosen setting, mean ± std over the report seeds."""
+    """The report table (docs/benchmarks.md): per method at its chosen setting, mean ± std over the report seeds."""
     methods = report["methods"]
     adamw = methods.get("adamw")
     g_a, s_a = _mean_of(adamw, "reward_gain"), _mean_of(adamw, "training_state_bytes")

