@@ -426,6 +426,11 @@ def _unknown_option(prefix: str, option: str, valid: list[str], class_path: str)
     lines = [f"unknown option {where!r}{_did_you_mean(option, valid, prefix)}"]
     if valid:
         lines.append(_listing(f"{prefix} ({class_path}) takes" if prefix else f"{class_path} takes", valid))
+    if option == "kind" and prefix in ("model.loss", "model.baseline"):  # the old {kind: ...} sections
+        from logra_pl.losses import AdvantageBaseline, Loss
+
+        menu = (Loss if prefix == "model.loss" else AdvantageBaseline).registry.names
+        lines.insert(1, f"{prefix}.kind is the old form: write --{prefix} <name>, one of {', '.join(menu)}")
     return lines
 
 

@@ -120,6 +120,26 @@ def test_mistyped_key_names_the_nearest_valid_one(capsys: pytest.CaptureFixture[
     assert "LoGRAConfig" in lines[1] and "rank" in lines[1]
 
 
+def test_the_old_kind_keys_name_every_loss_and_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model.loss.kind gspo`` (the natural guess from old configs) names the form to write and every loss; a
+    YAML file's old ``loss: {kind: gspo}`` section names every loss with its class path and the overlays."""
+    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.loss.kind", "gspo")
+    menu = "one of reinforce_tis, ppo, gspo, cispo"
+    assert f"model.loss.kind is the old form: write --model.loss <name>, {menu}" in lines[1]
+    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.baseline.kind", "group")
+    assert "write --model.baseline <name>, one of running, group, rloo" in lines[1]
+
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  loss:\n    kind: gspo\n")
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={CONFIG}", f"--config={old}", "--print_config"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "--model.loss gspo" in err and "gspo (logra_pl.losses.GSPO)" in err
+    assert "cispo (logra_pl.losses.CISPO)" in err
+    assert "configs/overlays/" in err
+
+
 def test_mistyped_key_in_a_yaml_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     overlay = tmp_path / "typo.yaml"
     overlay.write_text("trainer:\n  max_stpes: 4\nmodel:\n  lgora:\n    rank: 4\n")

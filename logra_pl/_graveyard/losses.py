@@ -96,9 +96,13 @@ def resolve_loss(kind: str) -> LossSpec:
     spec = import_dotted(kind, "loss.kind")
     if isinstance(spec, LossSpec):
         return _register(kind, spec)
+    menu = Loss.registry.names
+    choices = ", ".join(f"{name} ({cls.__module__.rpartition('.')[0]}.{cls.__name__})" for name, cls in menu.items())
+    suggest = f"--model.loss {kind}" if kind in menu else "--model.loss <name>"
     raise ConfigError(
-        f"unknown loss.kind {kind!r}: use one of {sorted(LOSSES)}, or the dotted path of a LossSpec "
-        "(e.g. my_package.losses.MY_LOSS); losses are now chosen by class_path (logra_pl.losses.PPOClip)"
+        f"unknown loss.kind {kind!r}: the old loss.kind section knows only {sorted(LOSSES)}. Losses are chosen by "
+        f"name or class_path now: {suggest}, one of {choices}, or your own Loss subclass by its class_path; "
+        "configs/overlays/ has one overlay per loss (gspo.yaml, cispo.yaml, dr_grpo.yaml, ...)"
     )
 
 
