@@ -346,6 +346,8 @@ _NOISE = re.compile(
     r"^(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|Given value:|"
     r"- Expected a <class 'NoneType'>|Parser key \"[^\"]+\":$|- Problem with given class_path '[^']+':$)"
 )
+_NOT_PROTOCOL = re.compile(r"does not implement protocol (\w+)")
+_PATH_GIVEN = re.compile(r"Expected a path but (\S+) either not accessible or invalid")
 _SUBCOMMANDS = ("fit", "validate")
 MAX_ERROR_LINES = 5
 
@@ -402,12 +404,53 @@ def _explain(message: str, parser: Any) -> list[str]:
             f"{where}: a short name ({found.group(1)}) takes no arguments: name the class instead "
             f"(--{where} CLASS --{where}.ARG VALUE), or write {what}: {{class_path: CLASS, init_args: {{...}}}}"
         ]
+    if (found := _NOT_PROTOCOL.search(message)) is not None and (path := _PATH_GIVEN.search(message)) is not None:
+        return [f"{where}: {_protocol_mismatch(path.group(1), found.group(1))}"]
     for class_path in _CLASS_PATH.findall(message):
         failure = _import_failure(class_path)
         if failure is not None:
             return [f"{key or 'class_path'}: class_path {class_path!r} cannot be imported ({failure})"]
     reasons = _reasons(message)
     return [f"{where}: {reasons[0]}" if where else reasons[0], *reasons[1:]] if reasons else [message]
+
+
+# The plug-in contracts a config's class_path is checked against (protocols), by the name jsonargparse reports.
+_PROTOCOLS = {"Environment": "logra_pl.envs.base.Environment", "Verifier": "logra_pl.rewards.base.Verifier"}
+
+
+def _protocol_mismatch(class_path: str, protocol: str) -> str:
+    """Why ``class_path`` does not meet ``protocol``: the methods it lacks, or those it cannot be called as."""
+    import inspect
+
+    failure = _import_failure(class_path)
+    if failure is not None or protocol not in _PROTOCOLS:
+        return f"{class_path} does not implement {protocol}" + (f" ({failure})" if failure else "")
+    cls = _import(class_path)
+    module, _, name = _PROTOCOLS[protocol].rpartition(".")
+    proto = getattr(importlib.import_module(module), name)
+    problems = []
+    for member, fn in vars(proto).items():
+        if not inspect.isfunction(fn) or (member.startswith("_") and member != "__call__"):
+            continue
+        wanted = [p for p in inspect.signature(fn).parameters if p != "self"]
+        call = f"{'' if member == '__call__' else member}({', '.join(wanted)})"
+        method = getattr(cls, member, None)
+        if not callable(method):
+            problems.append(f"it has no {member} method (called as {call})")
+            continue
+        try:
+            inspect.signature(method).bind(None, *wanted)
+        except TypeError:
+            problems.append(f"its {member}{inspect.signature(method)} cannot be called as {call}")
+        except ValueError:
+            continue
+    detail = "; ".join(problems) or "its methods do not match the contract"
+    return f"{class_path} is not an {protocol}: {detail} (the contract: {_PROTOCOLS[protocol]})"
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _reasons(message: str) -> list[str]:

@@ -241,3 +241,56 @@ def test_every_serve_flag_has_a_help_text_and_says_its_default() -> None:
         text = formatter._get_help_string(action)
         assert action.help and len(action.help) > 10, action.dest
         assert "default" in text, (action.dest, text)
+
+
+PLUGINS = """
+from logra_pl.envs.base import Turn
+
+
+class Guess:  # plain methods, no annotations, its own parameter names
+    max_turns = 2
+
+    def start(self, item):
+        return list(item["messages"])
+
+    def step(self, item, history):
+        return Turn(reward=0.0, done=True)
+
+
+class Score:
+    def __call__(self, text, item):
+        return 1.0
+
+
+class NoStep:
+    max_turns = 2
+
+    def start(self, item):
+        return list(item["messages"])
+
+
+class ShortStep(NoStep):
+    def step(self, item):
+        return None
+"""
+
+
+def test_an_environment_and_a_verifier_without_annotations_are_accepted_and_a_broken_one_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any class with the contract's methods is accepted by class_path (nothing to subclass, no type hints to copy);
+    one that lacks a method, or cannot be called as the contract calls it, gets one line naming what is wrong."""
+    (tmp_path / "myplugins.py").write_text(PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as info:
+        main(["fit", f"--config={CONFIG}", "--model.env=myplugins.Guess", "--model.verifier=myplugins.Score",
+              "--print_config"])  # fmt: skip
+    assert info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "class_path: myplugins.Guess" in out and "class_path: myplugins.Score" in out
+
+    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.env=myplugins.NoStep")
+    assert "model.env: myplugins.NoStep is not an Environment: it has no step method" in lines[0]
+    assert "called as step(item, messages)" in lines[0]
+    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.env=myplugins.ShortStep")
+    assert "its step(self, item) cannot be called as step(item, messages)" in lines[0]

@@ -14,7 +14,7 @@ tool, a sandbox) goes to worker processes with a time limit (:class:`~logra_pl.e
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,15 +74,20 @@ class Environment(Protocol):
       able to write the tool-call format.
 
     (``max_turns`` is read from the instance and checked by :func:`check_environment`; it is not declared here, so
-    that a configuration's ``class_path`` is matched against the methods alone, as jsonargparse matches protocols.)
+    that a configuration's ``class_path`` is matched against the methods alone, as jsonargparse matches protocols.
+    The methods are declared with ``Any`` and positional-only parameters for the same reason: jsonargparse accepts a
+    class for a protocol only when its annotations equal the protocol's, so an environment written with plain
+    ``def step(self, item, messages)``, other parameter names, or narrower types is accepted; the types are the
+    ones above: ``start(item: Mapping) -> list[Message]``, ``step(item: Mapping, messages: Sequence[Message]) ->
+    Turn``.)
     """
 
-    def start(self, item: Mapping[str, Any]) -> list[Message]:
-        """The conversation's first messages."""
+    def start(self, item: Any, /) -> Any:
+        """The conversation's first messages (``list[Message]``)."""
         ...
 
-    def step(self, item: Mapping[str, Any], messages: Sequence[Message]) -> Turn:
-        """The environment's answer to the policy's last reply (``messages[-1]``)."""
+    def step(self, item: Any, messages: Any, /) -> Any:
+        """The environment's answer to the policy's last reply (``messages[-1]``): a :class:`Turn`."""
         ...
 
 
