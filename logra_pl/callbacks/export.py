@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from logra_pl.runs.export import as_dtype, remove_policy_folder, save_policy_folder
-from logra_pl.train.view import PolicyModuleView
+from logra_pl.train.view import require_view
 
 _PERIODIC = re.compile(r"update-(\d+)")
 
@@ -59,8 +59,7 @@ class HFExport(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not isinstance(pl_module, PolicyModuleView):
-            raise TypeError("HFExport works with a policy module (LoGRAPolicyModule, or a PolicyModuleView of yours)")
+        require_view(pl_module, "HFExport")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -16,7 +16,7 @@ from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.runtime import compat
 from logra_pl.runtime.ranks import all_reduce_sum
 from logra_pl.sketch.probe import ProbeMode, predicted_kl_terms, realized_kl_terms
-from logra_pl.train.view import view_of
+from logra_pl.train.view import require_view, view_of
 
 
 @dataclass
@@ -198,9 +198,10 @@ class PredictedKLControl(pl.Callback):
     # ------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Say before training when the run's update method makes no proposals (the callback would do nothing)."""
-        view = view_of(pl_module)
-        method = view.method if view is not None else None
+        """Refuse a module without the policy contract, and say before training when the run's update method makes
+        no proposals (either way the callback would do nothing)."""
+        view = require_view(pl_module, "PredictedKLControl")
+        method = view.method
         if stage == "fit" and method is not None and not getattr(method, "makes_proposals", False):
             rank_zero_warn(
                 f"PredictedKLControl: the update method {getattr(method, 'name', '?')!r} ({type(method).__name__}) "

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from logra_pl.sketch.memory import MemoryReport
+from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.train.view import view_of
 
 STATE_KINDS = [f.name for f in fields(MemoryReport) if f.name != "dense_gradient_equivalent"]
@@ -150,7 +150,11 @@ class MemoryMonitor(pl.Callback):
         """Training state by kind from the module's policy, optimizer and sketcher (and its reference policy, when
         the module counts one: ``state_memory``)."""
         state_memory = getattr(pl_module, "state_memory", None)
-        return state_memory() if callable(state_memory) else pl_module.method.memory(pl_module.policy)
+        if callable(state_memory):
+            return state_memory()
+        if view_of(pl_module) is not None:
+            return pl_module.method.memory(pl_module.policy)
+        return memory_report(pl_module, optimizer=_optimizer(pl_module))  # any module: its parameters and optimizer
 
     @override
     def on_train_batch_end(
@@ -210,3 +214,10 @@ class MemoryMonitor(pl.Callback):
         buf = io.BytesIO()
         self.figure().savefig(buf, format="png")
         return buf.getvalue()
+
+
+def _optimizer(pl_module: Any) -> torch.optim.Optimizer | None:
+    """A plain Lightning module's (first) optimizer, unwrapped from Lightning's wrapper; None before one exists."""
+    trainer = getattr(pl_module, "_trainer", None)
+    optimizers = trainer.optimizers if trainer is not None else []
+    return optimizers[0] if optimizers else None

