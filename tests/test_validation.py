@@ -89,3 +89,15 @@ def test_greedy_training_warns(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="logra_pl")
     RolloutSettings(temperature=0.0)
     assert "training samples greedily" in caplog.text
+
+
+def test_a_response_length_beyond_the_engines_context_is_refused_before_the_first_update(tmp_path, rl_run) -> None:
+    """Known once the policy and its engine are loaded (tiny: 1,024 positions): one message, no update run."""
+    from logra_pl.errors import ConfigError
+    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
+
+    module = LoGRAPolicyModule(policy="tiny", rollout=RolloutSettings(max_new_tokens=5000))
+    with pytest.raises(ConfigError, match=r"max_new_tokens=5000 leaves no room .* context of 1024 tokens") as info:
+        rl_run(module, tmp_path, 2)
+    assert "lower model.rollout.max_new_tokens" in str(info.value)
+    assert module.step_context is None  # no update began

@@ -21,7 +21,7 @@ import torch
 
 from logra_pl.data.schema import prompt_key
 from logra_pl.envs.episodes import Episodes, episode_metrics, episode_scores, run_episodes
-from logra_pl.errors import PolicyDivergedError
+from logra_pl.errors import ConfigError, PolicyDivergedError
 from logra_pl.rewards.failures import FailurePolicy, Scores, merge_scores, verifier_label
 from logra_pl.rollout.base import Rollout, SamplingConfig
 from logra_pl.runtime.ranks import Ranks
@@ -92,6 +92,7 @@ class Sampler:
         seed: int = 0,
         env: Any = None,
     ) -> None:
+        check_context(settings, link.engine)
         self.link, self.tokenizer, self.settings = link, tokenizer, settings
         self.scorer, self.failures, self.verifier = scorer, failures, verifier
         self.ranks, self.seed, self.env = ranks, seed, env
@@ -260,3 +261,14 @@ class Sampler:
         prompts, engine = self.encode(items), self.link.engine
         keys = [prompt_key(it) for it in items]
         return keys, lambda: engine.generate(prompts, sampling, prompt_seeds=seeds)
+
+
+def check_context(settings: RolloutSettings, engine: Any) -> None:
+    """Refuse, before the first update, a response length the engine's context cannot hold with any prompt (known
+    once the policy and its engine are loaded; each batch's prompts are checked again as they come)."""
+    limit = getattr(engine, "context_limit", None)
+    if limit is not None and settings.max_new_tokens >= limit:
+        raise ConfigError(
+            f"rollout.max_new_tokens={settings.max_new_tokens} leaves no room for a prompt in the engine's context "
+            f"of {limit} tokens (the model's, or the engine's max_model_len): lower model.rollout.max_new_tokens"
+        )
