@@ -59,9 +59,8 @@ test: $(VENV)/.test lint
 test-system: $(VENV)/.test
 	$(PY) -m pytest $(XDIST) -m system
 
-# Both tiers in one run, side by side on the workers (what CI runs).
-test-all: $(VENV)/.test lint
-	$(PY) -m pytest $(XDIST)
+# Both tiers, the fast one first (what CI runs): each prints its own total and slowest tests.
+test-all: test test-system
 
 # Line and branch coverage of logra_pl/ over both tiers, child processes included: the report in runs/coverage/, the
 # two totals printed last (a change to the tests must not lower them). TESTS=tests/sketch measures a part.
