@@ -35,7 +35,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from logra_pl._graveyard.losses import translate_config
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
 from logra_pl.data import ReasoningGymDataModule
-from logra_pl.errors import ConfigError, LoGRAError, PolicyDivergedError, VerifierFailedError
+from logra_pl.errors import (
+    ConfigError,
+    EnvironmentFailedError,
+    LoGRAError,
+    PolicyDivergedError,
+    VerifierFailedError,
+)
 from logra_pl.module import LoGRAPolicyModule
 from logra_pl.rollout.registry import engine_name, max_training_processes
 from logra_pl.runs import resume, stores
@@ -644,7 +650,8 @@ def main(args: list[str] | None = None) -> None:
         print("logra-pl: stopped: SIGTERM; resume with the same command and --ckpt_path last", file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
     except LoGRAError as err:
-        kind = "stopped" if isinstance(err, PolicyDivergedError | VerifierFailedError) else "error"
+        stops = PolicyDivergedError | VerifierFailedError | EnvironmentFailedError
+        kind = "stopped" if isinstance(err, stops) else "error"
         print(f"logra-pl: {kind}: {err}", file=sys.stderr)
         if os.environ.get("LOGRA_PL_TRACEBACK"):
             raise

@@ -39,6 +39,12 @@ class VerifierFailedError(LoGRAError, RuntimeError):
     its first failure, with the traceback."""
 
 
+class EnvironmentFailedError(LoGRAError, RuntimeError):
+    """Training stopped at a multi-turn environment's first error: its ``start`` or ``step`` raised, or returned
+    something that is not a valid :class:`~logra_pl.envs.Turn`. The message names the environment, the method, the
+    item and the error in a few lines; the original exception is the cause (``LOGRA_PL_TRACEBACK=1`` prints it)."""
+
+
 class EngineUnavailableError(LoGRAError, ConnectionError):
     """A served rollout engine did not answer within the retry window; the message names its URL."""
 

@@ -294,3 +294,20 @@ def test_an_environment_and_a_verifier_without_annotations_are_accepted_and_a_br
     assert "called as step(item, messages)" in lines[0]
     lines = _parse_error(capsys, f"--config={CONFIG}", "--model.env=myplugins.ShortStep")
     assert "its step(self, item) cannot be called as step(item, messages)" in lines[0]
+
+
+def test_a_broken_environment_stops_the_cli_run_with_a_short_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [f"--config={CONFIG}", "--model.env=tests.helpers.envs.Failing", "--model.warm_start=null"]
+    args += ["--trainer.max_steps=1", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]
+    args += ["--data.train_size=16", "--data.eval_size=8", "--data.prompts_per_step=8", "--trainer.limit_val_batches=0"]
+    with pytest.raises(SystemExit) as info:
+        main(["fit", *args])
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    summary = err[err.index(next(line for line in err if line.startswith("logra-pl: stopped:"))) :]
+    assert summary[0].startswith(
+        "logra-pl: stopped: the environment failed: Failing.step raised RuntimeError: the game server refused the move"
+    )
+    assert len(summary) <= 10 and not any("Traceback" in line for line in err)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from logra_pl.envs.base import Message, Turn, check_environment, check_message, tool_schemas
+from logra_pl.errors import EnvironmentFailedError
 from logra_pl.rewards.failures import Scores
 from logra_pl.rollout.base import FinishReason, Rollout, SamplingConfig, derived_seed
 
@@ -165,7 +166,7 @@ def run_episodes(
     tools = tool_schemas(env)
     trajectories: list[_Trajectory] = []
     for i, item in enumerate(items):
-        first = [dict(m) for m in env.start(item)]
+        first = [dict(m) for m in _call(env, "start", item)]
         for message in first:
             check_message(message)
         prompt = tokenizer(render(tokenizer, first, tools, prompt=True), add_special_tokens=False).input_ids
@@ -233,9 +234,7 @@ def _reply(
     if reason == "length" and not getattr(env, "continue_truncated", False):  # cut mid-reply: it ends here
         t.finish = "length"
         return
-    answer = env.step(item, t.messages)
-    if not isinstance(answer, Turn):
-        raise TypeError(f"{type(env).__name__}.step returned {type(answer).__name__}, not a Turn")
+    answer = _call(env, "step", item, t.messages)
     t.reward += float(answer.reward)
     for name, value in answer.info.items():
         t.info[name] = t.info.get(name, 0.0) + float(value)
@@ -285,3 +284,26 @@ def episode_metrics(parts: Sequence[Episodes]) -> dict[str, float]:
     for name in dict.fromkeys(k for info in infos for k in info):
         out[f"env/{name}"] = sum(info.get(name, 0.0) for info in infos) / n
     return out
+
+
+def _call(env: Any, method: str, item: Mapping[str, Any], *args: Any) -> Any:
+    """``env.<method>(item, *args)``; an exception, or a ``step`` answer that is not a :class:`Turn`, stops the run
+    with :class:`~logra_pl.errors.EnvironmentFailedError`: a few lines naming the environment, the method, the item
+    and the first error (a broken environment would fail every conversation alike; training on fallbacks would
+    hide it)."""
+    name = f"{type(env).__name__}.{method}"
+    try:
+        answer = getattr(env, method)(item, *args)
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise EnvironmentFailedError(
+            f"the environment failed: {name} raised {type(err).__name__}: {first}\n"
+            f"  on item {item.get('id', '?')!r} (task {item.get('task', '?')!r}); the run stops at an environment's "
+            "first error (LOGRA_PL_TRACEBACK=1 prints the traceback)"
+        ) from err
+    if method == "step" and not isinstance(answer, Turn):
+        raise EnvironmentFailedError(
+            f"the environment failed: {name} returned {type(answer).__name__}, not a Turn (logra_pl.envs.Turn)\n"
+            f"  on item {item.get('id', '?')!r} (task {item.get('task', '?')!r})"
+        )
+    return answer

@@ -225,3 +225,41 @@ def test_the_kl_probe_reads_the_sampled_positions_only(policy) -> None:
     ]
     assert flat.tolist() == expected
     assert len(expected) == rollout.num_response_tokens < sum(len(r) for r in rollout.response_ids)
+
+
+class Broken(Feedback):
+    """Feedback whose ``step`` fails the way a user's environment can: it raises, builds a Turn with a NaN reward,
+    or answers with something that is not a Turn."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def step(self, item: dict, messages: list[dict]):
+        if self.how == "raises":
+            return {"a": 1}["b"]
+        if self.how == "nan":
+            return Turn(done=True, reward=float("nan"))
+        return {"reward": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("raises", "Broken.step raised KeyError: 'b'"),
+        ("nan", "Broken.step raised ValueError: Turn.reward must be finite, got nan"),
+        ("dict", "Broken.step returned dict, not a Turn"),
+    ],
+)
+def test_an_environments_first_error_stops_the_run_in_a_few_lines(policy, how: str, said: str) -> None:
+    from logra_pl.errors import EnvironmentFailedError
+
+    tok = policy[1]
+    items = [dict(item, id="item-0", task="quiz") for item in _items(1)]
+    with pytest.raises(EnvironmentFailedError) as info:
+        run_episodes(_engine(policy).generate, tok, Broken(how), items, SamplingConfig())
+    text = str(info.value)
+    assert text.startswith(f"the environment failed: {said}")
+    assert "on item 'item-0' (task 'quiz')" in text and len(text.splitlines()) <= 10
+    if how != "dict":
+        assert info.value.__cause__ is not None  # the environment's own exception, for LOGRA_PL_TRACEBACK=1

@@ -43,3 +43,10 @@ class Feedback:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.hints = int(state["hints"])
+
+
+class Failing(Feedback):
+    """Feedback whose ``step`` raises on its first call: a broken environment (``tests.helpers.envs.Failing``)."""
+
+    def step(self, item: Mapping[str, Any], messages: Sequence[Message]) -> Turn:
+        raise RuntimeError("the game server refused the move")
