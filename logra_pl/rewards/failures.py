@@ -62,16 +62,28 @@ def exception_failure(err: BaseException, task: str, skip_file: str | None = Non
     return Failure("errors", " ".join(message.split()), format_traceback(err, skip_file), task)
 
 
+TRACEBACK_LINES = 8  # the most lines of a failure's traceback a run's stop summary shows
+
+
 def format_traceback(err: BaseException, skip_file: str | None = None) -> str:
-    """``err``'s traceback as text, without the frames of ``skip_file``; a traceback sent from a worker process
-    (pebble's ``err.traceback``) is used as it is."""
+    """``err``'s own traceback as text (not the exceptions it was raised from: its message says what they were),
+    without the frames of ``skip_file``, its last ``TRACEBACK_LINES`` lines (the frames nearest the error); a
+    traceback sent from a worker process (pebble's ``err.traceback``) is used as it is, cut the same way. An
+    unreachable LLM judge's error had three chained tracebacks, 90 lines."""
     remote = getattr(err, "traceback", None)
     if isinstance(remote, str) and remote and err.__traceback__ is None:
-        return remote.rstrip()
+        return _last_lines(remote.rstrip())
     found = traceback.TracebackException.from_exception(err)
     if skip_file is not None:
         found.stack = traceback.StackSummary.from_list([f for f in found.stack if f.filename != skip_file])
-    return "".join(found.format()).rstrip()
+    return _last_lines("".join(found.format(chain=False)).rstrip())
+
+
+def _last_lines(text: str) -> str:
+    lines = text.splitlines()
+    if len(lines) <= TRACEBACK_LINES:
+        return text
+    return "\n".join([lines[0], "  ...", *lines[-(TRACEBACK_LINES - 2) :]])
 
 
 @dataclass

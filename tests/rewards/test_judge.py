@@ -217,3 +217,20 @@ def test_two_updates_through_the_cli(server: JudgeServer, tmp_path: Path, monkey
     texts = module.tokenizer.batch_decode(ctx.rollout.response_ids, skip_special_tokens=True)
     assert ctx.rewards.tolist() == [float(grade(t)) for t in texts]  # the judge's grades, 0-10, not clamped
     assert ctx.all_scored and module.scorer.counters()["errors"] == 0
+
+
+def test_an_unreachable_judge_fails_in_a_few_lines() -> None:
+    """No server at the URL: each response's failure names the URL and the connection error in one message, and
+    its traceback is the judge's own (not the three chained ones of httpx and httpcore), at most 8 lines."""
+    from logra_pl.rewards.failures import TRACEBACK_LINES
+
+    judge = LLMJudge(url="http://127.0.0.1:9/v1", timeout_s=1.0, retries=1, backoff_s=0.01)
+    with BoundedVerifier(judge, timeout_s=5.0, workers=1, correct_threshold=0.5) as bounded:
+        scores = bounded.run(["four"], [_item()])
+    (failure,) = scores.failures
+    assert failure.kind == "errors"
+    assert "the judge at http://127.0.0.1:9/v1 failed (2 attempt(s)): ConnectError" in failure.message
+    lines = failure.traceback.splitlines()
+    assert 2 <= len(lines) <= TRACEBACK_LINES and lines[0].startswith("Traceback")
+    assert "direct cause" not in failure.traceback and "During handling" not in failure.traceback
+    assert lines[-1].startswith("logra_pl.rewards.judge.JudgeError: the judge at http://127.0.0.1:9/v1 failed")
