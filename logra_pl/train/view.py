@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 from logra_pl.train.step import StepContext
 
 
@@ -74,16 +72,3 @@ def require_view(pl_module: Any, who: str) -> PolicyModuleView:
             f"(the contract: {CONTRACT})"
         )
     return pl_module
-
-
-def view_or_warn(pl_module: Any, who: str, without: str) -> PolicyModuleView | None:
-    """``pl_module`` as a policy module, or None after one warning naming what it lacks and what ``who`` then
-    leaves out (``without``): for callbacks that still work, in part, with any Lightning module."""
-    missing = missing_from_view(pl_module)
-    if not missing:
-        return pl_module
-    rank_zero_warn(
-        f"{who}: {type(pl_module).__name__} is not a policy module (no {', '.join(missing)}), so {without} "
-        f"(the contract: {CONTRACT})"
-    )
-    return None
