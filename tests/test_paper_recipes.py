@@ -60,6 +60,13 @@ OVERLAY_CHANGES: dict[str, dict[str, Any]] = {
         "kl.schedule.delta_max": 2e-5,
     },
     "kl_annealed": {"trainer.max_steps": 800},
+    "grpo_dapo": {
+        "model.baseline.class_path": "logra_pl.losses.GroupBaseline",
+        "model.rollout.responses_per_prompt": 8,
+        "model.rollout.dynamic_sampling": True,
+        "model.rollout.overlong_buffer": 512,
+        "data.init_args.prompts_per_step": 16,
+    },
 }
 CASES = [(recipe,) for recipe in RECIPES] + [(BASE, overlay) for overlay in OVERLAYS]
 CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=auto"]
