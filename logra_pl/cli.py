@@ -371,8 +371,10 @@ def parse_error_lines(message: str, parser: Any = None) -> list[str]:
     """
     lines = _explain(message, parser)
     lines = [f"logra-pl: error: {lines[0]}", *(f"  {line}" for line in lines[1:])][: MAX_ERROR_LINES - 1]
-    sub = _subcommand(parser)
-    what = f"logra-pl {sub} --help lists every option" if sub else "logra-pl --help lists the verbs"
+    if getattr(parser, "_subcommands_action", None) is not None:  # the root parser: its error is about the verb
+        what = "logra-pl --help lists the verbs"
+    else:  # a verb's parser, or the options-only parser of ``LoGRACLI(run=False)``, which holds fit's options
+        what = f"logra-pl {_subcommand(parser) or 'fit'} --help lists every option"
     lines.append(f"  ({what}; LOGRA_PL_TRACEBACK=1 prints jsonargparse's full report)")
     return [_clip(line) for line in lines]
 
@@ -622,6 +624,12 @@ def main(args: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(verbs_help())
         sys.exit(0 if argv else 2)
+    if not argv[0].startswith("-") and argv[0] not in VERBS:
+        close = difflib.get_close_matches(argv[0], list(VERBS), n=1, cutoff=0.5)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"logra-pl: error: unknown verb {argv[0]!r}{hint}; the verbs are {', '.join(VERBS)}", file=sys.stderr)
+        print("  (logra-pl --help says what each does)", file=sys.stderr)
+        sys.exit(2)
     if argv[:1] == ["plan"]:
         from logra_pl.methods.memory_plan import main as plan_main
 

@@ -222,12 +222,13 @@ def test_the_top_level_help_lists_every_verb(argv: list[str], capsys: pytest.Cap
 
 def test_verbs_without_a_step_in_this_module_are_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
     """Lightning's ``test`` and ``predict`` would run nothing useful here: refused, naming the verbs there are."""
-    for verb in ("test", "predict"):
-        with pytest.raises(SystemExit):
+    for verb, nearest in (("test", ""), ("predict", ""), ("sevre", " (did you mean 'serve'?)")):
+        with pytest.raises(SystemExit) as stop:
             main([verb])
+        assert stop.value.code == 2
         err = capsys.readouterr().err
-        assert f"invalid choice: '{verb}' (choose from 'fit', 'validate')" in err
-        assert "logra-pl --help lists the verbs" in err
+        assert f"unknown verb '{verb}'{nearest}; the verbs are fit, validate, serve, plan, export" in err
+        assert len(err.splitlines()) == 2
 
 
 def test_every_serve_flag_has_a_help_text_and_says_its_default() -> None:
