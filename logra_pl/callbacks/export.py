@@ -36,6 +36,8 @@ class HFExport(pl.Callback):
         keep: how many periodic exports to keep (the newest); None keeps all. ``final`` is never removed.
     """
 
+    READS = ("policy", "tokenizer", "method")  # what it reads of the policy contract (docs/extending.md)
+
     def __init__(
         self,
         every_n_updates: int = 0,
@@ -59,7 +61,7 @@ class HFExport(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        require_view(pl_module, "HFExport")
+        require_view(pl_module, "HFExport", self.READS)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

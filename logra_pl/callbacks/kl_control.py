@@ -125,6 +125,8 @@ class PredictedKLControl(pl.Callback):
             ``none`` costs nothing).
     """
 
+    READS = ("policy", "method", "step_context")  # what it reads of the policy contract (docs/extending.md)
+
     def __init__(
         self,
         schedule: BudgetSchedule | None = None,
@@ -200,7 +202,7 @@ class PredictedKLControl(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse a module without the policy contract, and say before training when the run's update method makes
         no proposals (either way the callback would do nothing)."""
-        view = require_view(pl_module, "PredictedKLControl")
+        view = require_view(pl_module, "PredictedKLControl", self.READS)
         method = view.method
         if stage == "fit" and method is not None and not getattr(method, "makes_proposals", False):
             rank_zero_warn(
@@ -212,7 +214,7 @@ class PredictedKLControl(pl.Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         proposal = getattr(optimizer, "proposal", None)
-        view = view_of(pl_module)
+        view = view_of(pl_module, self.READS)
         ctx = view.step_context if view is not None else None
         method = view.method if view is not None else None
         if proposal is None or ctx is None or method is None or not getattr(method, "makes_proposals", False):
@@ -279,7 +281,7 @@ class PredictedKLControl(pl.Callback):
     ) -> None:
         """Calibration: the realized KL of the applied update on the same probe positions."""
         pending, self._pending = self._pending, None
-        view = view_of(pl_module)
+        view = view_of(pl_module, self.READS)
         if pending is None or view is None or not view.method.applied(pending["proposal"]):
             return  # not the step's last update, or not applied (rejected by the guard, skipped): nothing changed
         with torch.no_grad(), _full_precision(pl_module.device):

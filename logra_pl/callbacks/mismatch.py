@@ -37,6 +37,8 @@ class RolloutMismatch(pl.Callback):
         floor: lower bound of the effective budget as a fraction of the budget (0.5).
     """
 
+    READS = ("step_context",)  # what it reads of the policy contract (docs/extending.md)
+
     def __init__(self, ema: float = 0.3, floor: float = 0.5) -> None:
         check_range("ema", ema, 0.0, 1.0, low_open=True)
         check_range("floor", floor, 0.0, 1.0)
@@ -79,11 +81,11 @@ class RolloutMismatch(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse a module without the policy contract (it has no rollouts to measure: the callback would do
         nothing)."""
-        require_view(pl_module, "RolloutMismatch")
+        require_view(pl_module, "RolloutMismatch", self.READS)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        view = view_of(pl_module)
+        view = view_of(pl_module, self.READS)
         ctx = view.step_context if view is not None else None
         if ctx is None:
             return

@@ -33,6 +33,9 @@ class PolicyModuleView(Protocol):
             ``attach``: a callback that sends each update itself), or None before ``configure_model``.
         sampler: the :class:`~logra_pl.train.sampler.Sampler` (``encode``, ``generate``), or None before it.
         passes: the :class:`~logra_pl.train.passes.TrainerPasses` (``logprobs``), or None before it.
+
+    A callback that reads part of it says which (its ``READS``: ``PredictedKLControl`` reads ``policy``, ``method``
+    and ``step_context``), so a module of your own needs only what its callbacks read.
     """
 
     policy: Any
@@ -48,27 +51,30 @@ class PolicyModuleView(Protocol):
     passes: Any
 
 
-def view_of(pl_module: Any) -> PolicyModuleView | None:
-    """``pl_module`` as a :class:`PolicyModuleView` when it is one (callbacks that also work with other Lightning
-    modules do nothing of the policy kind otherwise), else None."""
-    return pl_module if isinstance(pl_module, PolicyModuleView) else None
-
-
 CONTRACT = 'logra_pl.train.view.PolicyModuleView (docs/extending.md, "Your own LightningModule")'
+EVERYTHING: tuple[str, ...] = tuple(PolicyModuleView.__annotations__)
 
 
-def missing_from_view(pl_module: Any) -> list[str]:
-    """The attributes of :class:`PolicyModuleView` that ``pl_module`` lacks (none: it is a policy module)."""
-    return [name for name in PolicyModuleView.__annotations__ if not hasattr(pl_module, name)]
+def missing_from_view(pl_module: Any, needs: tuple[str, ...] = EVERYTHING) -> list[str]:
+    """The attributes of ``needs`` (by default the whole :class:`PolicyModuleView`) that ``pl_module`` lacks."""
+    return [name for name in needs if not hasattr(pl_module, name)]
 
 
-def require_view(pl_module: Any, who: str) -> PolicyModuleView:
-    """``pl_module`` as a policy module, or a ``TypeError`` naming what it lacks: for callbacks that read the policy
-    update itself and would otherwise do nothing, silently."""
-    missing = missing_from_view(pl_module)
+def view_of(pl_module: Any, needs: tuple[str, ...] = EVERYTHING) -> PolicyModuleView | None:
+    """``pl_module`` when it has the attributes of ``needs`` (by default the whole contract), else None: callbacks
+    that also work with other Lightning modules do nothing of the policy kind without them. A callback that reads
+    part of the contract passes that part, so a LightningModule of your own needs only what it reads."""
+    return pl_module if not missing_from_view(pl_module, needs) else None
+
+
+def require_view(pl_module: Any, who: str, needs: tuple[str, ...] = EVERYTHING) -> PolicyModuleView:
+    """``pl_module`` as a policy module, or a ``TypeError`` naming the attributes of ``needs`` it lacks: for
+    callbacks that read the policy update itself and would otherwise do nothing, silently."""
+    missing = missing_from_view(pl_module, needs)
     if missing:
+        reads = "the whole contract:" if needs == EVERYTHING else f"{', '.join(needs)} of the contract,"
         raise TypeError(
             f"{who} works with a policy module: {type(pl_module).__name__} has no {', '.join(missing)} "
-            f"(the contract: {CONTRACT})"
+            f"(it reads {reads} {CONTRACT})"
         )
     return pl_module
