@@ -44,7 +44,8 @@ def test_a_module_with_part_of_the_contract_is_told_only_what_it_lacks(tmp_path:
             super().__init__()
             self.policy, self.method = self.layer, None
 
-    with pytest.raises(TypeError, match=r"Partial has no step_context \(it reads policy, method, step_context of the contract,"):
+    expected = r"Partial has no step_context \(it reads policy, method, step_context of the contract,"
+    with pytest.raises(TypeError, match=expected):
         quick_trainer(tmp_path, 2, [PredictedKLControl()]).fit(Partial())
 
 
