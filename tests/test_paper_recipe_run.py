@@ -153,15 +153,20 @@ def test_the_base_recipes_two_commands_run_on_this_cpu(tmp_path: Path) -> None:
         run = work / "runs" / "paper" / "math_1.5b_logra" / "version_0"
         scalars = _scalars(run)
         # The recipe's step control ran on each update: a predicted KL, scaled to the cosine schedule's budget.
-        assert [s for s, _ in scalars["kl/alpha"]] == list(range(1, UPDATES + 1))
+        assert [s for s, _ in scalars["kl/alpha"]] == list(range(UPDATES))  # logged at the step it applies to
         budget = scalars["kl/effective_budget"]
         for (_, predicted), (_, effective), (_, alpha) in zip(
             scalars["kl/predicted_scaled"], budget, scalars["kl/alpha"], strict=True
         ):
             assert predicted <= effective * (1 + 1e-6) or alpha == pytest.approx(3.0)  # α capped at alpha_max
-        assert "mismatch/observed" in scalars  # RolloutMismatch read the engine's log-probs
-        # Factor sync: each update went to the engine as factors, far smaller than the weights.
-        assert scalars["sync/payload_bytes"][-1][1] < 0.5 * scalars["sync/full_bytes"][-1][1]
+        # RolloutMismatch ran each update (it observes only EOS-terminated replies, which 48 tokens may not reach).
+        assert [s for s, _ in scalars["mismatch/ema"]] == list(range(UPDATES))
+        # Factor sync: each update went to the engines as rank-256 factors, none resent whole (on tiny:small's narrow
+        # matrices rank 256 is near full rank, so the factors are only a little smaller than the weights).
+        assert scalars["sync/full_resyncs"][-1][1] == 0
+        assert all(
+            p < f for (_, p), (_, f) in zip(scalars["sync/payload_bytes"], scalars["sync/full_bytes"], strict=True)
+        )
         # The recipe's checkpoint and export.
         ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
         assert ckpt["global_step"] == UPDATES
