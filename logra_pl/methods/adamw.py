@@ -5,13 +5,14 @@ Its optimizer (:class:`~logra_pl.methods.adamw.ProposingAdamW`) steps through a 
 ``on_before_optimizer_step`` callbacks, which may scale it by ``α`` (``lr·α`` for this step) or veto it; the
 divergence guard then judges the α-scaled step (:func:`adamw_step_preview`) before it is taken. A
 vetoed or rejected step drops the gradients, so nothing changes. Step controllers probe the step with
-:meth:`DenseAdamW.logit_tangent` (the logits' JVP along ``ΔW``, algorithm.md §6). Engines receive the changed tensors.
+:meth:`DenseAdamW.logit_tangent` (the logits' JVP along ``ΔW``, algorithm.md §6; the mechanism is
+:mod:`logra_pl.methods.proposing`, shared with dense SGD). Engines receive the changed tensors.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,12 @@ from logra_pl.methods.base import (
     UpdateMethod,
     bytes_text,
     count_text,
-    relative,
 )
 from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.methods.proposing import ProposalAnswers, ProposingOptimizer, local, step_preview
 from logra_pl.sketch import select_targets
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
-from logra_pl.sketch.probe import ProbeMode, parameter_logit_tangent
 from logra_pl.sketch.targets import canonical_name
 from logra_pl.sketch.update import lr_factor
 
@@ -87,109 +87,16 @@ class AdamWConfig:
         return opt, LambdaLR(opt, self.lr_factor)
 
 
-class AdamWProposal:
-    """The AdamW step about to be taken, open to step controllers during ``on_before_optimizer_step``.
-
-    The step at ``alpha`` is torch's AdamW step with ``lr·alpha`` for this update only: ``ΔW(α) = α·ΔW`` with
-    ``ΔW = −lr·wd·W − lr/(1−β1^t) · m/(sqrt(v)/sqrt(1−β2^t) + eps)``, the decoupled weight decay scaled alike;
-    the moments are updated as usual. :meth:`skip` drops the step (weights and AdamW state untouched).
-
-    Arguments:
-        optimizer: the :class:`ProposingAdamW` whose step this is (its gradients and state define ``ΔW``).
+class ProposingAdamW(ProposingOptimizer, torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose ``step`` is propose → closure (Lightning's hooks) → guard → step at ``lr·α``, or
+    none (:class:`~logra_pl.methods.proposing.ProposingOptimizer`). Its ``ΔW`` is :func:`adamw_step_deltas`: with
+    ``alpha == 1`` the step is exactly ``torch.optim.AdamW.step``; a vetoed or rejected step changes neither the
+    weights nor the moments. Its ``state_dict`` is AdamW's.
     """
 
-    def __init__(self, optimizer: ProposingAdamW) -> None:
-        self.optimizer: ProposingAdamW | None = optimizer
-        self.alpha = 1.0
-        self.veto: str | None = None
-        self._deltas: dict[torch.nn.Parameter, torch.Tensor] | None = None
-
-    def skip(self, reason: str) -> None:
-        """Ask the optimizer not to take this step (e.g. a step controller's NaN prediction)."""
-        self.veto = reason
-
-    def deltas(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """``{parameter: ΔW}`` at ``α = 1`` for every parameter with a gradient (the local shard under FSDP).
-
-        Computed on the first call and kept until the step is taken (a copy of every trained parameter: only a
-        step controller that probes the step asks for it); the divergence guard then reuses it.
-        """
-        if self._deltas is None:
-            if self.optimizer is None:
-                raise RuntimeError("this AdamW step was already taken (or dropped): its ΔW is gone")
-            self._deltas = dict(adamw_step_deltas(self.optimizer))
-        return self._deltas
-
-    @property
-    def previewed(self) -> dict[torch.nn.Parameter, torch.Tensor] | None:
-        """The deltas if :meth:`deltas` computed them already, else None (nothing is computed)."""
-        return self._deltas
-
-    def release(self) -> None:
-        """Forget the deltas and the optimizer (called once the step is taken or dropped)."""
-        self._deltas, self.optimizer = None, None
-
-
-class ProposingAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` whose ``step`` is propose → closure (Lightning's hooks) → guard → step at α, or none.
-
-    During the closure :attr:`proposal` is the :class:`AdamWProposal` of the step; a callback may set its
-    ``alpha`` or call ``skip(reason)``. Then :attr:`check` (the divergence guard, set by the update method) judges
-    the α-scaled step; a vetoed or rejected step drops the gradients, so nothing changes — not the weights, not the
-    moments. With ``alpha == 1`` the step is exactly ``torch.optim.AdamW.step`` (the same bits); otherwise ``lr`` is
-    multiplied by ``alpha`` for this step only. Its ``state_dict`` is AdamW's.
-
-    After ``step()``: :attr:`last_proposal`, :attr:`last_applied` (the step changed the weights),
-    :attr:`last_rejection` (why not, or None) and :attr:`last_alpha` (the multiplier it was taken at).
-    """
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        self.proposal: AdamWProposal | None = None
-        self.last_proposal: AdamWProposal | None = None
-        self.last_applied = False
-        self.last_rejection: str | None = None
-        self.last_alpha = 1.0
-        # The divergence guard's verdict on the α-scaled step (None: accept); set by the update method.
-        self.check: Callable[[ProposingAdamW, AdamWProposal], str | None] | None = None
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Propose, run ``closure`` (Lightning's hooks), then take the (possibly rescaled) step unless refused."""
-        self.proposal = AdamWProposal(self)
-        result = None
-        if closure is not None:
-            with torch.enable_grad():
-                result = closure()
-        proposal, self.proposal = self.proposal, None
-        self.last_proposal = proposal
-        reason = proposal.veto
-        if reason is None and self.check is not None:
-            reason = self.check(self, proposal)
-        proposal.release()
-        self.last_rejection, self.last_applied = reason, reason is None
-        if reason is not None:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # torch's AdamW leaves parameters without a gradient (and their state) untouched
-            return result
-        self.last_alpha = float(proposal.alpha)
-        self._step_at(self.last_alpha)
-        return result
-
-    def _step_at(self, alpha: float) -> None:
-        """AdamW's step with every group's ``lr`` multiplied by ``alpha`` for this call (restored after)."""
-        if alpha == 1.0:
-            super().step()
-            return
-        saved = [group["lr"] for group in self.param_groups]
-        try:
-            for group in self.param_groups:
-                group["lr"] = group["lr"] * alpha
-            super().step()
-        finally:
-            for group, lr in zip(self.param_groups, saved, strict=True):
-                group["lr"] = lr
+    @override
+    def step_deltas(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return adamw_step_deltas(self)
 
 
 @torch.no_grad()
@@ -244,14 +151,14 @@ def adamw_step_deltas(optimizer: torch.optim.AdamW) -> Iterator[tuple[torch.nn.P
         for p in group["params"]:
             if p.grad is None:
                 continue
-            w, g = _local(p.detach()), _local(p.grad)
+            w, g = local(p.detach()), local(p.grad)
             state = optimizer.state.get(p) or {}
             step = float(state["step"]) + 1 if "step" in state else 1.0
-            m = g * (1 - beta1) if "exp_avg" not in state else _local(state["exp_avg"]) * beta1 + g * (1 - beta1)
+            m = g * (1 - beta1) if "exp_avg" not in state else local(state["exp_avg"]) * beta1 + g * (1 - beta1)
             v = (
                 g.square() * (1 - beta2)
                 if "exp_avg_sq" not in state
-                else _local(state["exp_avg_sq"]) * beta2 + g.square() * (1 - beta2)
+                else local(state["exp_avg_sq"]) * beta2 + g.square() * (1 - beta2)
             )
             denom = v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
             delta = m.div_(denom).mul_(-lr / (1 - beta1**step))
@@ -260,39 +167,22 @@ def adamw_step_deltas(optimizer: torch.optim.AdamW) -> Iterator[tuple[torch.nn.P
             yield p, delta
 
 
-@torch.no_grad()
 def adamw_step_preview(
     optimizer: torch.optim.AdamW,
     alpha: float = 1.0,
     deltas: dict[torch.nn.Parameter, torch.Tensor] | None = None,
 ) -> tuple[float, float, int]:
     """What the next ``optimizer.step()`` at multiplier ``alpha`` would do, without doing it:
-    ``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW)`` with ``ΔW`` from :func:`adamw_step_deltas`.
-
-    The divergence guard calls this *before* the step, so a rejected step is simply not taken (its gradients are
-    dropped): nothing to undo. ``deltas`` are ``ΔW`` already computed (:meth:`AdamWProposal.deltas`), left
-    unchanged; without them each parameter's ``ΔW`` is formed and dropped in turn, so the temporaries are the size
-    of the largest one. Sums are over this process's (local) shards; a data-parallel caller all-reduces them.
+    ``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW)`` with ``ΔW`` from :func:`adamw_step_deltas`
+    (:func:`~logra_pl.methods.proposing.step_preview`). ``deltas`` are ``ΔW`` already computed (a proposal's
+    ``deltas()``), left unchanged; without them each parameter's ``ΔW`` is formed and dropped in turn, so the
+    temporaries are the size of the largest one.
     """
-    update_sq = weight_sq = 0.0
-    nonfinite = 0
-    steps = deltas.items() if deltas is not None else adamw_step_deltas(optimizer)
-    for p, delta in steps:
-        w = _local(p.detach())
-        if alpha != 1.0:
-            delta = delta * alpha
-        update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
-        weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
-        nonfinite += int((~torch.isfinite(delta + w)).sum())
-    return update_sq, weight_sq, nonfinite
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return step_preview(deltas.items() if deltas is not None else adamw_step_deltas(optimizer), alpha)
 
 
 @register("adamw")
-class DenseAdamW(UpdateMethod):
+class DenseAdamW(ProposalAnswers, UpdateMethod):
     """Dense AdamW on the module's target matrices (or, with ``adamw.train_all``, on every parameter).
 
     Arguments:
@@ -338,7 +228,7 @@ class DenseAdamW(UpdateMethod):
     @override
     def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
         inner: ProposingAdamW = optimizer.optimizer
-        inner.check = lambda opt, proposal: self.judge(opt, proposal, all_reduce_sum)
+        inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
         optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → AdamW at lr·α, or no step
         rejected = inner.last_rejection
         optimizer.zero_grad(set_to_none=True)
@@ -347,27 +237,6 @@ class DenseAdamW(UpdateMethod):
         scheduler.step()
         return StepResult(rejected, norm)
 
-    def judge(
-        self, optimizer: torch.optim.Optimizer, proposal: AdamWProposal, all_reduce_sum: AllReduceSum
-    ) -> str | None:
-        """The divergence guard's verdict on the step at ``proposal.alpha`` (None: take it). Runs after the step
-        controllers, so it judges the step that would be taken; ``ProposingAdamW`` drops a rejected step."""
-        if not self.guard.enabled:
-            return None
-        preview = adamw_step_preview(optimizer, proposal.alpha, proposal.previewed)
-        upd, w, bad = all_reduce_sum(torch.tensor(preview, dtype=torch.float64)).tolist()
-        self.last_relative_update = relative(upd, w)
-        if bad:
-            return f"the step would make {int(bad)} weights non-finite"
-        if not math.isfinite(self.last_relative_update):
-            return "non-finite update (the gradients hold inf/NaN)"
-        if self.last_relative_update > self.guard.max_update_ratio:
-            return (
-                f"update size ‖ΔW‖/‖W‖ = {self.last_relative_update:.3g} exceeds the guard's max_update_ratio "
-                f"{self.guard.max_update_ratio:g}"
-            )
-        return None
-
     # ------------------------------------------------------------------------------------ step control
     @property
     @override
@@ -375,25 +244,6 @@ class DenseAdamW(UpdateMethod):
         """AdamW's step count (restored with its state on resume): vetoed and rejected steps never reach it."""
         state = self.optimizer.state if self.optimizer is not None else {}
         return max((int(s["step"]) for s in state.values() if "step" in s), default=0)
-
-    @override
-    def applied(self, proposal: Any) -> bool:
-        opt = self.optimizer
-        return opt is not None and opt.last_proposal is proposal and opt.last_applied
-
-    @override
-    def logit_tangent(
-        self,
-        policy: nn.Module,
-        proposal: Any,
-        model_inputs: Mapping[str, torch.Tensor],
-        mode: ProbeMode = "jvp",
-        fd_step: float = 1e-3,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits' JVP along the previewed step ``ΔW`` of every trained parameter (LoRA: its adapters)."""
-        names = {id(p): n for n, p in policy.named_parameters()}
-        deltas = {names[id(p)]: d for p, d in proposal.deltas().items()}
-        return parameter_logit_tangent(policy, deltas, model_inputs, mode, fd_step)
 
     @override
     def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:

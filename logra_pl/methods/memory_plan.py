@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from logra_pl.methods.adamw import AdamWConfig
 from logra_pl.methods.base import PlanShapes, UpdateMethod
 from logra_pl.methods.lora import LoRAConfig
+from logra_pl.methods.sgd import SGDConfig
 from logra_pl.models.load import load_config
 from logra_pl.sketch import DEFAULT_TARGETS, LoGRAConfig, select_targets
 from logra_pl.sketch.config import MOMENT_DTYPES
@@ -61,7 +62,7 @@ def plan(
     config: str | Path | PretrainedConfig | dict[str, Any],
     ranks: int = 1,
     rank_r: int = 64,
-    optimizers: Sequence[str] = ("adamw", "lora", "logra"),
+    optimizers: Sequence[str] = ("adamw", "sgd", "lora", "logra"),
     weight_dtype: str = "float32",
     targets: Sequence[str] = DEFAULT_TARGETS,
     train_all: bool = False,
@@ -69,6 +70,7 @@ def plan(
     moment_dtype: str = "float32",
     reference: str | None = None,
     reference_dtype: str | None = None,
+    sgd_momentum: bool = False,
 ) -> dict[str, PlanRow]:
     """Predict per-rank training-state bytes for each update method (each method's own
     :meth:`~logra_pl.methods.UpdateMethod.plan_memory`).
@@ -77,8 +79,8 @@ def plan(
         config: the model (see :func:`~logra_pl.models.load.load_config`).
         ranks: data-parallel ranks the parameters (and dense optimizer state) are sharded over.
         rank_r: LoGRA sketch rank ``r``, and the LoRA adapters' rank.
-        optimizers: the short names of the methods to plan (``adamw``: the dense baseline, ``lora``: adapters on the
-            targets, AdamW on them, ``logra``...).
+        optimizers: the short names of the methods to plan (``adamw``: the dense baseline, ``sgd``: dense SGD,
+            ``lora``: adapters on the targets, AdamW on them, ``logra``...).
         weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
         targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
         train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
@@ -87,6 +89,7 @@ def plan(
         reference: a KL penalty's reference policy (``loss.reference_device``): ``"same"`` (sharded over ``ranks``
             like the weights) or ``"cpu"`` (whole, in host memory; ``ranks`` must be 1); None: no KL penalty.
         reference_dtype: its dtype (``loss.reference_dtype``); None: ``weight_dtype``.
+        sgd_momentum: dense SGD keeps a momentum buffer (``sgd.momentum > 0``): one more copy of its gradients.
     """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -116,6 +119,7 @@ def plan(
     sections = {
         "logra": LoGRAConfig(rank=rank_r, targets=tuple(targets), **moments),
         "adamw": AdamWConfig(train_all=train_all),
+        "sgd": SGDConfig(momentum=0.9 if sgd_momentum else 0.0, train_all=train_all),
         "lora": LoRAConfig(rank=rank_r, alpha=2.0 * rank_r),
     }
     out: dict[str, PlanRow] = {}
@@ -174,13 +178,14 @@ def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``logra-pl plan``: print the predicted per-rank state of AdamW and LoGRA (and optionally write JSON)."""
+    """``logra-pl plan``: print the predicted per-rank state of AdamW, SGD, LoRA and LoGRA (and optionally JSON)."""
     parser = argparse.ArgumentParser(prog="logra-pl plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json, save_pretrained folder, hub id or tiny[:preset]")
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (FSDP shards); default 1")
     parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank r; default 64")
     parser.add_argument("--weight-dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
-    parser.add_argument("--train-all", action="store_true", help="dense baseline trains every parameter")
+    parser.add_argument("--train-all", action="store_true", help="dense baselines train every parameter")
+    parser.add_argument("--sgd-momentum", action="store_true", help="dense SGD keeps a momentum buffer")
     parser.add_argument(
         "--logra-moments",
         nargs="?",
@@ -208,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         moment_dtype=args.logra_moments or "float32",
         reference=args.reference,
         reference_dtype=args.reference_dtype,
+        sgd_momentum=args.sgd_momentum,
     )
     title = f"{args.model}: {args.ranks} rank(s), r={args.rank}, {args.weight_dtype} weights"
     if args.reference:

@@ -2,10 +2,14 @@
 parameter and nothing else (RL post-training reports plain SGD on par with AdamW: arXiv 2602.07729).
 
 ``W ← W − lr·(G + wd·W)``, or with momentum ``μ > 0`` (one buffer per trained parameter more): ``B ← μ·B + (G +
-wd·W)`` (``B = G + wd·W`` at the first step), ``W ← W − lr·B`` — torch's SGD without dampening or Nesterov. The
-divergence guard judges the step before it is taken (formed as torch forms it, one parameter at a time, without
-taking it), so a rejected step changes nothing; engines receive the changed tensors. ``model.method: sgd`` (its
-defaults) or ``{class_path: logra_pl.methods.sgd.DenseSGD, init_args: {sgd: {lr: 0.01}}}``.
+wd·W)`` (``B = G + wd·W`` at the first step), ``W ← W − lr·B`` — torch's SGD without dampening or Nesterov.
+
+Its optimizer (:class:`ProposingSGD`) steps through a proposal, as AdamW's and LoGRA's do: the step ``ΔW`` (formed as
+torch forms it, :func:`sgd_step_deltas`) is offered to ``on_before_optimizer_step`` callbacks, which may scale it by
+``α`` (``lr·α`` for this step: ``ΔW`` is linear in ``lr``) or veto it — so ``PredictedKLControl`` sizes SGD's steps
+to a KL budget like any other method's —; the divergence guard then judges the α-scaled step before it is taken, so
+a vetoed or rejected step changes nothing. Engines receive the changed tensors. ``model.method: sgd`` (its defaults)
+or ``{class_path: logra_pl.methods.sgd.DenseSGD, init_args: {sgd: {lr: 0.01}}}``.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from logra_pl.methods.base import (
     UpdateMethod,
     bytes_text,
     count_text,
-    relative,
 )
 from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.methods.proposing import ProposalAnswers, ProposingOptimizer, local
 from logra_pl.sketch import select_targets
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
@@ -59,10 +63,6 @@ class SGDConfig:
         check_range("sgd.weight_decay", self.weight_decay, 0.0)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 @torch.no_grad()
 def sgd_step_deltas(optimizer: torch.optim.SGD) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
     """``(parameter, ΔW)`` of the next ``optimizer.step()`` for every parameter with a gradient, without taking it
@@ -74,17 +74,42 @@ def sgd_step_deltas(optimizer: torch.optim.SGD) -> Iterator[tuple[torch.nn.Param
         for p in group["params"]:
             if p.grad is None:
                 continue
-            d = _local(p.grad)
+            d = local(p.grad)
             if wd:
-                d = d.add(_local(p.detach()), alpha=wd)
+                d = d.add(local(p.detach()), alpha=wd)
             if momentum:
                 buf = optimizer.state.get(p, {}).get("momentum_buffer")
-                d = d.clone() if buf is None else _local(buf).mul(momentum).add_(d)
+                d = d.clone() if buf is None else local(buf).mul(momentum).add_(d)
             yield p, d.mul(-lr)
 
 
+class ProposingSGD(ProposingOptimizer, torch.optim.SGD):
+    """``torch.optim.SGD`` whose ``step`` is propose → closure (Lightning's hooks) → guard → step at ``lr·α``, or
+    none (:class:`~logra_pl.methods.proposing.ProposingOptimizer`); with ``alpha == 1`` exactly torch's step.
+
+    Plain SGD keeps no state from which to count its steps, so each parameter group counts the steps taken in
+    ``applied_steps``: it travels in ``state_dict`` (param groups keep extra keys), and a resumed run's step
+    controller continues its budget schedule where it stopped.
+    """
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            group.setdefault("applied_steps", 0)
+
+    @override
+    def step_deltas(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return sgd_step_deltas(self)
+
+    @override
+    def _step_at(self, alpha: float) -> None:
+        super()._step_at(alpha)
+        for group in self.param_groups:
+            group["applied_steps"] = group.get("applied_steps", 0) + 1
+
+
 @register("sgd")
-class DenseSGD(UpdateMethod):
+class DenseSGD(ProposalAnswers, UpdateMethod):
     """Dense SGD on the module's target matrices (or, with ``sgd.train_all``, on every parameter).
 
     Arguments:
@@ -92,11 +117,13 @@ class DenseSGD(UpdateMethod):
     """
 
     name = "sgd"
+    makes_proposals = True
+    sizes_every_step = True  # the update's norm comes from the guard's measurement of the step
 
     def __init__(self, sgd: SGDConfig | None = None) -> None:
         self.sgd = sgd or SGDConfig()
         self.guard = DivergenceGuard()
-        self.optimizer: torch.optim.SGD | None = None
+        self.optimizer: ProposingSGD | None = None
         self.last_relative_update = 0.0
 
     @classmethod
@@ -117,37 +144,29 @@ class DenseSGD(UpdateMethod):
         for p in policy.parameters():
             p.requires_grad_(id(p) in wanted)
         cfg = self.sgd
-        self.optimizer = torch.optim.SGD(
+        self.optimizer = ProposingSGD(
             self._trained(policy), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
         return self.optimizer
 
     @override
     def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
-        """The guard's verdict on the step first (its size and finiteness over all ranks), then torch's SGD step
-        through Lightning's optimizer (so ``on_before_optimizer_step`` fires), or none."""
-        update_sq = weight_sq = nonfinite = 0.0
-        for p, delta in sgd_step_deltas(optimizer.optimizer):
-            w = _local(p.detach())
-            update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
-            weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
-            nonfinite += int((~torch.isfinite(w + delta)).sum())
-        sums = torch.tensor([update_sq, weight_sq, nonfinite], dtype=torch.float64)
-        update_sq, weight_sq, nonfinite = all_reduce_sum(sums).tolist()
-        self.last_relative_update = relative(update_sq, weight_sq)
-        rejected = None
-        if self.guard.enabled:
-            if nonfinite:
-                rejected = f"the step would make {int(nonfinite)} weights non-finite"
-            elif not self.last_relative_update <= self.guard.max_update_ratio:  # NaN fails too
-                rejected = (
-                    f"update size ‖ΔW‖/‖W‖ = {self.last_relative_update:.3g} exceeds the guard's max_update_ratio "
-                    f"{self.guard.max_update_ratio:g}"
-                )
-        if rejected is None:
-            optimizer.step()
+        """Propose → closure (``on_before_optimizer_step``: a controller's α or veto) → the guard's verdict on the
+        α-scaled step (its size and finiteness over all ranks) → torch's SGD at ``lr·α``, or no step."""
+        inner: ProposingSGD = optimizer.optimizer
+        inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
+        optimizer.step()
+        rejected = inner.last_rejection
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(rejected, 0.0 if rejected else math.sqrt(update_sq))
+        return StepResult(rejected, 0.0 if rejected else math.sqrt(self.last_update_sq))
+
+    @property
+    @override
+    def applied_updates(self) -> int:
+        """Steps taken (``applied_steps`` of the optimizer's groups, restored on resume): vetoed and rejected steps
+        are not counted."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return max((int(g.get("applied_steps", 0)) for g in groups), default=0)
 
     @override
     def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:

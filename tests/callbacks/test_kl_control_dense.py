@@ -1,5 +1,6 @@
-"""PredictedKLControl on dense updates (DenseAdamW, LoRA) in real Trainer runs: α from the budget, calibration,
-measurement without control, the schedule counting applied updates, and a NaN prediction's skip."""
+"""PredictedKLControl on dense updates (DenseAdamW, LoRA, DenseSGD) in real Trainer runs: α from the budget,
+calibration, measurement without control, the schedule counting applied updates (and resuming with them), and a NaN
+prediction's skip."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from logra_pl.methods import DenseAdamW, LoRAMethod
 from logra_pl.methods.adamw import AdamWConfig
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.methods.lora import LoRAConfig
+from logra_pl.methods.sgd import DenseSGD, SGDConfig
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
@@ -25,10 +27,13 @@ KL_LOGGED = ("kl/predicted", "kl/alpha", "kl/predicted_scaled", "kl/realized")
 
 # LoRA's KL leaves α² sooner than a dense step's (the adapters' product adds a B·A term of order α²: at this lr
 # the relative gap is ~10% per unit α, where dense AdamW's is ~1%), so its budgets here keep α ≲ 0.2.
-BUDGETS = {"adamw": (1e-4, 2e-5), "lora": (4e-6, 1e-6)}
+BUDGETS = {"adamw": (1e-4, 2e-5), "lora": (4e-6, 1e-6), "sgd": (1e-4, 2e-5)}
+SGD_LR = 1.0  # the tiny model's gradients are ~1e-3 per entry: SGD's nominal step is about AdamW's at lr 1e-3
 
 
 def _method(kind: str, lr: float = 1e-3):
+    if kind == "sgd":
+        return DenseSGD(SGDConfig(lr=SGD_LR * lr / 1e-3, momentum=0.9))
     adamw = AdamWConfig(lr=lr, warmup_steps=0)
     return DenseAdamW(adamw) if kind == "adamw" else LoRAMethod(LoRAConfig(rank=4, alpha=8.0), adamw)
 
@@ -61,7 +66,7 @@ def _weights(module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in module.policy.state_dict().items()}
 
 
-@pytest.mark.parametrize("kind", ["adamw", "lora"])
+@pytest.mark.parametrize("kind", ["adamw", "lora", "sgd"])
 def test_dense_alpha_follows_the_budget_and_the_realized_kl_matches(kind: str) -> None:
     """α = min(α_max, sqrt(δ/pred)) from an annealed budget that advances with applied updates; after each step
     the realized KL equals α²·pred within 5%; the engine holds the trainer's weights."""
@@ -80,6 +85,45 @@ def test_dense_alpha_follows_the_budget_and_the_realized_kl_matches(kind: str) -
         assert name in trainer.logged_metrics, name
     trainer_state, engine_state = module.method.trained_tensors(module.policy), module.engine.model.state_dict()
     assert all(torch.equal(t, engine_state[n]) for n, t in trainer_state.items())
+
+
+def test_sgd_under_step_control_resumes_bit_for_bit(tmp_path, rl_run) -> None:
+    """SGD with momentum under a cosine budget: 2 updates, a checkpoint, 2 more resumed from it end exactly where 4
+    straight updates do — the weights, the momentum buffers, and the budget schedule's position (SGD counts its
+    applied steps in its state, so the resumed controller continues the schedule rather than restarting it)."""
+
+    def module() -> LoGRAPolicyModule:
+        pl.seed_everything(0)
+        return LoGRAPolicyModule(
+            policy="tiny", method=_method("sgd"), rollout=RolloutSettings(max_new_tokens=6), microbatch_size=8
+        )
+
+    def control() -> PredictedKLControl:
+        return PredictedKLControl(BudgetSchedule("cosine", delta_max=1e-4, delta_min=2e-5, horizon=4))
+
+    # The straight run writes its checkpoint at update 2 as a run does (ModelCheckpoint, mid-epoch).
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    straight, kl = module(), control()
+    rl_run(straight, tmp_path / "straight", 4, [kl, saver], enable_checkpointing=True)
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    resumed, kl_resumed = module(), control()
+    rl_run(resumed, tmp_path / "resumed", 4, [kl_resumed], ckpt_path=str(ckpt))
+    assert resumed.method.applied_updates == straight.method.applied_updates == 4
+    # The controller's history travels in the checkpoint: the resumed one holds all 4 updates, as the straight one.
+    assert [h["effective_budget"] for h in kl_resumed.history] == [h["effective_budget"] for h in kl.history]
+    assert len(set(h["effective_budget"] for h in kl.history)) == 4  # the schedule moved at every update
+    assert [h["alpha"] for h in kl_resumed.history] == [h["alpha"] for h in kl.history]
+    assert all(torch.equal(a, b) for a, b in zip(_weights(resumed).values(), _weights(straight).values(), strict=True))
+    buffers = [
+        resumed.method.optimizer.state[p]["momentum_buffer"] for p in resumed.method.optimizer.param_groups[0]["params"]
+    ]
+    want = [
+        straight.method.optimizer.state[p]["momentum_buffer"]
+        for p in straight.method.optimizer.param_groups[0]["params"]
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(buffers, want, strict=True))
 
 
 def test_dense_measurement_without_control_keeps_the_weights() -> None:
@@ -145,7 +189,7 @@ def test_a_method_without_proposals_is_named_before_training() -> None:
     module = LoGRAPolicyModule(policy="tiny", method=NoProposals())
     with pytest.warns(UserWarning, match="'no-proposals' .*makes no proposals"):
         PredictedKLControl().setup(None, module, "fit")
-    for method in (DenseAdamW(), LoRAMethod()):  # the built-in methods all do
+    for method in (DenseAdamW(), LoRAMethod(), DenseSGD()):  # the built-in methods all do
         module = LoGRAPolicyModule(policy="tiny", method=method)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -1,6 +1,7 @@
-"""The dense step proposal without a Trainer (DenseAdamW and LoRA): α scales AdamW's step, a veto changes nothing,
-the guard judges the α-scaled step, and the probe's tangent is the logits' JVP along ΔW — checked against AdamW's
-step and a central difference computed here — which predicts the KL of small steps to second order."""
+"""The dense step proposal without a Trainer (DenseAdamW, LoRA, DenseSGD): α scales AdamW's step, a veto changes
+nothing, the guard judges the α-scaled step, and the probe's tangent is the logits' JVP along ΔW — checked against
+AdamW's (or SGD's) step and a central difference computed here — which predicts the KL of small steps to second
+order. SGD's own step, α and veto are in ``test_sgd.py``."""
 
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ from logra_pl.methods import DenseAdamW, LoRAMethod
 from logra_pl.methods.adamw import AdamWConfig
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.methods.lora import LoRAConfig
+from logra_pl.methods.sgd import DenseSGD, SGDConfig
 from logra_pl.models.load import load_policy
 from logra_pl.sketch.probe import predicted_kl_terms, realized_kl_terms
 
 TARGETS = ["q_proj", "down_proj"]
 BETAS, EPS = (0.9, 0.95), 1e-8
 LR = 1e-3
+# SGD's lr and momentum: the tiny model's gradients are ~1e-3 per entry, so its steps are about AdamW's size.
+SGD_LR, MOMENTUM = 1.0, 0.9
 # Central-difference steps (units of ΔW) that balance truncation and fp32 rounding (Qwen2's norms compute in fp32):
 # LoRA's step moves the logits less, and almost linearly, so it takes a larger one.
-FD_STEP = {"adamw": 0.05, "lora": 0.5}
+FD_STEP = {"adamw": 0.05, "lora": 0.5, "sgd": 0.05}
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -33,6 +37,9 @@ def _setup(kind: str, tiny_model_dir, weight_decay: float = 0.0, guard: Divergen
     """The tiny policy, the method, its optimizer and schedule (constant lr: ``min_lr_ratio = 1``)."""
     policy, _ = load_policy(str(tiny_model_dir))
     cfg = AdamWConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, warmup_steps=0, min_lr_ratio=1.0)
+    if kind == "sgd":
+        method = DenseSGD(SGDConfig(lr=SGD_LR, momentum=MOMENTUM, weight_decay=weight_decay))
+        return policy, method, method.configure_optimizers(policy, TARGETS, guard or DivergenceGuard()), None
     method = DenseAdamW(cfg) if kind == "adamw" else LoRAMethod(LoRAConfig(rank=4, alpha=8.0), cfg)
     method.prepare_policy(policy, TARGETS)
     built = method.configure_optimizers(policy, TARGETS, guard or DivergenceGuard())
@@ -73,10 +80,16 @@ def _second_step_deltas(kind: str, tiny_model_dir, weight_decay: float = 0.0):
     """One plain step (so LoRA's B is non-zero and A gets a gradient), then the gradients of a second: the policy,
     method, optimizer, schedule and the second step's ΔW of every trained parameter, computed here."""
     policy, method, opt, sched = _setup(kind, tiny_model_dir, weight_decay)
+    w0 = _weights(policy)
     g1 = _backward(policy, 0)
     assert method.step(StepThrough(opt), sched, _same).rejected is None
     w1 = _weights(policy)
     g2 = _backward(policy, 1)
+    if kind == "sgd":  # B1 = g1 + wd·W0, B2 = μ·B1 + g2 + wd·W1, ΔW = −lr·B2
+        trained = _trained(policy)
+        first = {n: g1[n].double() + weight_decay * w0[n].double() for n in trained}
+        deltas = {n: -SGD_LR * (MOMENTUM * first[n] + g2[n].double() + weight_decay * w1[n].double()) for n in trained}
+        return policy, method, opt, sched, deltas
     deltas = {n: _second_adamw_step(w1[n], g1[n], g2[n], LR, weight_decay)[0] for n in _trained(policy)}
     return policy, method, opt, sched, deltas
 
@@ -155,9 +168,9 @@ def test_alpha_scales_the_dense_step_and_a_veto_changes_nothing(kind: str, tiny_
     assert method.applied_updates == 2
 
 
-@pytest.mark.parametrize("kind", ["adamw", "lora"])
+@pytest.mark.parametrize("kind", ["adamw", "lora", "sgd"])
 def test_dense_probe_is_the_jvp_along_the_previewed_step(kind: str, tiny_model_dir) -> None:
-    """The proposal's ΔW is AdamW's step; the method's ``jvp`` tangent equals a central difference of the logits
+    """The proposal's ΔW is AdamW's (SGD's) step; the method's ``jvp`` tangent equals a central difference of the logits
     along that ΔW computed here, its ``fd`` mode computes that same difference, and the weights are untouched."""
     policy, method, opt, sched, deltas = _second_step_deltas(kind, tiny_model_dir)
     inputs, h = _inputs(7), FD_STEP[kind]
@@ -188,10 +201,10 @@ def test_dense_probe_is_the_jvp_along_the_previewed_step(kind: str, tiny_model_d
     assert checked.get("done")
 
 
-@pytest.mark.parametrize("kind", ["adamw", "lora"])
+@pytest.mark.parametrize("kind", ["adamw", "lora", "sgd"])
 def test_dense_predicted_kl_matches_realized_to_second_order(kind: str, tiny_model_dir) -> None:
     """``KL(α) = α²·pred + O(α³)``: as the step shrinks 10×, ``|realized − α²·pred| / realized`` shrinks at least
-    5× and ends below 1%. The realized KL is measured here, on weights moved by ``α·ΔW`` (AdamW's step)."""
+    5× and ends below 1%. The realized KL is measured here, on weights moved by ``α·ΔW`` (AdamW's or SGD's step)."""
     policy, method, opt, sched, deltas = _second_step_deltas(kind, tiny_model_dir)
     inputs = _inputs(7)
     errors = {}

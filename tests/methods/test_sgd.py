@@ -1,5 +1,7 @@
 """Dense SGD (``methods/sgd.py``), the built-in method added as one file: its steps against the formula written out
-here, the guard, its memory (planned and measured), its short name, and a run that keeps the engine equal."""
+here, a step controller's α and veto on them, the guard, its memory (planned and measured), its short name, and a
+run that keeps the engine equal. Its probe and predicted KL are in ``test_dense_proposal.py``; step control in a
+Trainer, and its resume, in ``callbacks/test_kl_control_dense.py``."""
 
 from __future__ import annotations
 
@@ -55,6 +57,66 @@ def test_two_steps_are_the_formula_written_out(tiny_model_dir, momentum: float) 
     state = sum(len(s) for s in opt.optimizer.state.values())
     assert (state > 0) == (momentum > 0)  # stateless without momentum
     assert set(method.trained_tensors(policy)) == set(trained)
+
+
+def test_alpha_scales_the_step_the_momentum_is_kept_and_a_veto_changes_nothing(tiny_model_dir) -> None:
+    """A controller's α makes the step ``W ← W − α·lr·B`` while the buffer ``B ← μB + G + wd·W`` is α-free (float64
+    here); a veto leaves weights, buffers and the applied-step count as they were; the guard judges the α-scaled
+    step and refuses it before it is taken."""
+    policy, _ = load_policy(str(tiny_model_dir))
+    lr, mu, wd, alpha = 0.1, 0.9, 0.01, 0.3
+    method = DenseSGD(SGDConfig(lr=lr, momentum=mu, weight_decay=wd))
+    opt = method.configure_optimizers(policy, TARGETS, DivergenceGuard(max_update_ratio=0.05))
+    trained = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    w0 = {n: p.detach().double().clone() for n, p in trained.items()}
+    g1 = _grads(policy, 0)
+    assert method.step(StepThrough(opt), None, lambda t: t).rejected is None and method.applied_updates == 1
+    w1 = {n: p.detach().double().clone() for n, p in trained.items()}
+    g2 = _grads(policy, 1)
+    seen = {}
+
+    def scale(optimizer) -> None:
+        seen["proposal"] = optimizer.proposal
+        optimizer.proposal.alpha = alpha
+
+    result = method.step(StepThrough(opt, scale), None, lambda t: t)
+    assert result.rejected is None and method.applied(seen["proposal"]) and method.applied_updates == 2
+    step_sq = 0.0
+    for n, p in trained.items():
+        b2 = mu * (g1[n] + wd * w0[n]) + g2[n] + wd * w1[n]
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"].double(), b2, rtol=1e-5, atol=1e-9, msg=n)
+        torch.testing.assert_close(p.detach().double(), w1[n] - alpha * lr * b2, rtol=1e-5, atol=1e-8, msg=n)
+        step_sq += float((alpha * lr * b2).square().sum())
+    assert result.update_norm == pytest.approx(step_sq**0.5, rel=1e-4)
+
+    _grads(policy, 2)
+    w2 = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    buffers = {p: opt.state[p]["momentum_buffer"].clone() for p in trained.values()}
+
+    def veto(optimizer) -> None:
+        seen["vetoed"] = optimizer.proposal
+        optimizer.proposal.skip("vetoed by the test")
+
+    result = method.step(StepThrough(opt, veto), None, lambda t: t)
+    assert result.rejected == "vetoed by the test" and result.update_norm == 0.0
+    assert all(torch.equal(p.detach(), w2[n]) for n, p in policy.named_parameters())
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b) for p, b in buffers.items())
+    assert method.applied_updates == 2 and not method.applied(seen["vetoed"])
+
+    _grads(policy, 3)
+
+    def enlarge(optimizer) -> None:
+        optimizer.proposal.alpha = 1e3
+
+    result = method.step(StepThrough(opt, enlarge), None, lambda t: t)
+    assert result.rejected is not None and "exceeds the guard's max_update_ratio 0.05" in result.rejected
+    assert all(torch.equal(p.detach(), w2[n]) for n, p in policy.named_parameters())
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b) for p, b in buffers.items())
+    assert method.applied_updates == 2
+    # The count travels with the optimizer's state: a new optimizer loaded from it continues at 2.
+    again = DenseSGD(SGDConfig(lr=lr, momentum=mu, weight_decay=wd))
+    again.configure_optimizers(policy, TARGETS, DivergenceGuard()).load_state_dict(opt.state_dict())
+    assert again.applied_updates == 2
 
 
 def test_the_guard_refuses_a_large_step_before_it_is_taken(tiny_model_dir) -> None:

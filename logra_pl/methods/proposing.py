@@ -1,0 +1,225 @@
+"""A dense optimizer whose step is a *proposal* first: step controllers may scale it by ``α`` or veto it, the
+divergence guard judges the step that would be taken, and only then does torch's own step run (at ``lr·α``) — or
+nothing does, and the weights and the optimizer's state stay exactly as they were.
+
+``ProposingOptimizer`` is the mechanism, mixed into a torch optimizer whose step is linear in its learning rate
+(``ΔW(α) = α·ΔW``: AdamW, with its decoupled weight decay, and SGD, with or without momentum): the optimizer says
+what its next step is (:meth:`ProposingOptimizer.step_deltas`, formed as torch forms it, without taking it), and the
+mixin runs propose → closure (Lightning's ``on_before_optimizer_step`` hooks) → guard → step. :class:`StepProposal`
+is what a controller sees; :func:`step_preview` the sizes the guard judges; :func:`guard_verdict` its verdict. The
+dense methods (``DenseAdamW``, ``DenseSGD``, ``LoRAMethod``) answer a step controller's questions from it
+(:class:`ProposalAnswers`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from logra_pl.methods.base import AllReduceSum, relative
+from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.sketch.probe import ProbeMode, parameter_logit_tangent
+
+Deltas = Iterable[tuple[torch.nn.Parameter, torch.Tensor]]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of ``t`` (an FSDP2 ``DTensor``'s local tensor), or ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class StepProposal:
+    """The step about to be taken, open to step controllers during ``on_before_optimizer_step``.
+
+    The step at ``alpha`` is the optimizer's own step with ``lr·alpha`` for this update only: ``ΔW(α) = α·ΔW``.
+    :meth:`skip` drops it (weights and optimizer state untouched).
+
+    Arguments:
+        optimizer: the :class:`ProposingOptimizer` whose step this is (its gradients and state define ``ΔW``).
+    """
+
+    def __init__(self, optimizer: ProposingOptimizer) -> None:
+        self.optimizer: ProposingOptimizer | None = optimizer
+        self.alpha = 1.0
+        self.veto: str | None = None
+        self._deltas: dict[torch.nn.Parameter, torch.Tensor] | None = None
+
+    def skip(self, reason: str) -> None:
+        """Ask the optimizer not to take this step (e.g. a step controller's NaN prediction)."""
+        self.veto = reason
+
+    def deltas(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """``{parameter: ΔW}`` at ``α = 1`` for every parameter with a gradient (the local shard under FSDP).
+
+        Computed on the first call and kept until the step is taken (a copy of every trained parameter: only a
+        step controller that probes the step asks for it); the divergence guard then reuses it.
+        """
+        if self._deltas is None:
+            if self.optimizer is None:
+                raise RuntimeError("this step was already taken (or dropped): its ΔW is gone")
+            self._deltas = dict(self.optimizer.step_deltas())
+        return self._deltas
+
+    @property
+    def previewed(self) -> dict[torch.nn.Parameter, torch.Tensor] | None:
+        """The deltas if :meth:`deltas` computed them already, else None (nothing is computed)."""
+        return self._deltas
+
+    def release(self) -> None:
+        """Forget the deltas and the optimizer (called once the step is taken or dropped)."""
+        self._deltas, self.optimizer = None, None
+
+
+class ProposingOptimizer(torch.optim.Optimizer):
+    """Mixed in before a torch optimizer: ``step`` is propose → closure (Lightning's hooks) → guard → step at α.
+
+    During the closure :attr:`proposal` is the :class:`StepProposal` of the step; a callback may set its ``alpha``
+    or call ``skip(reason)``. Then :attr:`check` (the divergence guard, set by the update method) judges the
+    α-scaled step; a vetoed or rejected step drops the gradients, so nothing changes — torch's optimizers leave a
+    parameter without a gradient, and its state, untouched. With ``alpha == 1`` the step is exactly the torch
+    optimizer's (the same bits); otherwise every group's ``lr`` is multiplied by ``alpha`` for this step only.
+
+    After ``step()``: :attr:`last_proposal`, :attr:`last_applied` (the step changed the weights),
+    :attr:`last_rejection` (why not, or None) and :attr:`last_alpha` (the multiplier it was taken at).
+    """
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.proposal: StepProposal | None = None
+        self.last_proposal: StepProposal | None = None
+        self.last_applied = False
+        self.last_rejection: str | None = None
+        self.last_alpha = 1.0
+        # The divergence guard's verdict on the α-scaled step (None: accept); set by the update method.
+        self.check: Callable[[ProposingOptimizer, StepProposal], str | None] | None = None
+
+    def step_deltas(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``(parameter, ΔW)`` of the next step at ``α = 1`` for every parameter with a gradient, without taking it
+        (this process's shard of each; one parameter's temporaries at a time)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what its step is")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Propose, run ``closure`` (Lightning's hooks), then take the (possibly rescaled) step unless refused."""
+        self.proposal = StepProposal(self)
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        proposal, self.proposal = self.proposal, None
+        self.last_proposal = proposal
+        reason = proposal.veto
+        if reason is None and self.check is not None:
+            reason = self.check(self, proposal)
+        proposal.release()
+        self.last_rejection, self.last_applied = reason, reason is None
+        if reason is not None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return result
+        self.last_alpha = float(proposal.alpha)
+        self._step_at(self.last_alpha)
+        return result
+
+    def _step_at(self, alpha: float) -> None:
+        """The torch optimizer's step with every group's ``lr`` multiplied by ``alpha`` for this call (restored)."""
+        if alpha == 1.0:
+            super().step()
+            return
+        saved = [group["lr"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["lr"] = group["lr"] * alpha
+            super().step()
+        finally:
+            for group, lr in zip(self.param_groups, saved, strict=True):
+                group["lr"] = lr
+
+
+@torch.no_grad()
+def step_preview(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int]:
+    """What a step of ``deltas`` (``(parameter, ΔW)`` pairs) at multiplier ``alpha`` would do, without doing it:
+    ``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW)``, over this process's (local) shards; a data-parallel
+    caller all-reduces them. The deltas are left unchanged."""
+    update_sq = weight_sq = 0.0
+    nonfinite = 0
+    for p, delta in deltas:
+        w = local(p.detach())
+        if alpha != 1.0:
+            delta = delta * alpha
+        update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
+        weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
+        nonfinite += int((~torch.isfinite(delta + w)).sum())
+    return update_sq, weight_sq, nonfinite
+
+
+def guard_verdict(guard: DivergenceGuard, sums: list[float]) -> tuple[str | None, float]:
+    """The divergence guard's verdict on a step of all-reduced ``(Σ‖ΔW‖², Σ‖W‖², #non-finite)`` and its relative
+    size ``‖ΔW‖/‖W‖``: ``(None, size)`` takes it, ``(reason, size)`` refuses it."""
+    update_sq, weight_sq, bad = sums
+    size = relative(update_sq, weight_sq)
+    if not guard.enabled:
+        return None, size
+    if bad:
+        return f"the step would make {int(bad)} weights non-finite", size
+    if not math.isfinite(size):
+        return "non-finite update (the gradients hold inf/NaN)", size
+    if size > guard.max_update_ratio:
+        return (
+            f"update size ‖ΔW‖/‖W‖ = {size:.3g} exceeds the guard's max_update_ratio {guard.max_update_ratio:g}",
+            size,
+        )
+    return None, size
+
+
+class ProposalAnswers:
+    """What a dense method whose optimizer is a :class:`ProposingOptimizer` (in ``self.optimizer``) answers a step
+    controller (``UpdateMethod.applied`` and ``logit_tangent``), and its guard's verdict; mixed in before
+    ``UpdateMethod``.
+
+    Class attributes:
+        sizes_every_step: :meth:`judge` measures the step even when the guard is off (a method that reports its
+            update's norm from this measurement); otherwise only an enabled guard pays for it.
+    """
+
+    optimizer: ProposingOptimizer | None
+    sizes_every_step = False
+    last_relative_update = 0.0
+    last_update_sq = 0.0
+
+    def applied(self, proposal: Any) -> bool:
+        """Whether ``proposal`` was the optimizer's last step and changed the weights."""
+        opt = self.optimizer
+        return opt is not None and opt.last_proposal is proposal and opt.last_applied
+
+    def logit_tangent(
+        self,
+        policy: nn.Module,
+        proposal: Any,
+        model_inputs: Mapping[str, torch.Tensor],
+        mode: ProbeMode = "jvp",
+        fd_step: float = 1e-3,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits' JVP along the proposed step ``ΔW`` of every trained parameter (LoRA: its adapters)."""
+        names = {id(p): n for n, p in policy.named_parameters()}
+        deltas = {names[id(p)]: d for p, d in proposal.deltas().items()}
+        return parameter_logit_tangent(policy, deltas, model_inputs, mode, fd_step)
+
+    def judge(self, guard: DivergenceGuard, proposal: StepProposal, all_reduce_sum: AllReduceSum) -> str | None:
+        """The divergence guard's verdict on the step at ``proposal.alpha`` (None: take it); sets
+        ``last_relative_update`` and ``last_update_sq`` (``Σ‖α·ΔW‖²`` over all ranks). Runs after the step
+        controllers, so it judges the step that would be taken."""
+        opt = self.optimizer
+        assert opt is not None, "judge runs inside the optimizer's step"
+        if not guard.enabled and not self.sizes_every_step:
+            return None
+        deltas = proposal.previewed.items() if proposal.previewed is not None else opt.step_deltas()
+        sums = all_reduce_sum(torch.tensor(step_preview(deltas, proposal.alpha), dtype=torch.float64)).tolist()
+        reason, self.last_relative_update = guard_verdict(guard, sums)
+        self.last_update_sq = sums[0]
+        return reason
