@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from logra_pl.cli import LoGRACLI, main, parse_error_lines
@@ -295,6 +296,28 @@ def test_an_environment_and_a_verifier_without_annotations_are_accepted_and_a_br
     assert "called as step(item, messages)" in lines[0]
     lines = _parse_error(capsys, f"--config={CONFIG}", "--model.env=myplugins.ShortStep")
     assert "its step(self, item) cannot be called as step(item, messages)" in lines[0]
+
+
+def test_an_environment_without_annotations_trains_through_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unannotated ``Guess`` (its own parameter names, no type hints) and ``Score`` train one update through
+    ``logra-pl fit``, and the checkpoint records them as the run's environment and verifier."""
+    (tmp_path / "myplugins.py").write_text(PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = [f"--config={CONFIG}", "--model.env=myplugins.Guess", "--model.verifier=myplugins.Score"]
+    args += ["--model.warm_start=null", "--trainer.max_steps=1", "--trainer.logger=false"]
+    args += [f"--trainer.default_root_dir={tmp_path}", "--data.train_size=16", "--data.eval_size=8"]
+    args += ["--data.prompts_per_step=8", "--trainer.limit_val_batches=0"]
+    try:
+        main(["fit", *args])
+    except SystemExit as done:
+        assert done.code in (0, None)
+    ckpts = sorted(tmp_path.rglob("last.ckpt"))
+    assert ckpts, "the run wrote no checkpoint"
+    saved = torch.load(ckpts[0], map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 1
+    assert type(saved["hyper_parameters"]["env"]).__name__ == "Guess" or "myplugins.Guess" in str(
+        saved["hyper_parameters"]["env"]
+    )
 
 
 def test_a_broken_environment_stops_the_cli_run_with_a_short_summary(
