@@ -240,17 +240,25 @@ def _initial() -> dict[str, torch.Tensor]:
     return dict(model.state_dict())
 
 
-def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_update(tmp_path: Path) -> None:
+def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_update_and_the_resume_is_bitwise(
+    runs, tmp_path: Path
+) -> None:
     """SIGTERM reaches rank 1 only, after update 2: both ranks stop after update 2 (no hang in the next collective),
-    the checkpoint holds update 2 and the run exits with 143."""
+    the checkpoint holds update 2 and the run exits with 143. Resumed from that ``last.ckpt`` on 2 ranks, the run
+    ends where the uninterrupted 7-update run of the fixture does, bit for bit."""
     out, folder = tmp_path / "preempted.pt", tmp_path / "preempt"
     args = ("--sigterm-at", "2", "--sigterm-rank", "1", "--preempt-dir", str(folder))
-    proc, _ = _start(tmp_path, 2, 5, "preempted", *args)
+    proc, _ = _start(tmp_path, 2, 7, "preempted", *args)
     assert proc.wait(timeout=900) == 143, (tmp_path / "preempted.log").read_text(errors="replace")[-3000:]
     for rank in (0, 1):
         stopped = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert stopped == {"rank": rank, "global_step": 2}
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 2
+    resumed, straight = _run(tmp_path, 2, 7, "after_sigterm", "--ckpt-resume", str(folder / "last.ckpt")), runs["two7"]
+    assert resumed["logra"]["update_index"] == straight["logra"]["update_index"] == 7
+    assert resumed["rows"] == [r for r in straight["rows"] if r[0] >= 2]
+    for key, value in straight["policy"].items():
+        assert torch.equal(value, resumed["policy"][key]), key
 
 
 def test_bad_input() -> None:
