@@ -75,6 +75,7 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass (at most).
         max_tokens_per_microbatch: token budget of one pass (rows × longest row); None: ``microbatch_size`` rows.
+        logprob_chunk_tokens: score response tokens this many at a time, with no ``(B, R, V)`` tensor; None: at once.
         activation_checkpointing: recompute each decoder layer in backward (:mod:`logra_pl.runtime.checkpointing`).
         attn_implementation: transformers' attention kernel; None: its default (the KL probe uses eager).
         answer_format: how the default verifier reads answers (``auto``/``tags``/``plain``).
@@ -109,6 +110,7 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
         rollout: RolloutSettings | None = None,
         microbatch_size: int = 16,
         max_tokens_per_microbatch: int | None = None,
+        logprob_chunk_tokens: int | None = None,
         activation_checkpointing: bool = False,
         attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None,
         answer_format: Literal["auto", "tags", "plain"] = "auto",
@@ -123,6 +125,7 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
         super().__init__()
         check_int("microbatch_size", microbatch_size, 1)
         check_int("max_tokens_per_microbatch", 1 if max_tokens_per_microbatch is None else max_tokens_per_microbatch, 1)
+        check_int("logprob_chunk_tokens", 1 if logprob_chunk_tokens is None else logprob_chunk_tokens, 1)
         self.engine_spec = engine_spec(engine)  # an unknown engine fails here, before any model is loaded
         self.save_hyperparameters()
         self.automatic_optimization = False
@@ -198,8 +201,8 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
             shared = self.loss_config.shared
             dtype, where = shared.reference_dtype or self.dtype_name, shared.reference_device
             self.reference_policy = ReferencePolicy.load(folder, dtype, where, self.attn_implementation)
-        mb, budget = self.microbatch_size, self.max_tokens_per_microbatch
-        self.passes = TrainerPasses(self.policy, mb, budget, self.ranks, self.reference_policy)
+        mb, budget, chunk = self.microbatch_size, self.max_tokens_per_microbatch, self.hparams.logprob_chunk_tokens
+        self.passes = TrainerPasses(self.policy, mb, budget, self.ranks, self.reference_policy, chunk)
 
     def configure_optimizers(self) -> Any:
         """The update method's optimizer (and schedule) for the target matrices."""
@@ -207,16 +210,14 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
         return self.method.configure_optimizers(self.policy, self.targets, self.guard)
 
     def on_train_start(self) -> None:
-        """The engine samples from weights equal to the trainer's (after any checkpoint restore); dynamic sampling's
-        further prompts and, with ``rollout.max_staleness`` ≥ 1, the asynchronous pipeline start (where a checkpoint
-        left them)."""
+        """The engine samples from the trainer's weights (after any checkpoint restore); dynamic sampling and, with
+        ``rollout.max_staleness`` ≥ 1, the asynchronous pipeline start where a checkpoint left them."""
         self.link.sync(full=True, payload=self.link.last_payload)
         self.sampler.start(self.trainer, self._sampler_state)
         self._sampler_state = {}
 
     def on_validation_start(self) -> None:
-        """Validation samples from the engine too: it must hold the current weights. Per-task pass@1 when the
-        evaluation problems mix tasks (their macro mean is the RG-Hard score)."""
+        """The engine holds the current weights for validation; per-task pass@1 when problems mix tasks (RG-Hard)."""
         if self.link is not None and self.link.place():
             self.link.sync(full=True, payload=self.link.last_payload)
         self.validation.start(getattr(self.trainer.datamodule, "eval_items", None) or [], self.device)
@@ -257,12 +258,11 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
     def _update(self, ctx: StepContext, rows: list[int]) -> tuple[float, float, float, float]:
         """Microbatched loss/backward over ``rows``, then one update through the method and the engine sync."""
         t0 = time.perf_counter()
-        # The loss tokens and sequences of the whole update, over all ranks: microbatch and rank losses add up to the
-        # update's loss under every aggregation.
+        # The whole update's loss tokens and sequences, over all ranks: its parts add up under every aggregation.
         totals = update_totals(ctx, rows, self.rollout_settings.max_new_tokens, self.ranks.sum)
         (groups, padding), trim = self.passes.microbatches(rows, ctx.packed), self.passes.trim
         total = backward_over(
-            self.policy, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim, padding
+            self.passes.forward, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim, padding
         )
         t1 = time.perf_counter()
         # What the rollout and the backward freed goes back to the OS before the step's temporaries (every method).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -304,7 +305,8 @@ def _sub_rollout(rollout: Rollout, rows: list[int]) -> Rollout:
 
 def _grads(model, ctx, groups, loss_fn, totals):
     model.zero_grad()
-    total = backward_over(model, ctx, groups, loss_fn, totals, lambda loss: loss.backward(), torch.device("cpu"))
+    score = partial(response_logprobs, model)
+    total = backward_over(score, ctx, groups, loss_fn, totals, lambda loss: loss.backward(), torch.device("cpu"))
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -17,7 +17,7 @@ import torch
 
 from logra_pl.losses import Loss, UpdateTotals
 from logra_pl.train.batching import select_rows
-from logra_pl.train.logprobs import response_logprobs
+from logra_pl.train.logprobs import PackedResponses
 from logra_pl.train.step import StepContext
 
 
@@ -36,7 +36,7 @@ def update_totals(
 
 
 def backward_over(
-    policy: torch.nn.Module,
+    score: Callable[[PackedResponses, float], torch.Tensor],
     ctx: StepContext,
     groups: list[list[int]],
     loss_fn: Loss,
@@ -46,7 +46,8 @@ def backward_over(
     trim: bool = False,
     padding: int = 0,
 ) -> float:
-    """Forward, loss and ``backward`` for each microbatch of ``groups`` (rows of ``ctx``); the loss statistics are
+    """Forward (``score(packed, temperature)``: the policy's log-probs with grad, e.g. ``TrainerPasses.forward``), loss
+    and ``backward`` for each microbatch of ``groups`` (rows of ``ctx``); the loss statistics are
     added to ``ctx.loss_stats``. Returns the summed loss. REINFORCE+TIS weighs tokens by π/π_rollout (capped), the
     PPO family by π/π_old with π_old the pre-update trainer (``loss_fn.reference``). The last ``padding`` microbatches
     only keep the ranks' forward counts equal: their loss (penalty included) is multiplied by zero, so they add exact
@@ -60,7 +61,7 @@ def backward_over(
     for i, mb in enumerate(groups):
         packed = select_rows(ctx.packed, mb, trim).to(device)
         mask = ctx.loss_mask[mb].to(device)
-        logp = response_logprobs(policy, packed, ctx.temperature)
+        logp = score(packed, ctx.temperature)
         adv, ref = ctx.advantages[mb].to(device), reference[mb].to(device)
         weights = loss_fn.weights(packed.lengths)
         scale = loss_fn.row_scale(mask.sum(dim=1), totals)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from logra_pl.train.chunked_logprobs import chunked_response_scores
+
 
 @dataclass
 class PackedResponses:
@@ -116,19 +118,27 @@ def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows) if rows else log_probs.new_zeros(log_probs.shape[:2])
 
 
-def response_logprobs(model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0) -> torch.Tensor:
+def response_logprobs(
+    model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0, chunk: int | None = None
+) -> torch.Tensor:
     """``log softmax(logits / T)`` of each response token, ``(B, R)``, zero where padded.
 
     Runs with whatever grad mode the caller set: under ``torch.no_grad`` for the pre-update π_train, with
-    grad for the loss.
+    grad for the loss. ``chunk``: the output projection and log-softmax ``chunk`` tokens at a time, with no
+    ``(B, R, V)`` tensor (:func:`~logra_pl.train.chunked_logprobs.chunked_response_scores`); None: all at once.
     """
+    if chunk is not None:
+        return chunked_response_scores(model, packed, temperature, chunk)[0]
     return _gather_targets(_response_log_softmax(model, packed, temperature), packed)
 
 
 def response_logprobs_and_entropy(
-    model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0
+    model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0, chunk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The response tokens' log-probs (as :func:`response_logprobs`) and the policy's entropy at each response
-    position (:func:`token_entropy`, zero where padded), both ``(B, R)``, from one forward pass."""
+    position (:func:`token_entropy`, zero where padded), both ``(B, R)``, from one forward pass (``chunk``: as
+    :func:`response_logprobs`)."""
+    if chunk is not None:
+        return chunked_response_scores(model, packed, temperature, chunk)
     log_probs = _response_log_softmax(model, packed, temperature)
     return _gather_targets(log_probs, packed), token_entropy(log_probs) * packed.response_mask

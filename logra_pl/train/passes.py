@@ -27,6 +27,8 @@ class TrainerPasses:
         max_tokens: the token budget of one pass (rows × longest row); None: ``microbatch_size`` rows.
         ranks: the training processes (their device; the agreed microbatch count).
         reference: a KL penalty's reference policy (:class:`~logra_pl.train.reference.ReferencePolicy`), or None.
+        chunk_tokens: score response tokens this many at a time (:mod:`logra_pl.train.chunked_logprobs`: no
+            ``(B, R, V)`` tensor); None: the whole microbatch at once.
     """
 
     def __init__(
@@ -36,9 +38,10 @@ class TrainerPasses:
         max_tokens: int | None,
         ranks: Ranks,
         reference: Any = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.policy, self.microbatch_size, self.max_tokens = policy, microbatch_size, max_tokens
-        self.ranks, self.reference = ranks, reference
+        self.ranks, self.reference, self.chunk_tokens = ranks, reference, chunk_tokens
 
     @property
     def trim(self) -> bool:
@@ -61,7 +64,7 @@ class TrainerPasses:
         """The trainer's log-probs of the packed responses (``(N, R)``, on the CPU)."""
         parts, padding = self._parts(packed)
         device = self.ranks.device
-        scored = [response_logprobs(self.policy, p.to(device), temperature) for p in parts]
+        scored = [response_logprobs(self.policy, p.to(device), temperature, self.chunk_tokens) for p in parts]
         return torch.cat(scored[: len(scored) - padding]).cpu()
 
     @torch.no_grad()
@@ -69,9 +72,14 @@ class TrainerPasses:
         """The trainer's log-probs and entropy at each response position, from one pass (on the CPU)."""
         parts, padding = self._parts(packed)
         device = self.ranks.device
-        scored = [response_logprobs_and_entropy(self.policy, p.to(device), temperature) for p in parts]
+        chunk = self.chunk_tokens
+        scored = [response_logprobs_and_entropy(self.policy, p.to(device), temperature, chunk) for p in parts]
         scored = scored[: len(scored) - padding]
         return torch.cat([s[0] for s in scored]).cpu(), torch.cat([s[1] for s in scored]).cpu()
+
+    def forward(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
+        """The policy's log-probs of one microbatch with the caller's grad mode (the backward's forward)."""
+        return response_logprobs(self.policy, packed, temperature, self.chunk_tokens)
 
     def reference_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The reference policy's log-probs of the packed responses (a sharded reference runs the padding

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from logra_pl.losses import GroupBaseline, ReinforceTIS, RLOOBaseline, RunningBa
 from logra_pl.rewards.failures import Failure, FailurePolicy, Scores, verifier_label
 from logra_pl.rollout.base import Rollout
 from logra_pl.train.backward import backward_over, update_totals
+from logra_pl.train.logprobs import response_logprobs
 from logra_pl.train.metrics import MacroMean
 from logra_pl.train.sampler import score_tensors
 from logra_pl.train.step import assemble_step, scored_advantages, step_metrics
@@ -198,7 +200,8 @@ def test_a_failed_response_adds_nothing_to_the_update(qwen2_factory) -> None:
         )
         every = list(range(len(rows)))
         totals = update_totals(ctx, every, 8, lambda t: t)
-        total = backward_over(model, ctx, [every], loss, totals, lambda t: t.backward(), "cpu")
+        score = partial(response_logprobs, model)
+        total = backward_over(score, ctx, [every], loss, totals, lambda t: t.backward(), "cpu")
         return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, totals
 
     # Under every aggregation (the token and sequence counts leave the failed response out too).
