@@ -91,3 +91,28 @@ def test_config_of_a_gguf_policy() -> None:
 
     config = load_config("smollm2")
     assert config.hidden_size == 576 and config.num_hidden_layers == 30
+
+
+def test_the_vocabulary_sized_activations_of_a_microbatch_are_printed_beside_the_state(tmp_path, capsys) -> None:
+    """Qwen2.5-7B's 152,064-token vocabulary, a 4,096-token microbatch of which 3,072 are response tokens, bf16
+    weights: the full path holds the bf16 logits of every position and the fp32 log-softmax of the response ones; the
+    chunked path three fp32 chunk × V tensors and one float per scored token (counted here by hand)."""
+    from logra_pl.methods.memory_plan import logit_activations
+
+    vocab = QWEN25_7B["vocab_size"]
+    acts = logit_activations(QWEN25_7B, 4096, 3072, 1024, "bfloat16")
+    assert acts["vocab"] == vocab
+    assert acts["full"] == 4096 * vocab * 2 + 3072 * vocab * 4
+    assert acts["chunked"] == 3 * 1024 * vocab * 4 + 3072 * 4
+    assert acts["chunked"] < 0.6 * acts["full"]
+    assert "chunked" not in logit_activations(QWEN25_7B, 4096)
+    path = tmp_path / "qwen2.5-7b.json"
+    path.write_text(json.dumps(QWEN25_7B))
+    args = ["plan", "--model", str(path), "--weight-dtype", "bfloat16", "--microbatch-tokens", "4096"]
+    cli_main([*args, "--response-tokens", "3072", "--logprob-chunk", "1024", "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert (
+        f"4096 tokens (3072 scored), vocabulary {vocab:,}: logits and log-softmax {acts['full'] / 2**30:.3f} GiB" in out
+    )
+    assert f"with logprob_chunk_tokens 1024: {acts['chunked'] / 2**30:.3f} GiB" in out
+    assert json.loads((tmp_path / "p.json").read_text())["activations"] == acts

@@ -10,10 +10,12 @@ every rank, since each rank sketches the full matrix and the sketches are all-re
 > 0``), the frozen reference policy too (``reference_policy``): every parameter and buffer in ``loss.reference_dtype``,
 sharded like the weights with ``reference: same`` (``logra_fsdp`` shards it) and whole in host memory with ``reference:
 cpu`` (one process only: the strategy refuses it on several ranks). Activations and the rollout engine are not training
-state and not included.
+state and not in the table; the vocabulary-sized activations of one microbatch's forward, which are the largest on
+models with large vocabularies, are printed beside it (:func:`logit_activations`, ``--microbatch-tokens``).
 
     logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --ranks 4 --rank 256     # a config.json, folder, hub id or tiny
     logra-pl plan --model Qwen/Qwen2.5-7B-Instruct --reference cpu --reference-dtype bfloat16    # with a KL penalty
+    logra-pl plan --model Qwen/Qwen2.5-1.5B-Instruct --microbatch-tokens 4096 --logprob-chunk 1024   # + activations
 """
 
 from __future__ import annotations
@@ -151,6 +153,33 @@ def _reference_bytes(
     return sum(shapes.shard_bytes(p, dtype) for p in params) + buffers
 
 
+def logit_activations(
+    config: str | Path | PretrainedConfig | dict[str, Any],
+    tokens: int,
+    response_tokens: int | None = None,
+    chunk: int | None = None,
+    weight_dtype: str = "float32",
+) -> dict[str, int]:
+    """Bytes of the vocabulary-sized activations of one training forward over ``tokens`` (prompt + response) of which
+    ``response_tokens`` (default: all) are scored, with ``V`` the vocabulary:
+
+    - ``full`` (``model.logprob_chunk_tokens: null``): the logits of every position, ``tokens × V`` in the weights'
+      dtype, and the float32 log-softmax of the response positions, ``response_tokens × V × 4``, which the backward
+      keeps (the gathered logits and their float32 copy are transient);
+    - ``chunked``: three float32 ``chunk × V`` tensors at a time (a chunk's logits, probabilities and their
+      gradient, in the backward) and one float per scored token (:mod:`logra_pl.train.chunked_logprobs`); None when
+      ``chunk`` is not given.
+    """
+    cfg = load_config(config)
+    vocab = int(cfg.vocab_size)
+    scored = tokens if response_tokens is None else response_tokens
+    width = _DTYPES[weight_dtype].itemsize
+    out = {"vocab": vocab, "full": tokens * vocab * width + scored * vocab * 4}
+    if chunk is not None:
+        out["chunked"] = 3 * min(chunk, scored) * vocab * 4 + scored * 4
+    return out
+
+
 def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
     """A table in GiB, one column per optimizer, and the LoGRA/AdamW ratio of the totals."""
     kinds = [
@@ -201,6 +230,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--reference-dtype", choices=sorted(_DTYPES), help="its dtype (loss.reference_dtype); default: --weight-dtype"
     )
+    parser.add_argument(
+        "--microbatch-tokens", type=int, help="also print the vocabulary-sized activations of a microbatch this long"
+    )
+    parser.add_argument("--response-tokens", type=int, help="of which scored (response) tokens; default: all")
+    parser.add_argument("--logprob-chunk", type=int, help="model.logprob_chunk_tokens to compare with; default: none")
     parser.add_argument("--json", help="write the plan here too")
     args = parser.parse_args(argv)
     rows = plan(
@@ -219,8 +253,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.reference:
         title += f", KL reference on {args.reference} in {args.reference_dtype or args.weight_dtype}"
     print(format_plan(rows, title))
+    saved: dict[str, Any] = {k: v.as_dict() for k, v in rows.items()}
+    if args.microbatch_tokens:
+        acts = logit_activations(
+            args.model, args.microbatch_tokens, args.response_tokens, args.logprob_chunk, args.weight_dtype
+        )
+        scored = args.response_tokens or args.microbatch_tokens
+        print(
+            f"activations of one microbatch's forward, {args.microbatch_tokens} tokens ({scored} scored), vocabulary "
+            f"{acts['vocab']:,}: logits and log-softmax {acts['full'] / GiB:.3f} GiB"
+            + (
+                f"; with logprob_chunk_tokens {args.logprob_chunk}: {acts['chunked'] / GiB:.3f} GiB"
+                if "chunked" in acts
+                else " (model.logprob_chunk_tokens: --logprob-chunk N to compare)"
+            )
+        )
+        saved["activations"] = acts
     if args.json:
-        Path(args.json).write_text(json.dumps({k: v.as_dict() for k, v in rows.items()}, indent=2))
+        Path(args.json).write_text(json.dumps(saved, indent=2))
 
 
 if __name__ == "__main__":
