@@ -100,19 +100,19 @@ def test_the_vocabulary_sized_activations_of_a_microbatch_are_printed_beside_the
     from logra_pl.methods.memory_plan import logit_activations
 
     vocab = QWEN25_7B["vocab_size"]
-    acts = logit_activations(QWEN25_7B, 4096, 3072, 1024, "bfloat16")
+    acts = logit_activations(QWEN25_7B, 4096, 3072, 512, "bfloat16")
     assert acts["vocab"] == vocab
     assert acts["full"] == 4096 * vocab * 2 + 3072 * vocab * 4
-    assert acts["chunked"] == 3 * 1024 * vocab * 4 + 3072 * 4
-    assert acts["chunked"] < 0.6 * acts["full"]
+    assert acts["chunked"] == 3 * 512 * vocab * 4 + 3072 * 4
+    assert acts["chunked"] < 0.5 * acts["full"]
     assert "chunked" not in logit_activations(QWEN25_7B, 4096)
     path = tmp_path / "qwen2.5-7b.json"
     path.write_text(json.dumps(QWEN25_7B))
     args = ["plan", "--model", str(path), "--weight-dtype", "bfloat16", "--microbatch-tokens", "4096"]
-    cli_main([*args, "--response-tokens", "3072", "--logprob-chunk", "1024", "--json", str(tmp_path / "p.json")])
+    cli_main([*args, "--response-tokens", "3072", "--logprob-chunk", "512", "--json", str(tmp_path / "p.json")])
     out = capsys.readouterr().out
     assert (
         f"4096 tokens (3072 scored), vocabulary {vocab:,}: logits and log-softmax {acts['full'] / 2**30:.3f} GiB" in out
     )
-    assert f"with logprob_chunk_tokens 1024: {acts['chunked'] / 2**30:.3f} GiB" in out
+    assert f"with logprob_chunk_tokens 512: {acts['chunked'] / 2**30:.3f} GiB" in out
     assert json.loads((tmp_path / "p.json").read_text())["activations"] == acts
