@@ -206,11 +206,11 @@ def select(model: str, out: Path, eval_size: int, max_new_tokens: int) -> list[d
         for i in range(0, len(items), 64):
             chunk = items[i : i + 64]
             with torch.no_grad():
-                out = engine.generate(
+                sampled = engine.generate(
                     encode_prompts(tokenizer, chunk),
                     SamplingConfig(n=1, temperature=0.0, max_new_tokens=max_new_tokens),
                 )
-            replies += tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+            replies += tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
         lengths = [len(tokenizer(r, add_special_tokens=False).input_ids) for r in replies]
         row = {
             "task": task,
