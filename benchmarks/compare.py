@@ -1,7 +1,7 @@
 """Dense AdamW, LoRA and LoGRA, side by side: training state, peak memory and step time on the same model and prompts.
 
     python benchmarks/compare.py --json out.json [--model-size small|medium] [--steps N] [--repeats R]
-        [--rank R] [--lora-alpha A] [--optimizers adamw lora logra] [--mmap-threshold BYTES]
+        [--rank R] [--lora-alpha A] [--optimizers adamw lora logra] [--mmap-threshold BYTES] [--logprob-chunk N]
 
 Each run is its own fresh process (peaks do not mix), the order alternates between repeats (adamw, lora, logra,
 then logra, lora, adamw, ...), and all optimizers see the same prompts, sampling seeds, microbatching and rollout
@@ -74,6 +74,7 @@ def run_worker(args: argparse.Namespace) -> None:
             max_new_tokens=args.max_new_tokens, max_batch=args.prompts, share_weights=not args.engine_copy
         ),
         microbatch_size=args.microbatch,
+        logprob_chunk_tokens=args.logprob_chunk,
         seed=0,
     )
     data = ReasoningGymDataModule(
@@ -179,6 +180,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per update; default 16")
     parser.add_argument("--microbatch", type=int, default=2, help="responses per backward; default 2")
     parser.add_argument("--engine-copy", action="store_true", help="give the HF engine its own copy of the weights")
+    parser.add_argument(
+        "--logprob-chunk", type=int, help="model.logprob_chunk_tokens (chunked log-probs) in every run; default: off"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=16, help="response limit; default 16")
     parser.add_argument(
         "--mmap-threshold",
@@ -203,6 +207,7 @@ def main() -> None:
     shared += ["--rank", str(args.rank), "--lora-alpha", repr(args.lora_alpha)]
     shared += ["--prompts", str(args.prompts), "--microbatch", str(args.microbatch)]
     shared += ["--max-new-tokens", str(args.max_new_tokens)] + (["--engine-copy"] if args.engine_copy else [])
+    shared += ["--logprob-chunk", str(args.logprob_chunk)] if args.logprob_chunk else []
     env = dict(os.environ)
     if args.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
