@@ -250,6 +250,15 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     section[last] = value
 
 
+def relative(folder: Path) -> str:
+    """``folder`` relative to the checkout where it lies inside it (runs start in the checkout: committed configs name
+    no machine's folders), else as given."""
+    try:
+        return str(folder.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(folder)
+
+
 def run_config(model: str, setup: ModelSetup, method: Method, budget: float, seed: int, folder: Path) -> dict:
     """The full ``logra-pl fit`` config of one run: ``configs/tiny_cpu.yaml`` with
 
@@ -281,7 +290,7 @@ def run_config(model: str, setup: ModelSetup, method: Method, budget: float, see
             },
         },
     ]
-    trainer["logger"]["init_args"].update(save_dir=str(folder), name="tb", version=0)
+    trainer["logger"]["init_args"].update(save_dir=relative(folder), name="tb", version=0)
     cfg["checkpoint"].update(every_n_updates=0, save_last=False, at_end=False)
     m = cfg["model"]
     m.update(policy=model, seed=seed, microbatch_size=min(m["microbatch_size"], setup.prompts_per_step))
@@ -379,7 +388,7 @@ def baseline(run: Run, out: Path, threads: int) -> float:
     problems, reward and reply length as every run), cached in ``<out>/baseline.json``."""
     cfg = json.loads(json.dumps(run.config))
     folder = out / "baseline"
-    cfg["trainer"]["logger"]["init_args"].update(save_dir=str(folder), name="tb", version=0)
+    cfg["trainer"]["logger"]["init_args"].update(save_dir=relative(folder), name="tb", version=0)
     cfg["trainer"]["callbacks"] = []
     key = config_key(
         {k: v for k, v in cfg.items() if k in ("model", "data")} | {"trainer": {"logger": {"init_args": {}}}}
