@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -129,6 +129,15 @@ def summarize_run(scalars: dict[str, list[tuple[int, float]]], val0: float, wall
         "kl_realized_over_budget": (mean([r for r, _ in paired]) / mean([b for _, b in paired])) if paired else None,
         "curves": {tag: scalars[tag] for tag in SCALARS if tag in scalars},
     }
+
+
+def training_state_bytes(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
+    """Peak over updates of the bytes held for training besides the weights (MemoryMonitor's state by kind, counted
+    before each optimizer step: AdamW's gradients and LoGRA's filled sketches both exist then)."""
+    total = dict(scalars.get("memory/state_bytes", []))
+    weights = dict(scalars.get("memory/state/weights", []))
+    held = [total[s] - weights[s] for s in total if s in weights]
+    return max(held) if held else None
 
 
 AGGREGATED = (

@@ -48,7 +48,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from grid import BASE, ROOT, aggregate, logra_pl_command, pm, read_scalars, rolling_mean, run_one, summarize_run
+from grid import (
+    BASE,
+    ROOT,
+    aggregate,
+    logra_pl_command,
+    pm,
+    read_scalars,
+    rolling_mean,
+    run_one,
+    summarize_run,
+    training_state_bytes,
+)
 
 # A multiplier cap that never binds: α = sqrt(budget / predicted) stays far below it for every method here (the
 # report counts the updates where it did reach it).
@@ -357,14 +368,6 @@ def load_result(run: Run) -> dict | None:
         return None
     result = json.loads(done.read_text())
     return result if result.get("key") == run.key else None
-
-
-def training_state_bytes(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
-    """Peak over updates of the bytes held for training besides the weights (MemoryMonitor, before each step)."""
-    total = dict(scalars.get("memory/state_bytes", []))
-    weights = dict(scalars.get("memory/state/weights", []))
-    held = [total[s] - weights[s] for s in total if s in weights]
-    return max(held) if held else None
 
 
 def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dict[str, Any]:

@@ -81,6 +81,7 @@ from grid import (
     rolling_mean,
     run_one,
     summarize_run,
+    training_state_bytes,
 )
 from grid import pm as grid_pm
 from grid import settings_key as args_key
@@ -520,15 +521,6 @@ def tune_score(scalars: Mapping[str, list[tuple[int, float]]]) -> float:
 def _last(scalars: Mapping[str, list[tuple[int, float]]], tag: str) -> float | None:
     points = scalars.get(tag, [])
     return points[-1][1] if points else None
-
-
-def training_state_bytes(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
-    """Peak over updates of the bytes held for training besides the weights (MemoryMonitor's state by kind, counted
-    before each optimizer step: AdamW's gradients and LoGRA's filled sketches both exist then)."""
-    total = dict(scalars.get("memory/state_bytes", []))
-    weights = dict(scalars.get("memory/state/weights", []))
-    held = [total[s] - weights[s] for s in total if s in weights]
-    return max(held) if held else None
 
 
 def summarize(scalars: dict[str, list[tuple[int, float]]], val0: Mapping[str, float], wall_s: float) -> dict:

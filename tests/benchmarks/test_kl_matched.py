@@ -1,0 +1,104 @@
+"""benchmarks/kl_matched.py: every method's run config carries the same step control (only the method differs), the
+settings key ignores where a run writes, and the report reads finished runs into its table and goal line.
+
+Quick paths only: the "finished runs" are ``result.json`` files written by the test (nothing is trained).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import kl_matched  # noqa: E402
+
+MiB = 2**20
+
+
+def _runs(out: Path) -> list[kl_matched.Run]:
+    setup = kl_matched.MODELS["smollm2"]
+    return kl_matched.plan_runs("smollm2", setup, list(kl_matched.METHODS), (0, 1), out)
+
+
+def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> None:
+    runs = _runs(tmp_path)
+    setup = kl_matched.MODELS["smollm2"]
+    assert len(runs) == len(setup.budgets) * 2 * len(kl_matched.METHODS)
+    first = [r for r in runs if r.budget == setup.budgets[0] and r.seed == 0]
+    assert [r.method for r in first] == list(kl_matched.METHODS)
+    shared = None
+    for run in first:
+        cfg = run.config
+        control = cfg["trainer"]["callbacks"][-1]
+        assert control["class_path"].endswith("PredictedKLControl")
+        args = control["init_args"]
+        assert args["alpha_max"] == kl_matched.ALPHA_MAX and args["calibrate"] is True
+        assert args["schedule"] == {
+            "kind": "cosine",
+            "delta_max": setup.budgets[0],
+            "delta_min": setup.budgets[0] / 4,
+            "horizon": setup.updates,
+        }
+        assert cfg["model"]["verifier"]["class_path"] == "logra_pl.rewards.MathVerifier"
+        assert cfg["model"]["warm_start"] is None and cfg["model"]["policy"] == "smollm2"
+        assert cfg["trainer"]["max_steps"] == setup.updates
+        assert cfg["trainer"]["logger"]["init_args"]["save_dir"] == str(run.folder)  # outside the checkout: as given
+        # Everything but the method's own sections is the same for every method.
+        rest = json.loads(json.dumps(cfg))
+        for key in ("optimizer", "method", "logra", "adamw", "lora"):
+            rest["model"].pop(key, None)
+        rest["trainer"]["logger"]["init_args"].pop("save_dir")
+        shared = rest if shared is None else shared
+        assert rest == shared, run.method
+    by_method = {r.method: r.config["model"] for r in first}
+    assert by_method["sgd"]["method"]["class_path"] == "logra_pl.methods.sgd.DenseSGD"
+    assert by_method["logra_levers"]["logra"]["step_mode"] == "adam"
+    assert by_method["logra_paper"]["logra"]["ratio_scope"] == "global"
+    assert by_method["adamw"]["optimizer"] == "adamw" and by_method["adamw"]["adamw"]["decay_steps"] == setup.updates
+    assert by_method["lora"]["optimizer"] == "lora" and by_method["lora"]["lora"]["rank"] == 64
+    seeds = {r.seed: r.config for r in runs if r.method == "logra_paper" and r.budget == setup.budgets[0]}
+    assert seeds[1]["seed_everything"] == 1 and seeds[1]["model"]["logra"]["base_seed"] == 1
+
+
+def test_the_settings_key_ignores_where_a_run_writes(tmp_path: Path) -> None:
+    a, b = _runs(tmp_path / "a")[0], _runs(tmp_path / "b")[0]
+    assert a.key == b.key
+    other = _runs(tmp_path / "a")[1]
+    assert other.key != a.key
+    assert kl_matched.relative(ROOT / "results" / "x") == "results/x"
+
+
+def _finish(run: kl_matched.Run, gain: float, val: float, kl: float, state: float) -> None:
+    run.folder.mkdir(parents=True)
+    result = {"key": run.key, "method": run.method, "budget": run.budget, "seed": run.seed, "failed": False}
+    result |= {"reward_gain": gain, "val_final": val, "kl_realized": kl, "kl_realized_over_budget": 1.0}
+    result |= {"alpha_at_cap": 0.0, "alpha_median": 0.1, "training_state_bytes": state, "wall_s": 60.0}
+    result |= {"updates": 50, "curves": {}}
+    (run.folder / "result.json").write_text(json.dumps(result))
+
+
+def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path: Path) -> None:
+    runs = _runs(tmp_path)
+    budget = runs[0].budget
+    numbers = {  # gain, pass@1, state (MiB): LoGRA's levers beat AdamW and SGD at a tenth of the state
+        "logra_paper": (0.05, 0.30, 40),
+        "logra_levers": (0.20, 0.50, 40),
+        "adamw": (0.10, 0.50, 400),
+        "sgd": (0.08, 0.45, 200),
+    }
+    for run in runs:
+        if run.budget == budget and run.method in numbers:
+            gain, val, state = numbers[run.method]
+            _finish(run, gain + 0.01 * run.seed, val + 0.02 * run.seed, 1e-3, state * MiB)
+    report = kl_matched.collect("smollm2", kl_matched.MODELS["smollm2"], runs, 0.2)
+    assert {c["method"] for c in report["cells"].values()} == set(numbers)
+    text = kl_matched.table(report, budget)
+    row = next(line for line in text.splitlines() if line.startswith("| LoGRA, levers"))
+    assert "+0.205 ± 0.007" in row and "| 1.95 |" in row and "| 0.100 |" in row
+    goal = kl_matched.goal_line(report, budget)
+    assert "LoGRA, levers (r = 64): **MET**" in goal
+    assert "LoGRA, paper rule (r = 64): **MISSED**" in goal
+    assert "not yet measured" in kl_matched.goal_line(report, runs[-1].budget)
