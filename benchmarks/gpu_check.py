@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from logra_pl.sketch import DEFAULT_TARGETS, LoGRAConfig, LoGRASketcher, memory_report  # noqa: E402
+from logra_pl.train.chunked_logprobs import chunked_response_scores  # noqa: E402  (pure torch, like the sketch)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -131,6 +132,7 @@ class Settings:
     adamw_impl: str = "default"
     autocast: bool = True
     seed: int = 0
+    logprob_chunk: int | None = None  # tokens per chunk of the chunked log-probs; None: the full log-softmax
 
     @property
     def cuda(self) -> bool:
@@ -300,6 +302,20 @@ def make_batches(shape: Shape, settings: Settings) -> list[tuple[torch.Tensor, f
     return batches
 
 
+class OneRow:
+    """One unpadded prompt+response row as the chunked log-probs read a packed batch
+    (:class:`logra_pl.train.chunked_logprobs.PackedBatch`): the response is everything after ``prompt_len``."""
+
+    def __init__(self, ids: torch.Tensor, prompt_len: int) -> None:
+        seq = ids.shape[1]
+        self.input_ids = ids
+        self.attention_mask = torch.ones_like(ids)
+        self.position_ids = torch.arange(seq, device=ids.device).unsqueeze(0)
+        self.targets = ids[:, prompt_len:]
+        self.response_mask = torch.ones_like(self.targets)
+        self.starts = torch.full((1,), prompt_len - 1, device=ids.device)
+
+
 def sync(settings: Settings) -> None:
     if settings.cuda:
         torch.cuda.synchronize(settings.device)
@@ -325,14 +341,18 @@ def one_update(
         torch.cuda.reset_peak_memory_stats(s.device)
     start = time.perf_counter()
     with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.autocast):
-        # Logits only where they predict a response token: positions prompt_len - 1 .. seq - 2.
-        logits = model(input_ids=ids, logits_to_keep=s.response_len + 1, use_cache=False).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        token_logp = logp.gather(-1, ids[:, s.prompt_len :, None]).squeeze(-1)
+        if s.logprob_chunk is None:
+            # Logits only where they predict a response token: positions prompt_len - 1 .. seq - 2.
+            logits = model(input_ids=ids, logits_to_keep=s.response_len + 1, use_cache=False).logits[:, :-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            token_logp = logp.gather(-1, ids[:, s.prompt_len :, None]).squeeze(-1)
+            del logits, logp
+        else:  # the output projection and log-softmax chunk by chunk: no (R, V) tensor is kept
+            token_logp = chunked_response_scores(model, OneRow(ids, s.prompt_len), 1.0, s.logprob_chunk)[0]
         loss = -advantage * token_logp.mean()
     sample("after_forward")
     loss.backward()
-    del logits, logp, token_logp
+    del token_logp
     sample("after_backward")
     method.step()
     sample("after_step")
@@ -470,7 +490,8 @@ def table(rows: list[dict[str, Any]], s: Settings) -> str:
         "",
         f"{s.updates} timed updates after {s.warmup} warm-up; microbatch 1, {seq} tokens ({s.prompt_len} prompt + "
         f"{s.response_len} response), rank {s.rank}, {'bf16 autocast' if s.autocast else 'fp32'} on {s.device}, "
-        "fp32 master weights, activation checkpointing. state = weights + gradients + optimizer state + sketches + "
+        + (f"log-probs in chunks of {s.logprob_chunk} tokens, " if s.logprob_chunk else "full log-softmax, ")
+        + "fp32 master weights, activation checkpointing. state = weights + gradients + optimizer state + sketches + "
         "projections + row statistics (memory_report, right after the last step); mean allocated = mean of "
         "memory_allocated() after forward, backward and step; peaks per update, max over updates.",
         "Paper, per GPU (average memory, LoGRA/AdamW): 0.782 at 1.5B (7.18 / 9.18 GiB), 0.543 at 7B "
@@ -505,6 +526,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-autocast", action="store_true", help="fp32 compute instead of bf16 autocast")
     parser.add_argument(
+        "--logprob-chunk",
+        type=int,
+        default=None,
+        help="log-probs through the chunked path, this many tokens per chunk (default: the full log-softmax)",
+    )
+    parser.add_argument(
         "--expandable-segments", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     )
     args = parser.parse_args(argv)
@@ -534,6 +561,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         adamw_all=args.adamw_all,
         adamw_impl=args.adamw_impl,
         autocast=not args.no_autocast,
+        logprob_chunk=args.logprob_chunk,
     )
 
 

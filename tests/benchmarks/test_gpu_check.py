@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
 OPTIMIZERS = ("adamw", "lora", "logra")
 
@@ -54,3 +56,44 @@ def test_gpu_check_tiny_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert rows["logra"]["state_by_kind"]["gradients"] == rows["logra"]["state_by_kind"]["optimizer_state"] == 0
     assert rows["adamw"]["state_by_kind"]["optimizer_state"] > 0
     assert rows["adamw"]["state_by_kind"]["gradients"] > 0  # taken right after the step, before zero_grad
+
+
+def test_the_chunked_log_probs_option_gives_the_full_paths_loss_and_gradients() -> None:
+    """``--logprob-chunk``: one update's loss and the target matrices' gradients equal the full log-softmax's
+    (fp32, chunks of 7 tokens that do not divide the 56-token response)."""
+    import dataclasses
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(gpu_check)
+    finally:
+        del sys.modules[spec.name]
+
+    class Keep(gpu_check.Method):  # no step: both passes see the same weights; gradients stay to be read
+        def step(self) -> None:
+            pass
+
+    full = gpu_check.Settings(
+        device=torch.device("cpu"), models=["tiny"], optimizers=["adamw"], prompt_len=8, response_len=56, autocast=False
+    )
+    chunked = dataclasses.replace(full, logprob_chunk=7)
+    shape = gpu_check.SHAPES["tiny"]
+    model = gpu_check.build_model(shape, full)
+    ids, advantage = gpu_check.make_batches(shape, full)[0]
+    got = []
+    for settings in (full, chunked):
+        model.zero_grad(set_to_none=True)
+        loss = gpu_check.one_update(model, Keep(model), ids, advantage, settings)["loss"]
+        got.append((loss, [p.grad.clone() for p in gpu_check.target_weights(model)]))
+    (loss_full, grads_full), (loss_chunked, grads_chunked) = got
+    assert math.isfinite(loss_full) and loss_full != 0.0
+    assert loss_chunked == pytest.approx(loss_full, rel=1e-5)
+    assert len(grads_full) == 14 and all(g.abs().sum() > 0 for g in grads_full)
+    for a, b in zip(grads_full, grads_chunked, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
