@@ -72,6 +72,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the policy is built here with logra_pl, installed or not (a GPU image has it not)
+    sys.path.insert(0, str(ROOT))
 GiB = 1024**3
 CHAIN_SUM = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 KL_BUDGET = 1e-4

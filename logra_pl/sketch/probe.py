@@ -48,6 +48,26 @@ def _output_hooks(modules: Mapping[str, nn.Module], hook_for) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _checkpointing_bypassed(model: nn.Module) -> Iterator[None]:
+    """Run activation-checkpointed layers plainly for a no-grad forward-mode pass.
+
+    A non-reentrant checkpoint wrapper (torch's ``checkpoint_wrapper``, ``runtime/checkpointing.py``) passes the
+    layer's inputs through an autograd ``Function`` that, in torch 2.11, has no ``jvp``: a forward-mode pass through
+    it raises ``NotImplementedError`` (found by the first CUDA run of ``logra-pl fit``; torch 2.13 lets it through).
+    A probe keeps nothing for a backward, so there is nothing to checkpoint: here each wrapper calls its layer
+    (hooks included) directly, and is restored on exit.
+    """
+    wrappers = [m for m in model.modules() if isinstance(getattr(m, "_checkpoint_wrapped_module", None), nn.Module)]
+    for wrapper in wrappers:
+        wrapper.forward = wrapper._checkpoint_wrapped_module.__call__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for wrapper in wrappers:
+            del wrapper.forward
+
+
+@contextlib.contextmanager
 def _math_attention(model: nn.Module) -> Iterator[None]:
     """Route attention through the eager (math) implementation, which supports forward-mode AD."""
     config = getattr(model, "config", None)
@@ -100,7 +120,12 @@ def logit_tangent(
 
                 return hook
 
-            with _math_attention(model), fwad.dual_level(), _output_hooks(modules, hook_for):
+            with (
+                _math_attention(model),
+                _checkpointing_bypassed(model),
+                fwad.dual_level(),
+                _output_hooks(modules, hook_for),
+            ):
                 out = model(**model_inputs, use_cache=False).logits
                 primal, tangent = fwad.unpack_dual(out)
                 primal, tangent = primal.clone(), (torch.zeros_like(primal) if tangent is None else tangent.clone())
@@ -198,7 +223,7 @@ def parameter_logit_tangent(
     sharded = any(hasattr(params[n], "to_local") for n in deltas)
     with torch.no_grad():
         if mode == "jvp" and not sharded:
-            with _math_attention(model), fwad.dual_level():
+            with _math_attention(model), _checkpointing_bypassed(model), fwad.dual_level():
                 duals = {n: fwad.make_dual(params[n].detach(), d.to(params[n].dtype)) for n, d in deltas.items()}
                 kwargs = {**model_inputs, "use_cache": False}
                 out = functional_call(model, duals, (), kwargs, strict=False).logits

@@ -77,3 +77,49 @@ def test_zero_proposal_has_zero_tangent(qwen2_factory) -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
     _, tangent = logit_tangent(model, {n: m.module for n, m in sketcher.matrices.items()}, proposal, {"input_ids": ids})
     assert float(tangent.abs().max()) == 0.0
+
+
+def test_jvp_probes_pass_checkpointed_layers_without_recomputation(qwen2_factory) -> None:
+    """Under activation checkpointing both forward-mode probes (LoGRA's and a dense step's) call every layer plainly:
+    torch 2.11's checkpoint has no ``jvp`` and raised ``NotImplementedError`` there (the first CUDA run), emulated
+    here by a ``checkpoint_fn`` that refuses dual tensors. The tangents equal the unwrapped model's bit for bit."""
+    from logra_pl.runtime.checkpointing import checkpointed_layers, enable_activation_checkpointing
+    from logra_pl.sketch.probe import parameter_logit_tangent
+
+    plain = qwen2_factory(seed=6, dtype=torch.float64)
+    sketcher, proposal, ids = _proposal(plain, 6)
+    wrapped = copy.deepcopy(plain)
+    assert enable_activation_checkpointing(wrapped) == plain.config.num_hidden_layers
+    calls = []
+
+    def refuses_duals(fn, *args, **kwargs):
+        calls.append(1)
+        if any(torch.autograd.forward_ad.unpack_dual(a).tangent is not None for a in args if torch.is_tensor(a)):
+            raise NotImplementedError("You must implement the jvp function for custom autograd.Function")
+        return fn(*args, **kwargs)
+
+    for layer in checkpointed_layers(wrapped):
+        layer.checkpoint_fn = refuses_duals
+    with torch.no_grad():
+        assert torch.equal(wrapped(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert len(calls) == plain.config.num_hidden_layers  # an ordinary forward does go through the wrappers
+
+    def modules(model):  # the proposal's names, which drop the wrapper's prefix
+        named = {n.replace("._checkpoint_wrapped_module", ""): m for n, m in model.named_modules()}
+        return {n: named[n] for n in sketcher.matrices}
+
+    got = [logit_tangent(m, modules(m), proposal, {"input_ids": ids}, mode="jvp") for m in (plain, wrapped)]
+    for a, b in zip(got[0], got[1], strict=True):
+        assert torch.equal(a, b)
+    assert float(got[0][1].abs().max()) > 0
+    name = "model.layers.0.mlp.down_proj.weight"
+    dense = {name: 1e-3 * torch.randn_like(dict(plain.named_parameters())[name])}
+    wrapped_names = {n.replace("._checkpoint_wrapped_module", ""): n for n, _ in wrapped.named_parameters()}
+    got = [
+        parameter_logit_tangent(plain, dense, {"input_ids": ids}),
+        parameter_logit_tangent(wrapped, {wrapped_names[k]: v for k, v in dense.items()}, {"input_ids": ids}),
+    ]
+    for a, b in zip(got[0], got[1], strict=True):
+        assert torch.equal(a, b)
+    assert len(calls) == plain.config.num_hidden_layers  # neither probe went through a checkpoint
+    assert all("forward" not in vars(layer) for layer in checkpointed_layers(wrapped))  # restored
