@@ -233,10 +233,10 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
         """One rollout and its update(s): one for REINFORCE+TIS, ``epochs × minibatches`` for PPO."""
         t0, update, rs, pad = time.perf_counter(), self.global_step, self.rollout_settings, self.tokenizer.pad_token_id
         sampled = self.sampler.training_batch(batch, update)  # rollout → rewards → advantages → pre-update log-probs
-        ctx = build_step(update, sampled, self.baseline, self.loss_config, rs, self.passes, pad, self.ranks.sum)
-        self.step_context = ctx
+        plan = self.loss_config.plan(len(sampled.drawn.rollout), self.sampler.seed_of("ppo", update))  # 1, or PPO's
+        args = (update, sampled, self.baseline, self.loss_config, rs, self.passes, pad, self.ranks.sum)
+        self.step_context = ctx = build_step(*args, single_pass=len(plan) == 1)  # 1 update: π_old from its forward
         t_rollout = time.perf_counter() - t0
-        plan = self.loss_config.plan(len(ctx.rollout), self.sampler.seed_of("ppo", update))  # one update, or PPO's
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer) | ctx.shaping
@@ -260,10 +260,10 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
         t0 = time.perf_counter()
         # The whole update's loss tokens and sequences, over all ranks: its parts add up under every aggregation.
         totals = update_totals(ctx, rows, self.rollout_settings.max_new_tokens, self.ranks.sum)
-        (groups, padding), trim = self.passes.microbatches(rows, ctx.packed), self.passes.trim
-        total = backward_over(
-            self.passes.forward, ctx, groups, self.loss_config, totals, self.manual_backward, self.device, trim, padding
-        )
+        passes, loss = self.passes, self.loss_config
+        (groups, padding), trim = passes.microbatches(rows, ctx.packed), passes.trim
+        score = passes.forward if ctx.pending_scores is None else passes.forward_and_entropy
+        total = backward_over(score, ctx, groups, loss, totals, self.manual_backward, self.device, trim, padding)
         t1 = time.perf_counter()
         # What the rollout and the backward freed goes back to the OS before the step's temporaries (every method).
         release_free_heap()

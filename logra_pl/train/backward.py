@@ -36,7 +36,7 @@ def update_totals(
 
 
 def backward_over(
-    score: Callable[[PackedResponses, float], torch.Tensor],
+    score: Callable[[PackedResponses, float], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     ctx: StepContext,
     groups: list[list[int]],
     loss_fn: Loss,
@@ -51,8 +51,18 @@ def backward_over(
     added to ``ctx.loss_stats``. Returns the summed loss. REINFORCE+TIS weighs tokens by π/π_rollout (capped), the
     PPO family by π/π_old with π_old the pre-update trainer (``loss_fn.reference``). The last ``padding`` microbatches
     only keep the ranks' forward counts equal: their loss (penalty included) is multiplied by zero, so they add exact
-    zeros to the gradients (sketches) and nothing to the statistics."""
-    reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
+    zeros to the gradients (sketches) and nothing to the statistics.
+
+    A single-pass step (``ctx.pending_scores`` set, ``groups`` covering every row once) has no separate pre-update
+    pass: ``score`` returns ``(log-probs, entropy)`` (``TrainerPasses.forward_and_entropy``), the forward runs at
+    the pre-update weights, so its detached log-probs are π_old (a ratio of exactly 1) and, with the entropy, become
+    ``ctx.logp_trainer``/``ctx.entropy`` once every microbatch has run."""
+    single = ctx.pending_scores is not None
+    if single:
+        logp_seen, entropy_seen = torch.zeros_like(ctx.logp_rollout), torch.zeros_like(ctx.logp_rollout)
+        reference = ctx.logp_rollout if loss_fn.reference == "rollout" else None
+    else:
+        reference = ctx.logp_rollout if loss_fn.reference == "rollout" else ctx.logp_trainer
     num_tokens = max(totals.tokens, 1)
     penalised = loss_fn.needs_reference_policy
     if penalised and ctx.logp_reference is None:
@@ -62,7 +72,12 @@ def backward_over(
         packed = select_rows(ctx.packed, mb, trim).to(device)
         mask = ctx.loss_mask[mb].to(device)
         logp = score(packed, ctx.temperature)
-        adv, ref = ctx.advantages[mb].to(device), reference[mb].to(device)
+        if isinstance(logp, tuple):
+            logp, entropy = logp
+            if single and i < len(groups) - padding:
+                logp_seen[mb], entropy_seen[mb] = logp.detach().to(logp_seen), entropy.detach().to(entropy_seen)
+        adv = ctx.advantages[mb].to(device)
+        ref = logp.detach() if reference is None else reference[mb].to(device)
         weights = loss_fn.weights(packed.lengths)
         scale = loss_fn.row_scale(mask.sum(dim=1), totals)
         if scale is not None:
@@ -84,4 +99,6 @@ def backward_over(
             acc = ctx.loss_stats.setdefault(name, [0.0, 0.0])
             acc[0] += num
             acc[1] += den
+    if single:
+        ctx.fill_trainer_scores(logp_seen, entropy_seen)
     return total

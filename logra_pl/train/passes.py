@@ -81,6 +81,11 @@ class TrainerPasses:
         """The policy's log-probs of one microbatch with the caller's grad mode (the backward's forward)."""
         return response_logprobs(self.policy, packed, temperature, self.chunk_tokens)
 
+    def forward_and_entropy(self, packed: PackedResponses, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backward's forward of a single-pass update: the log-probs with the caller's grad mode and the entropy
+        (no gradient) of one microbatch, the values :meth:`scores` gives at the same weights."""
+        return response_logprobs_and_entropy(self.policy, packed, temperature, self.chunk_tokens)
+
     def reference_logprobs(self, packed: PackedResponses, temperature: float) -> torch.Tensor:
         """The reference policy's log-probs of the packed responses (a sharded reference runs the padding
         microbatches too, as the policy does)."""

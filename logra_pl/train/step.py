@@ -27,7 +27,11 @@ class StepContext:
 
     ``logp_rollout``/``logp_trainer``/``packed.response_mask`` are ``(N, R)`` over the ``N`` responses;
     ``logp_trainer`` is the trainer's log-prob of each sampled token *before* this step's update. ``entropy`` is the
-    policy's entropy at each response position from that same pass (None when the caller gave only log-probs),
+    policy's entropy at each response position from that same pass (None when the caller gave only log-probs).
+    A single-pass update (``pending_scores`` set: :func:`build_step` with ``single_pass``) takes both from its
+    training forward, which runs at the same weights, instead of a separate pass (the backward fills them in,
+    :func:`~logra_pl.train.backward.backward_over`); read before that, they are computed by the separate pass then,
+    so every reader gets the pre-update values whenever it reads,
     ``logp_reference`` the reference policy's log-probs (None without a KL penalty), and ``loss_mask`` the tokens
     the loss counts (the response mask, less truncated responses under ``loss.mask_truncated``, less the responses
     without a reward: ``scored`` False, a failed verifier call, never trained on: algorithm.md §10; set it through
@@ -41,7 +45,7 @@ class StepContext:
     advantages: torch.Tensor
     packed: PackedResponses
     logp_rollout: torch.Tensor
-    logp_trainer: torch.Tensor
+    logp_trainer: torch.Tensor | None
     temperature: float
     metrics: dict[str, float] = field(default_factory=dict)
     payloads: list[Payload] = field(default_factory=list)  # merged factor updates of this step, in order
@@ -53,14 +57,33 @@ class StepContext:
     shaping: dict[str, float] = field(default_factory=dict)  # batch shaping's counts (logra_pl.train.shaping)
     shaped_rewards: torch.Tensor | None = None  # the rewards the advantages saw (rewards + overlong penalty)
     padded_microbatches: int = 0  # zero-loss microbatches that kept this rank's forward count equal to the others'
-    entropy: torch.Tensor | None = None  # (N, R) policy entropy before the update, zero where padded
+    # (N, R) policy entropy before the update, zero where padded. A factory, not a class attribute: a single-pass
+    # step's unset entropy must reach __getattr__.
+    entropy: torch.Tensor | None = field(default_factory=lambda: None)
     logp_reference: torch.Tensor | None = None  # (N, R) reference-policy log-probs (a KL penalty is on)
     loss_mask: torch.Tensor | None = None  # (N, R) the tokens the loss counts; None: packed.response_mask
+    # A single-pass update's separate pre-update pass, run only if logp_trainer/entropy are read before its backward.
+    pending_scores: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
             self.loss_mask = self.packed.response_mask
         self.loss_mask = scored_mask(self.loss_mask, self.scored)
+        if self.pending_scores is not None:  # unset until the training forward (or a reader) provides them
+            del self.logp_trainer, self.entropy
+
+    def __getattr__(self, name: str) -> Any:
+        """Called only for an attribute that is not set: a single-pass step's ``logp_trainer``/``entropy`` read
+        before its training forward filled them in; the separate pre-update pass computes them now."""
+        pending = self.__dict__.get("pending_scores")
+        if name not in ("logp_trainer", "entropy") or pending is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.fill_trainer_scores(*pending())
+        return self.__dict__[name]
+
+    def fill_trainer_scores(self, logp_trainer: torch.Tensor, entropy: torch.Tensor | None) -> None:
+        """Set the pre-update log-probs and entropy (a single-pass update's, from its training forward)."""
+        self.logp_trainer, self.entropy, self.pending_scores = logp_trainer, entropy, None
 
     @property
     def eos_terminated(self) -> torch.Tensor:
@@ -85,18 +108,28 @@ def assemble_step(
     reference_logprobs: Callable[[PackedResponses, float], torch.Tensor] | None = None,
     scored: torch.Tensor | None = None,
     correct: torch.Tensor | None = None,
+    single_pass: bool = False,
 ) -> StepContext:
     """A step's context from its rollout, rewards and advantages: the responses packed for the trainer, the rollout
     log-probs padded alike, and the trainer's pre-update log-probs of the same tokens (``trainer_logprobs``: the
     log-probs, or ``(log-probs, entropy)`` from the same pass) and, with ``reference_logprobs``, the reference
     policy's; ``scored``/``correct`` as :class:`StepContext` keeps them (the loss mask then leaves out the responses
-    without a reward)."""
+    without a reward). ``single_pass``: the update is one pass over the batch, whose training forward provides the
+    pre-update log-probs; ``trainer_logprobs`` then runs only if they are read before it (``pending_scores``)."""
     packed = pack_responses(rollout.prompt_ids, rollout.response_ids, pad_id, rollout.response_masks)
-    computed = trainer_logprobs(packed, temperature)
-    logp_trainer, entropy = computed if isinstance(computed, tuple) else (computed, None)
+
+    def scores() -> tuple[torch.Tensor, torch.Tensor | None]:
+        computed = trainer_logprobs(packed, temperature)
+        return computed if isinstance(computed, tuple) else (computed, None)
+
+    logp_trainer, entropy = (None, None) if single_pass else scores()
     logp_rollout = padded_logprobs(rollout.logprobs, packed.response_mask)
-    ctx = StepContext(update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature)
-    ctx.entropy = entropy
+    ctx = StepContext(
+        update, items, rollout, rewards, advantages, packed, logp_rollout, logp_trainer, temperature,
+        pending_scores=scores if single_pass else None,
+    )  # fmt: skip
+    if not single_pass:
+        ctx.entropy = entropy
     if reference_logprobs is not None:
         ctx.logp_reference = reference_logprobs(packed, temperature)
     ctx.scored, ctx.correct = scored, correct
@@ -173,12 +206,14 @@ def build_step(
     passes: Any,
     pad_id: int,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+    single_pass: bool = False,
 ) -> StepContext:
     """The step context of one update's sampled responses: DAPO's overlong penalty on the rewards the advantages see
     (never on the raw ones), the baseline's advantages over the scored responses, the responses packed for the
     trainer with its pre-update log-probs and entropy (``passes``: :class:`~logra_pl.train.passes.TrainerPasses`,
     and the reference policy's log-probs with a KL penalty), and the loss mask (``loss.token_mask``, less the
-    responses without a reward)."""
+    responses without a reward). ``single_pass``: the step's one update takes the pre-update log-probs and entropy
+    from its training forward (:func:`assemble_step`)."""
     drawn = sampled.drawn
     items, rollout, rewards, correct = drawn.items, drawn.rollout, drawn.rewards, drawn.correct
     scored = ~torch.isnan(rewards)  # a response without a reward has NaN (rewards/failures.py)
@@ -193,7 +228,10 @@ def build_step(
     advantages = scored_advantages(baseline, shaped, scored, correct, list(rollout.prompt_index), all_reduce_sum)
     temperature = settings.temperature if settings.temperature > 0 else 1.0
     reference = passes.reference_logprobs if passes.reference is not None else None
-    ctx = assemble_step(update, items, rollout, rewards, advantages, pad_id, passes.scores, temperature, reference)
+    ctx = assemble_step(
+        update, items, rollout, rewards, advantages, pad_id, passes.scores, temperature, reference,
+        single_pass=single_pass,
+    )  # fmt: skip
     ctx.scored, ctx.correct = scored, correct
     # The loss's tokens: less truncated responses (loss.mask_truncated), less the responses without a reward.
     ctx.loss_mask = scored_mask(loss.token_mask(ctx.packed.response_mask, rollout.truncated), scored)
