@@ -304,7 +304,7 @@ def make_batches(shape: Shape, settings: Settings) -> list[tuple[torch.Tensor, f
 
 class OneRow:
     """One unpadded prompt+response row as the chunked log-probs read a packed batch
-    (:class:`logra_pl.train.chunked_logprobs.PackedBatch`): the response is everything after ``prompt_len``."""
+    (:class:`logra_pl.train.packed.PackedResponses`): the response is everything after ``prompt_len``."""
 
     def __init__(self, ids: torch.Tensor, prompt_len: int) -> None:
         seq = ids.shape[1]

@@ -20,21 +20,11 @@ logits after the projection (``final_logit_softcapping``) are refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-
-class PackedBatch(Protocol):
-    """What the chunked path reads of a packed batch (:class:`logra_pl.train.logprobs.PackedResponses` has it):
-    the model's inputs ``(B, T)``, the response tokens and their mask ``(B, R)``, and where each response starts."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    targets: torch.Tensor
-    response_mask: torch.Tensor
-    starts: torch.Tensor
+from logra_pl.train.packed import PackedResponses
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -141,7 +131,7 @@ def _check_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def chunked_response_scores(
-    model: torch.nn.Module, packed: PackedBatch, temperature: float = 1.0, chunk: int = 1024
+    model: torch.nn.Module, packed: PackedResponses, temperature: float = 1.0, chunk: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The response tokens' log-probs and the entropy at each response position, both ``(B, R)`` and zero where
     padded, with no ``(B, R, V)`` (or ``(B, T, V)``) tensor: the model's forward runs with its output projection
