@@ -31,7 +31,8 @@ class StepContext:
     A single-pass update (``pending_scores`` set: :func:`build_step` with ``single_pass``) takes both from its
     training forward, which runs at the same weights, instead of a separate pass (the backward fills them in,
     :func:`~logra_pl.train.backward.backward_over`); read before that, they are computed by the separate pass then,
-    so every reader gets the pre-update values whenever it reads,
+    so every reader gets the pre-update values whenever it reads (on several ranks, every rank must read alike: that
+    pass gathers sharded weights),
     ``logp_reference`` the reference policy's log-probs (None without a KL penalty), and ``loss_mask`` the tokens
     the loss counts (the response mask, less truncated responses under ``loss.mask_truncated``, less the responses
     without a reward: ``scored`` False, a failed verifier call, never trained on: algorithm.md §10; set it through
