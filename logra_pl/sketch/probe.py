@@ -24,6 +24,7 @@ import torch.autograd.forward_ad as fwad
 from torch import nn
 from torch.func import functional_call
 
+from logra_pl.runtime.checkpointing import checkpointed_layers
 from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.payload import Proposal
 
@@ -57,7 +58,7 @@ def _checkpointing_bypassed(model: nn.Module) -> Iterator[None]:
     A probe keeps nothing for a backward, so there is nothing to checkpoint: here each wrapper calls its layer
     (hooks included) directly, and is restored on exit.
     """
-    wrappers = [m for m in model.modules() if isinstance(getattr(m, "_checkpoint_wrapped_module", None), nn.Module)]
+    wrappers = checkpointed_layers(model)
     for wrapper in wrappers:
         wrapper.forward = wrapper._checkpoint_wrapped_module.__call__  # type: ignore[method-assign]
     try:
