@@ -20,7 +20,11 @@ The optimizers:
 
 Run it on a GPU machine (about 1 minute on one H200, measured; docs/benchmarks.md "On a GPU" has the numbers)::
 
-    python benchmarks/gpu_check.py [--json out.json] [--updates 3] [--adamw-all] [--models 1.5b,7b]
+    python benchmarks/gpu_check.py [--json out.json] [--updates 3] [--adamw-all] [--models 1.5b,7b] [--profile DIR]
+
+(``--profile DIR``: one more update per configuration under ``torch.profiler``, untimed: its operator table in
+``DIR/<model>_<optimizer>.txt``, and the totals of the named ranges — this script's forward, backward and step,
+logra-pl's ``logra.*`` ranges, :mod:`logra_pl.sketch.trace` — in the JSON.)
 
 and on a CPU, in seconds, with a tiny Qwen2 (training-state bytes and wall seconds instead of CUDA statistics)::
 
@@ -54,6 +58,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from torch.profiler import record_function
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 # Import the sketch core from this checkout, installed or not; ``logra_pl.sketch`` needs only torch (no vLLM,
@@ -133,6 +138,7 @@ class Settings:
     autocast: bool = True
     seed: int = 0
     logprob_chunk: int | None = None  # tokens per chunk of the chunked log-probs; None: the full log-softmax
+    profile: str | None = None  # folder for one extra, untimed update's profile per configuration; None: no profile
 
     @property
     def cuda(self) -> bool:
@@ -340,7 +346,7 @@ def one_update(
     if s.cuda:
         torch.cuda.reset_peak_memory_stats(s.device)
     start = time.perf_counter()
-    with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.autocast):
+    with record_function("update.forward"), torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.autocast):
         if s.logprob_chunk is None:
             # Logits only where they predict a response token: positions prompt_len - 1 .. seq - 2.
             logits = model(input_ids=ids, logits_to_keep=s.response_len + 1, use_cache=False).logits[:, :-1]
@@ -351,10 +357,12 @@ def one_update(
             token_logp = chunked_response_scores(model, OneRow(ids, s.prompt_len), 1.0, s.logprob_chunk)[0]
         loss = -advantage * token_logp.mean()
     sample("after_forward")
-    loss.backward()
+    with record_function("update.backward"):
+        loss.backward()
     del token_logp
     sample("after_backward")
-    method.step()
+    with record_function("update.step"):
+        method.step()
     sample("after_step")
     sync(s)
     seconds = time.perf_counter() - start
@@ -373,6 +381,36 @@ def one_update(
     return row
 
 
+def profile_update(method: Method, batch: tuple[torch.Tensor, float], s: Settings, name: str) -> dict[str, Any]:
+    """One more update, untimed, under ``torch.profiler``: where its time goes.
+
+    Writes ``<profile>/<name>.txt``, the operators and ranges sorted by their own device time (CPU time on a CPU),
+    and returns the totals of the named ranges: this script's phases (``update.forward``, ``update.backward``,
+    ``update.step``) and logra-pl's own (``logra.sketch.project``, ``logra.sketch.accumulate``, ``logra.propose``,
+    ``logra.apply``; :mod:`logra_pl.sketch.trace`), each with its call count, CPU milliseconds and, on CUDA, the
+    milliseconds of the kernels it launched.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.cuda else [])
+    with profile(activities=activities) as prof:
+        one_update(method.model, method, batch[0], batch[1], s)
+    events = prof.key_averages()
+    sort = "self_device_time_total" if s.cuda else "self_cpu_time_total"
+    folder = Path(s.profile or ".")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.txt").write_text(events.table(sort_by=sort, row_limit=40, max_name_column_width=60))
+    ranges: dict[str, Any] = {}
+    for e in events:
+        if e.key.startswith(("update.", "logra.")):
+            ranges[e.key] = {
+                "count": e.count,
+                "cpu_ms": e.cpu_time_total / 1e3,
+                "device_ms": getattr(e, "device_time_total", 0.0) / 1e3 if s.cuda else None,
+            }
+    return ranges
+
+
 def run_config(key: str, optimizer: str, s: Settings) -> dict[str, Any]:
     """Build the model, attach the optimizer, run warm-up + timed updates; everything is freed on return."""
     shape = SHAPES[key]
@@ -387,6 +425,7 @@ def run_config(key: str, optimizer: str, s: Settings) -> dict[str, Any]:
     updates = [one_update(method.model, method, ids, adv, s, i == last) for i, (ids, adv) in enumerate(batches)]
     timed = updates[s.warmup :]
     state = updates[-1].pop("state")
+    profiled = profile_update(method, batches[-1], s, f"{key}_{optimizer}") if s.profile else None
     result: dict[str, Any] = {
         "parameters": parameters,
         "trainable_parameters": method.trainable(),
@@ -398,6 +437,8 @@ def run_config(key: str, optimizer: str, s: Settings) -> dict[str, Any]:
         "warmup_seconds": sum(u["seconds"] for u in updates[: s.warmup]),
         "updates": timed,
     }
+    if profiled is not None:
+        result["profile"] = profiled
     if isinstance(method, LoGRA):
         result["logra_counters"] = method.counters()
     if s.cuda:
@@ -532,6 +573,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="log-probs through the chunked path, this many tokens per chunk (default: the full log-softmax)",
     )
     parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the timed updates, profile one more (untimed) per configuration: DIR/<model>_<optimizer>.txt, "
+        "and the named ranges' totals in --json",
+    )
+    parser.add_argument(
         "--expandable-segments", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     )
     args = parser.parse_args(argv)
@@ -562,6 +609,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         adamw_impl=args.adamw_impl,
         autocast=not args.no_autocast,
         logprob_chunk=args.logprob_chunk,
+        profile=args.profile,
     )
 
 

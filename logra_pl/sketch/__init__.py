@@ -10,6 +10,7 @@
 - :mod:`~logra_pl.sketch.host` — per-matrix device scalars read on the host in one transfer
 - :mod:`~logra_pl.sketch.memory` — bytes of training state by kind
 - :mod:`~logra_pl.sketch.diagnostics` — how much of a dense gradient a sketch keeps (paper D.3)
+- :mod:`~logra_pl.sketch.trace` — named ranges of each phase for profiler traces
 """
 
 from logra_pl.sketch.accumulate import MatrixSketch, SketchGrad

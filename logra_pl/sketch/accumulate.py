@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from logra_pl.sketch.trace import traced
+
 
 class MatrixSketch:
     """The sketch state of one selected weight ``W`` of shape ``(d_out, d_in)``.
@@ -82,15 +84,14 @@ class MatrixSketch:
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
         x = args[0]
         # fp32 even under autocast (bf16-mixed training): the sketch is exact for the bf16 activations it sees.
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with traced("logra.sketch.project"), torch.autocast(device_type=x.device.type, enabled=False):
             z = torch.matmul(x.detach().reshape(-1, self.d_in).to(torch.float32), self.projection.T)
         return SketchGrad.apply(output, z, self.anchor, self)
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
         """``S += dYᵀ Z`` in fp32."""
-        dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
-        with torch.autocast(device_type=dy.device.type, enabled=False):
-            self.sketch.addmm_(dy.T, z)
+        with traced("logra.sketch.accumulate"), torch.autocast(device_type=grad_output.device.type, enabled=False):
+            self.sketch.addmm_(grad_output.reshape(-1, self.d_out).to(torch.float32).T, z)
 
 
 class SketchGrad(torch.autograd.Function):

@@ -27,6 +27,7 @@ from torch.func import functional_call
 from logra_pl.runtime.checkpointing import checkpointed_layers
 from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.payload import Proposal
+from logra_pl.sketch.trace import traced_call
 
 ProbeMode = Literal["jvp", "fd"]
 
@@ -83,6 +84,7 @@ def _math_attention(model: nn.Module) -> Iterator[None]:
         config._attn_implementation = previous
 
 
+@traced_call("logra.kl_probe")
 def logit_tangent(
     model: nn.Module,
     modules: Mapping[str, nn.Module],
@@ -194,6 +196,7 @@ def _dense_moved(
         return model(**inputs, use_cache=False).logits
 
 
+@traced_call("logra.kl_probe")
 def parameter_logit_tangent(
     model: nn.Module,
     deltas: Mapping[str, torch.Tensor],

@@ -49,6 +49,7 @@ from logra_pl.sketch.payload import (
 )
 from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
 from logra_pl.sketch.targets import select_targets
+from logra_pl.sketch.trace import traced_call
 from logra_pl.sketch.update import (
     adam_direction,
     bias_corrected,
@@ -260,6 +261,7 @@ class LoGRASketcher:
         by_name = dict(zip(self._grouped_names, values, strict=True))
         return {name: by_name[name] for name in self.matrices}
 
+    @traced_call("logra.propose")
     def propose(self, grad_scale: float = 1.0, weight_sq_norms: Mapping[str, float] | None = None) -> Proposal | None:
         """Form the proposal from the accumulated sketches, or skip the update and return ``None``.
 
@@ -382,6 +384,7 @@ class LoGRASketcher:
             out[name] = DenseProposal(delta=delta, exp_avg=m, exp_avg_sq=v)
         return out
 
+    @traced_call("logra.apply")
     def apply(
         self, proposal: Proposal, alpha: float | None = None, max_relative_update: float | None = None
     ) -> Payload | None:

@@ -30,7 +30,7 @@ def numbers(value: Any) -> list[float]:
 def test_gpu_check_tiny_prints_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, str(SCRIPT), "--tiny", "--json", str(out)]
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--json", str(out), "--profile", str(tmp_path / "profile")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -50,12 +50,23 @@ def test_gpu_check_tiny_prints_table_and_writes_json(tmp_path: Path) -> None:
         assert row["state_bytes"] > 0 and row["seconds_per_update"] > 0, name
         assert row["state_bytes"] == row["state_by_kind"]["total"]
         assert len(row["updates"]) == report["settings"]["updates"] == 3
-    assert rows["logra"]["logra_counters"]["applied"] == 4  # warm-up + 3 timed updates, all merged
+    assert rows["logra"]["logra_counters"]["applied"] == 5  # warm-up + 3 timed updates + the profiled one, all merged
     assert rows["logra"]["state_bytes"] < rows["adamw"]["state_bytes"]
     assert rows["logra"]["ratios"]["state"] < 1.0 and rows["adamw"]["ratios"]["state"] == 1.0
     assert rows["logra"]["state_by_kind"]["gradients"] == rows["logra"]["state_by_kind"]["optimizer_state"] == 0
     assert rows["adamw"]["state_by_kind"]["optimizer_state"] > 0
     assert rows["adamw"]["state_by_kind"]["gradients"] > 0  # taken right after the step, before zero_grad
+
+    # --profile: one more update per configuration, its operator table and the named ranges' totals.
+    for name, row in rows.items():
+        assert "update.forward" in (tmp_path / "profile" / f"tiny_{name}.txt").read_text()
+        phases = {k: v["count"] for k, v in row["profile"].items() if k.startswith("update.")}
+        assert phases == {"update.forward": 1, "update.backward": 1, "update.step": 1}, name
+        assert all(v["cpu_ms"] > 0 for v in row["profile"].values())
+    logra = {k: v["count"] for k, v in rows["logra"]["profile"].items() if k.startswith("logra.")}
+    # 14 matrices; the forward hook runs again when activation checkpointing recomputes the forward in the backward.
+    assert logra == {"logra.sketch.project": 28, "logra.sketch.accumulate": 14, "logra.propose": 1, "logra.apply": 1}
+    assert not any(k.startswith("logra.") for k in rows["adamw"]["profile"])
 
 
 def test_the_chunked_log_probs_option_gives_the_full_paths_loss_and_gradients() -> None:
