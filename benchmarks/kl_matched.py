@@ -26,9 +26,13 @@ Stages:
 3. ``report``: ``results.json``, ``results.md`` (mean ± std over seeds of the reward gain — the last 10% of updates'
    mean train reward minus the first 10%'s —, the final held-out pass@1, the realized KL per update and its ratio to
    the budget, how often α reached its cap, the training state besides the weights, wall time; with each method's
-   ratios to dense AdamW and the goal line) and plots (reward and realized KL per update, seed bands).
+   ratios to dense AdamW and the goal line), the realized KL over the predicted KL of every update (median and
+   range: how well the step control held each method to the budget) and plots (reward and realized KL per update,
+   seed bands).
 
-Given committed results, ``--stage report`` only re-reads them.
+Given committed results, ``--stage report`` only re-reads them. ``--stage resummarize`` rewrites each finished run's
+numbers from its TensorBoard log (kept in the run's folder, not committed), keeping its wall time: for results
+written before the summary gained a field.
 """
 
 from __future__ import annotations
@@ -370,8 +374,29 @@ def load_result(run: Run) -> dict | None:
     return result if result.get("key") == run.key else None
 
 
+# An update whose realized KL is off its prediction by more than this factor either way counts as off.
+KL_RATIO_OFF = 1.25
+
+
+def kl_calibration(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float | None]:
+    """Realized KL over the KL predicted for the applied step (``kl/realized`` / ``kl/predicted_scaled``, update by
+    update): median, minimum, maximum, and the share of updates off by more than :data:`KL_RATIO_OFF` either way."""
+    predicted = dict(scalars.get("kl/predicted_scaled", []))
+    ratios = sorted(v / predicted[step] for step, v in scalars.get("kl/realized", []) if predicted.get(step, 0.0) > 0)
+    if not ratios:
+        return dict.fromkeys(("kl_ratio_median", "kl_ratio_min", "kl_ratio_max", "kl_ratio_off"))
+    off = sum(not 1 / KL_RATIO_OFF <= r <= KL_RATIO_OFF for r in ratios) / len(ratios)
+    return {
+        "kl_ratio_median": statistics.median(ratios),
+        "kl_ratio_min": ratios[0],
+        "kl_ratio_max": ratios[-1],
+        "kl_ratio_off": off,
+    }
+
+
 def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dict[str, Any]:
-    """One run's numbers: ``grid.summarize_run``'s (val0 from the run's first validation), α at its cap, state."""
+    """One run's numbers: ``grid.summarize_run``'s (val0 from the run's first validation), α at its cap, state,
+    the KL calibration per update."""
     val = scalars.get("val/pass@1", [])
     out = summarize_run(scalars, float("nan"), wall_s)
     alphas = [v for _, v in scalars.get("kl/alpha", [])]
@@ -383,7 +408,23 @@ def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dic
         kl_updates=len(scalars.get("kl/realized", [])),
         failed=False,
     )
+    out.update(kl_calibration(scalars))
     return out
+
+
+def resummarize(runs: Sequence[Run]) -> int:
+    """Rewrite every finished run's ``result.json`` from its TensorBoard log where the log is present (keeping the
+    run's identity and wall time); returns how many were rewritten."""
+    done = 0
+    for run in runs:
+        result = load_result(run)
+        tb = run.folder / "tb"
+        if result is None or result.get("failed") or not tb.is_dir():
+            continue
+        keep = {k: result[k] for k in ("key", "method", "budget", "seed", "wall_s")}
+        (run.folder / "result.json").write_text(json.dumps(summarize(read_scalars(tb), keep["wall_s"]) | keep))
+        done += 1
+    return done
 
 
 def baseline(run: Run, out: Path, threads: int) -> float:
@@ -486,14 +527,27 @@ def _stat(cell: Mapping[str, Any] | None, key: str) -> dict | None:
     return None if cell is None else cell["summary"].get(key)
 
 
+def calibration(cell: Mapping[str, Any]) -> str:
+    """A cell's realized ÷ predicted KL per update over its seeds: the median of the runs' medians, the range over
+    every update, and the share of updates off by more than :data:`KL_RATIO_OFF`; ``–`` for runs summarized
+    without it."""
+    runs = [r for r in cell["runs"].values() if not r.get("failed") and r.get("kl_ratio_median") is not None]
+    if not runs:
+        return "–"
+    median = statistics.median(r["kl_ratio_median"] for r in runs)
+    low, high = min(r["kl_ratio_min"] for r in runs), max(r["kl_ratio_max"] for r in runs)
+    off = statistics.fmean(r["kl_ratio_off"] for r in runs)
+    return f"{median:.2f} ({low:.2f}–{high:.2f}; {off:.0%} off)"
+
+
 def table(report: Mapping[str, Any], budget: float) -> str:
     """One budget's table: a row per method."""
     cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
     adamw = cells.get("adamw")
     lines = [
-        "| method | seeds | reward gain | ÷ AdamW's | held-out pass@1 | realized KL / update | ÷ budget | α at cap "
-        "| training state | ÷ AdamW's | wall / run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | seeds | reward gain | ÷ AdamW's | held-out pass@1 | realized KL / update | ÷ budget "
+        "| ÷ predicted, per update | α at cap | training state | ÷ AdamW's | wall / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in METHODS:
         cell = cells.get(name)
@@ -511,7 +565,7 @@ def table(report: Mapping[str, Any], budget: float) -> str:
             + (f" ({cell['failed']} failed)" if cell["failed"] else "")
             + f" | {pm(gain, signed=True)} | {ratio} | {pm(s.get('val_final'))} | "
             + (f"{kl['mean']:.2e} ± {kl['std']:.1e}" if kl else "–")
-            + f" | {pm(s.get('kl_realized_over_budget'), 2)} | "
+            + f" | {pm(s.get('kl_realized_over_budget'), 2)} | {calibration(cell)} | "
             + (f"{cap['mean']:.0%}" if cap else "–")
             + " | "
             + (f"{state['mean'] / 2**20:.1f} MiB" if state else "–")
@@ -618,7 +672,9 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         f"({report['val_start']:.3f} before any update); "
         f"seeds {', '.join(map(str, seeds))}; mean ± std over the seeds finished. Reward gain: the last 10% of "
         "updates' mean train reward minus the first 10%'s (halves for runs under 20 updates). Training state: "
-        "bytes held for training besides the weights, peak over updates (MemoryMonitor).",
+        "bytes held for training besides the weights, peak over updates (MemoryMonitor). ÷ predicted, per update: "
+        "each update's realized KL over the KL predicted for the step applied, the median of the seeds' medians, "
+        f"the range over every update, and the share of updates off by more than {KL_RATIO_OFF:g}× either way.",
         "",
     ]
     for budget in setup.budgets:
@@ -631,7 +687,7 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
-    parser.add_argument("--stage", default="all", choices=["select", "runs", "report", "all"])
+    parser.add_argument("--stage", default="all", choices=["select", "runs", "resummarize", "report", "all"])
     parser.add_argument("--budgets", type=float, nargs="+", help="KL budgets per update (default: the model's)")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the model's)")
     parser.add_argument("--updates", type=int, help="updates per run (default: the model's)")
@@ -657,10 +713,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dry_run:
         execute(runs, args.jobs, dry_run=True)
         return
+    if args.stage == "resummarize":
+        print(f"{resummarize(runs)} finished runs summarized again from their logs")
+        return
     val_start = baseline(runs[0], out, max(1, (os.cpu_count() or 2) // args.jobs))
     print(f"held-out pass@1 before any update: {val_start:.3f}")
     if args.stage in ("runs", "all"):
         execute(runs, args.jobs)
+
     if args.stage in ("report", "all"):
         write_report(collect(args.model, setup, runs, val_start), out, setup, seeds)
         print(f"report: {out / 'results.md'}")

@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -98,7 +100,37 @@ def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path:
     text = kl_matched.table(report, budget)
     row = next(line for line in text.splitlines() if line.startswith("| LoGRA, levers"))
     assert "+0.205 ± 0.007" in row and "| 1.95 |" in row and "| 0.100 |" in row
+    assert "| – |" in row  # results summarized without the per-update calibration
     goal = kl_matched.goal_line(report, budget)
     assert "LoGRA, levers (r = 64): **MET**" in goal
     assert "LoGRA, paper rule (r = 64): **MISSED**" in goal
     assert "not yet measured" in kl_matched.goal_line(report, runs[-1].budget)
+
+
+def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Path) -> None:
+    """``kl/realized`` over ``kl/predicted_scaled`` update by update (an update without a prediction is left out),
+    written by ``--stage resummarize`` from a real TensorBoard log into ``result.json`` and shown in the table."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    realized = [1.0e-3, 1.1e-3, 0.5e-3, 2.0e-3, 1.0e-3]
+    predicted = [1.0e-3, 1.0e-3, 1.0e-3, 1.0e-3, 0.0]  # ratios 1.0, 1.1, 0.5, 2.0; the last has none
+    run, other = _runs(tmp_path)[:2]
+    _finish(run, 0.2, 0.5, 1e-3, 40 * MiB)
+    _finish(other, 0.1, 0.4, 1e-3, 40 * MiB)
+    writer = SummaryWriter(str(run.folder / "tb" / "version_0"))
+    for step, (r, p) in enumerate(zip(realized, predicted, strict=True)):
+        writer.add_scalar("kl/realized", r, step)
+        writer.add_scalar("kl/predicted_scaled", p, step)
+        writer.add_scalar("train/reward_mean", 0.1 * step, step)
+    writer.close()
+
+    assert kl_matched.resummarize([run, other]) == 1  # the other run has no log: left as it was
+    result = json.loads((run.folder / "result.json").read_text())
+    assert result["key"] == run.key and result["wall_s"] == 60.0 and result["seed"] == run.seed
+    assert result["kl_ratio_median"] == pytest.approx(1.05)
+    assert result["kl_ratio_min"] == pytest.approx(0.5) and result["kl_ratio_max"] == pytest.approx(2.0)
+    assert result["kl_ratio_off"] == pytest.approx(0.5)  # 0.5 and 2.0 are off by more than 1.25x
+    assert "kl_ratio_median" not in json.loads((other.folder / "result.json").read_text())
+
+    report = kl_matched.collect("smollm2", kl_matched.MODELS["smollm2"], [run, other], 0.2)
+    assert "| 1.05 (0.50–2.00; 50% off) |" in kl_matched.table(report, run.budget)
