@@ -381,10 +381,10 @@ def one_update(
     return row
 
 
-def profile_update(method: Method, batch: tuple[torch.Tensor, float], s: Settings, name: str) -> dict[str, Any]:
+def profile_update(method: Method, batch: tuple[torch.Tensor, float], s: Settings, out: Path) -> dict[str, Any]:
     """One more update, untimed, under ``torch.profiler``: where its time goes.
 
-    Writes ``<profile>/<name>.txt``, the operators and ranges sorted by their own device time (CPU time on a CPU),
+    Writes ``out``, the operators and ranges sorted by their own device time (CPU time on a CPU),
     and returns the totals of the named ranges: this script's phases (``update.forward``, ``update.backward``,
     ``update.step``) and logra-pl's own (``logra.sketch.project``, ``logra.sketch.accumulate``, ``logra.propose``,
     ``logra.apply``; :mod:`logra_pl.sketch.trace`), each with its call count, CPU milliseconds and, on CUDA, the
@@ -397,9 +397,8 @@ def profile_update(method: Method, batch: tuple[torch.Tensor, float], s: Setting
         one_update(method.model, method, batch[0], batch[1], s)
     events = prof.key_averages()
     sort = "self_device_time_total" if s.cuda else "self_cpu_time_total"
-    folder = Path(s.profile or ".")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.txt").write_text(events.table(sort_by=sort, row_limit=40, max_name_column_width=60))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(events.table(sort_by=sort, row_limit=40, max_name_column_width=60))
     ranges: dict[str, Any] = {}
     for e in events:
         if e.key.startswith(("update.", "logra.")):
@@ -425,7 +424,9 @@ def run_config(key: str, optimizer: str, s: Settings) -> dict[str, Any]:
     updates = [one_update(method.model, method, ids, adv, s, i == last) for i, (ids, adv) in enumerate(batches)]
     timed = updates[s.warmup :]
     state = updates[-1].pop("state")
-    profiled = profile_update(method, batches[-1], s, f"{key}_{optimizer}") if s.profile else None
+    profiled = None
+    if s.profile is not None:
+        profiled = profile_update(method, batches[-1], s, Path(s.profile) / f"{key}_{optimizer}.txt")
     result: dict[str, Any] = {
         "parameters": parameters,
         "trainable_parameters": method.trainable(),

@@ -720,7 +720,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"held-out pass@1 before any update: {val_start:.3f}")
     if args.stage in ("runs", "all"):
         execute(runs, args.jobs)
-
     if args.stage in ("report", "all"):
         write_report(collect(args.model, setup, runs, val_start), out, setup, seeds)
         print(f"report: {out / 'results.md'}")

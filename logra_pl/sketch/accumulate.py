@@ -90,8 +90,9 @@ class MatrixSketch:
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
         """``S += dYᵀ Z`` in fp32."""
-        with traced("logra.sketch.accumulate"), torch.autocast(device_type=grad_output.device.type, enabled=False):
-            self.sketch.addmm_(grad_output.reshape(-1, self.d_out).to(torch.float32).T, z)
+        dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
+        with traced("logra.sketch.accumulate"), torch.autocast(device_type=dy.device.type, enabled=False):
+            self.sketch.addmm_(dy.T, z)
 
 
 class SketchGrad(torch.autograd.Function):

@@ -4,9 +4,8 @@
 The ranges are ``logra.sketch.project`` (the forward hook's ``Z = X Pᵀ``, algorithm.md §3), ``logra.sketch.accumulate``
 (the backward's ``S += dYᵀ Z``), ``logra.propose`` (§4) and ``logra.apply`` (§5), and ``logra.kl_probe`` (§6). The
 first two run per matrix per microbatch (the projection again where activation checkpointing recomputes a layer),
-thousands of times per update on a large model, and
-``torch.profiler.record_function`` costs microseconds per call even when nothing records, so a range is opened only
-while a profiler is recording.
+thousands of times per update on a large model, and ``torch.profiler.record_function`` costs microseconds per call
+even when nothing records, so a range is opened only while a profiler is recording.
 """
 
 from __future__ import annotations
