@@ -527,7 +527,7 @@ def _stat(cell: Mapping[str, Any] | None, key: str) -> dict | None:
     return None if cell is None else cell["summary"].get(key)
 
 
-def calibration(cell: Mapping[str, Any]) -> str:
+def calibration_text(cell: Mapping[str, Any]) -> str:
     """A cell's realized ÷ predicted KL per update over its seeds: the median of the runs' medians, the range over
     every update, and the share of updates off by more than :data:`KL_RATIO_OFF`; ``–`` for runs summarized
     without it."""
@@ -565,7 +565,7 @@ def table(report: Mapping[str, Any], budget: float) -> str:
             + (f" ({cell['failed']} failed)" if cell["failed"] else "")
             + f" | {pm(gain, signed=True)} | {ratio} | {pm(s.get('val_final'))} | "
             + (f"{kl['mean']:.2e} ± {kl['std']:.1e}" if kl else "–")
-            + f" | {pm(s.get('kl_realized_over_budget'), 2)} | {calibration(cell)} | "
+            + f" | {pm(s.get('kl_realized_over_budget'), 2)} | {calibration_text(cell)} | "
             + (f"{cap['mean']:.0%}" if cap else "–")
             + " | "
             + (f"{state['mean'] / 2**20:.1f} MiB" if state else "–")
