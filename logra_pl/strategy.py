@@ -120,6 +120,13 @@ class LoGRAStrategy(ModelParallelStrategy):
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(policy, **kwargs)
+        # The loss of every rank is already a token sum over the whole update's count (algorithm.md §8), so the
+        # gradient of the update's loss is the SUM of the ranks' gradients, as LoGRA's sketches are summed; FSDP2
+        # averages by default, which would shrink the dense gradients (dense AdamW/SGD, logra.dense_params) by the rank
+        # count.
+        for module in (*layers, policy):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
     @staticmethod
     def check_reference(reference: Any) -> None:

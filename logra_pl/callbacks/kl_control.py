@@ -119,10 +119,11 @@ class PredictedKLControl(pl.Callback):
         probe: ``jvp`` (forward-mode AD with math attention) or ``fd`` (central finite difference).
         fd_step: step of the finite difference, in units of the nominal step.
         calibrate: after the update, measure the realized KL on the probe contexts from full distributions and
-            log it as ``kl/realized`` next to ``kl/predicted_scaled``. With ``schedule.kind="none"`` (no control,
-            α = 1) and ``calibrate``, the probe still runs so that the uncontrolled run's predicted and realized KL
-            are logged — KL measurement for any method, weights as without the callback (without ``calibrate``,
-            ``none`` costs nothing).
+            log it as ``kl/realized`` next to ``kl/predicted_scaled``, and the update's first-order gain per unit of
+            it, ``kl/gain_per_sqrt_kl`` = ``method.last_gain / sqrt(kl/realized)``, where the method measures its
+            gain. With ``schedule.kind="none"`` (no control, α = 1) and ``calibrate``, the probe still runs so that
+            the uncontrolled run's predicted and realized KL are logged — KL measurement for any method, weights as
+            without the callback (without ``calibrate``, ``none`` costs nothing).
     """
 
     READS = ("policy", "method", "step_context")  # what it reads of the policy contract (docs/extending.md)
@@ -292,6 +293,9 @@ class PredictedKLControl(pl.Callback):
         total = all_reduce_sum(trainer, total, pl_module.device)
         realized = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
         pl_module.log("kl/realized", realized, on_step=True, batch_size=1)
+        gain = view.method.last_gain
+        if gain is not None and realized > 0:  # the direction's worth: first-order gain per unit of policy change
+            pl_module.log("kl/gain_per_sqrt_kl", gain / math.sqrt(realized), on_step=True, batch_size=1)
         ctx = view.step_context
         if ctx is not None and ctx.update_kls:
             ctx.update_kls[-1] = realized  # measured beats predicted

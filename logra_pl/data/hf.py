@@ -422,6 +422,8 @@ class HFPromptDataModule(pl.LightningDataModule):
         prompts_per_step: prompts per policy update over all ranks (the training batch size).
         eval_batch_size: prompts per validation batch.
         seed: seed of the held-out draw and of the training shuffle.
+        shuffle_seed: seed of the training prompts' order alone; ``None`` (default): ``seed``. Seeds of one experiment
+            that should share the held-out draw but each have its own prompt stream set this, not ``seed``.
         num_workers: DataLoader workers (0: in the main process).
         cache_dir: datasets' cache folder (default: ``HF_DATASETS_CACHE``).
         eval_tune_fraction: split the evaluation items into a tuning and a report subset (this share in the tuning
@@ -455,6 +457,7 @@ class HFPromptDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         eval_tune_fraction: float = 0.0,
+        shuffle_seed: int | None = None,
     ) -> None:
         super().__init__()
         # Recorded in checkpoints (a resumed run is checked against them), not sent to the logger: the CLI saves the
@@ -473,6 +476,8 @@ class HFPromptDataModule(pl.LightningDataModule):
         check_int("data.prompts_per_step", prompts_per_step, 1)
         check_int("data.eval_batch_size", eval_batch_size, 1)
         check_int("data.seed", seed, 0)
+        if shuffle_seed is not None:
+            check_int("data.shuffle_seed", shuffle_seed, 0)
         check_int("data.num_workers", num_workers, 0)
         check_tune_fraction("data.eval_tune_fraction", eval_tune_fraction)
         self.path, self.split, self.name = path, split, name
@@ -489,6 +494,7 @@ class HFPromptDataModule(pl.LightningDataModule):
         self.prompts_per_step = prompts_per_step
         self.eval_batch_size = eval_batch_size
         self.seed = seed
+        self.shuffle_seed = seed if shuffle_seed is None else shuffle_seed
         self.num_workers = num_workers
         self.cache_dir = cache_dir
         self.eval_tune_fraction = eval_tune_fraction
@@ -592,7 +598,7 @@ class HFPromptDataModule(pl.LightningDataModule):
         return prompt_loader(
             self.train_items,
             self.prompts_per_step,
-            self.seed,
+            self.shuffle_seed,
             world_size=int(trainer.world_size) if trainer is not None else 1,
             rank=int(trainer.global_rank) if trainer is not None else 0,
             num_workers=self.num_workers,

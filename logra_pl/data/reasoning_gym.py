@@ -45,6 +45,8 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         prompts_per_step: prompts per policy update (the training batch size).
         eval_batch_size: prompts per validation batch.
         seed: data seed (problems, split, shuffling).
+        shuffle_seed: seed of the training prompts' order alone; ``None`` (default): ``seed``. Seeds of one experiment
+            that should see the same problems and held-out set but each its own prompt stream set this, not ``seed``.
         system_prompt: optional system message; a key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` is expanded.
         num_workers: DataLoader workers (0: in the main process).
         per_task_train: up to this many training problems from *each* task (weights are then ignored); ``None``:
@@ -73,6 +75,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         per_task_eval: int | None = None,
         eval_default_difficulty: bool = False,
         eval_tune_fraction: float = 0.0,
+        shuffle_seed: int | None = None,
     ) -> None:
         super().__init__()
         # Recorded in checkpoints (a resumed run is checked against them), not sent to the logger: the CLI saves the
@@ -96,6 +99,8 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         check_int("data.prompts_per_step", prompts_per_step, 1)
         check_int("data.eval_batch_size", eval_batch_size, 1)
         check_int("data.seed", seed, 0)
+        if shuffle_seed is not None:
+            check_int("data.shuffle_seed", shuffle_seed, 0)
         check_int("data.num_workers", num_workers, 0)
         if per_task_train is not None:
             check_int("data.per_task_train", per_task_train, 1)
@@ -110,6 +115,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         self.prompts_per_step = prompts_per_step
         self.eval_batch_size = eval_batch_size
         self.seed = seed
+        self.shuffle_seed = seed if shuffle_seed is None else shuffle_seed
         self.system_prompt = reasoning_gym.utils.SYSTEM_PROMPTS.get(system_prompt, system_prompt)
         self.num_workers = num_workers
         self.per_task_train = per_task_train
@@ -216,7 +222,7 @@ class ReasoningGymDataModule(pl.LightningDataModule):
         return prompt_loader(
             self.train_items,
             self.prompts_per_step,
-            self.seed,
+            self.shuffle_seed,
             world_size=self._world_size(),
             rank=int(trainer.global_rank) if trainer is not None else 0,
             num_workers=self.num_workers,

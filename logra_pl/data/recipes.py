@@ -114,6 +114,7 @@ class Math500DataModule(HFPromptDataModule):
             eval_id_column=None,
             eval_task=None,
             seed=0,
+            shuffle_seed=None,
             **kwargs,
         )
 

@@ -72,6 +72,7 @@ class RGHardDataModule(ReasoningGymDataModule):
         prompts_per_step: prompts per policy update (the training batch size).
         eval_batch_size: prompts per validation batch.
         seed: data seed (problems, split, shuffling).
+        shuffle_seed: seed of the training prompts' order alone; ``None`` (default): ``seed``.
         system_prompt: optional system message; a key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` is expanded.
         num_workers: DataLoader workers (0: in the main process).
         train_size: total training problems split by weight; only used when ``per_task_train`` is ``None``.
@@ -94,6 +95,7 @@ class RGHardDataModule(ReasoningGymDataModule):
         train_size: int = 5000,
         eval_size: int = 128,
         eval_tune_fraction: float = 0.0,
+        shuffle_seed: int | None = None,
     ) -> None:
         super().__init__(
             tasks=list(RG_HARD_TASKS) if tasks is None else tasks,
@@ -108,4 +110,5 @@ class RGHardDataModule(ReasoningGymDataModule):
             per_task_eval=per_task_eval,
             eval_default_difficulty=eval_default_difficulty,
             eval_tune_fraction=eval_tune_fraction,
+            shuffle_seed=shuffle_seed,
         )

@@ -257,7 +257,7 @@ class DenseAdamW(ProposalAnswers, UpdateMethod):
 
     @override
     def metrics(self) -> dict[str, float]:
-        return {"guard/relative_update": self.last_relative_update}
+        return {"guard/relative_update": self.last_relative_update, "train/update_gain": self.last_gain or 0.0}
 
     @override
     def memory(self, policy: nn.Module) -> MemoryReport:

@@ -182,6 +182,14 @@ class UpdateMethod(ABC):
         step ``fd_step`` (``"fd"``). The weights are left exactly as they were (algorithm.md §6)."""
         raise NotImplementedError(f"{type(self).__name__} makes no proposals to probe")
 
+    @property
+    def last_gain(self) -> float | None:
+        """The first-order gain of the last update: ``−⟨∇L, Δθ⟩``, the decrease of the update's loss ``L`` that the
+        step taken (``Δθ``, α included) predicts to first order, over all ranks; 0 when the update was not applied.
+        None: this method does not measure it. Every built-in method does, each exactly: the dense ones from their
+        gradients and deltas (LoRA's in adapter space), LoGRA from its sketches (``⟨S, F⟩ = ⟨G, F P⟩``)."""
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Scalars of the last update (``guard/relative_update`` at least)."""
         return {}

@@ -119,6 +119,7 @@ class LoGRAMethod(UpdateMethod):
         self.config = config or LoGRAConfig()
         self._sketcher: LoGRASketcher | None = None
         self.optimizer: LoGRAOptimizer | None = None
+        self._gain = 0.0
 
     @classmethod
     @override
@@ -180,7 +181,17 @@ class LoGRAMethod(UpdateMethod):
         inner, sketcher = optimizer.optimizer, self._sketcher
         rejected = sketcher.last_skip_reason if inner.last_payload is None else None
         norm = 0.0 if rejected else math.sqrt(sketcher.last_update_sq_norm)
+        self._gain = sketcher.last_gain
+        if sketcher.dense:  # the dense parameters' part is over this process's shards: summed over ranks
+            self._gain += float(all_reduce_sum(torch.tensor([sketcher.last_dense_gain], dtype=torch.float64))[0])
         return StepResult(rejected, norm, inner.last_payload)
+
+    @property
+    @override
+    def last_gain(self) -> float | None:
+        """``⟨S, F⟩`` summed over the sketched matrices (``= ⟨G, F P⟩`` exactly, with ``S`` the all-reduced sketch of
+        the update's loss and ``F`` the merged factor), plus the dense parameters' ``−⟨g, α·Δ⟩``."""
+        return self._gain
 
     # ------------------------------------------------------------------------------------ step control
     @property
@@ -225,6 +236,7 @@ class LoGRAMethod(UpdateMethod):
             "guard/relative_update": sketcher.last_relative_update,
             "logra/skipped_updates": float(sketcher.num_skipped),
             "logra/merge_s": self.optimizer.last_merge_s,
+            "train/update_gain": self._gain,
         }
 
     @override

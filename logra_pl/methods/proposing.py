@@ -142,11 +142,12 @@ class ProposingOptimizer(torch.optim.Optimizer):
 
 
 @torch.no_grad()
-def step_preview(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int]:
+def step_measures(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int, float]:
     """What a step of ``deltas`` (``(parameter, ΔW)`` pairs) at multiplier ``alpha`` would do, without doing it:
-    ``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW)``, over this process's (local) shards; a data-parallel
-    caller all-reduces them. The deltas are left unchanged."""
-    update_sq = weight_sq = 0.0
+    ``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW, −Σ⟨g, α·ΔW⟩)`` over this process's (local) shards, ``g``
+    each parameter's gradient (a parameter without one adds no gain); a data-parallel caller all-reduces them. The
+    last is the step's first-order gain: the decrease of the loss it predicts. The deltas are left unchanged."""
+    update_sq = weight_sq = gain = 0.0
     nonfinite = 0
     for p, delta in deltas:
         w = local(p.detach())
@@ -155,7 +156,16 @@ def step_preview(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int]
         update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
         weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
         nonfinite += int((~torch.isfinite(delta + w)).sum())
-    return update_sq, weight_sq, nonfinite
+        if p.grad is not None:
+            g = local(p.grad).detach().reshape(-1).to(torch.float64)
+            gain -= float(torch.dot(g, delta.reshape(-1).to(torch.float64)))
+    return update_sq, weight_sq, nonfinite, gain
+
+
+def step_preview(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int]:
+    """``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW)`` of a step, without taking it: the sizes the divergence
+    guard judges (:func:`step_measures` without the gain)."""
+    return step_measures(deltas, alpha)[:3]
 
 
 def guard_verdict(guard: DivergenceGuard, sums: list[float]) -> tuple[str | None, float]:
@@ -179,18 +189,14 @@ def guard_verdict(guard: DivergenceGuard, sums: list[float]) -> tuple[str | None
 
 class ProposalAnswers:
     """What a dense method whose optimizer is a :class:`ProposingOptimizer` (in ``self.optimizer``) answers a step
-    controller (``UpdateMethod.applied`` and ``logit_tangent``), and its guard's verdict; mixed in before
-    ``UpdateMethod``.
-
-    Class attributes:
-        sizes_every_step: :meth:`judge` measures the step even when the guard is off (a method that reports its
-            update's norm from this measurement); otherwise only an enabled guard pays for it.
+    controller (``UpdateMethod.applied`` and ``logit_tangent``), its guard's verdict and its step's measures (size,
+    first-order gain); mixed in before ``UpdateMethod``.
     """
 
     optimizer: ProposingOptimizer | None
-    sizes_every_step = False
     last_relative_update = 0.0
     last_update_sq = 0.0
+    last_step_gain = 0.0
 
     def applied(self, proposal: Any) -> bool:
         """Whether ``proposal`` was the optimizer's last step and changed the weights."""
@@ -212,14 +218,19 @@ class ProposalAnswers:
 
     def judge(self, guard: DivergenceGuard, proposal: StepProposal, all_reduce_sum: AllReduceSum) -> str | None:
         """The divergence guard's verdict on the step at ``proposal.alpha`` (None: take it); sets
-        ``last_relative_update`` and ``last_update_sq`` (``Σ‖α·ΔW‖²`` over all ranks). Runs after the step
-        controllers, so it judges the step that would be taken."""
+        ``last_relative_update``, ``last_update_sq`` (``Σ‖α·ΔW‖²``) and ``last_step_gain`` (``−Σ⟨g, α·ΔW⟩``), over
+        all ranks. Runs after the step controllers, so it measures the step that would be taken (with the guard off
+        too: the size and gain are logged for every update)."""
         opt = self.optimizer
         assert opt is not None, "judge runs inside the optimizer's step"
-        if not guard.enabled and not self.sizes_every_step:
-            return None
         deltas = proposal.previewed.items() if proposal.previewed is not None else opt.step_deltas()
-        sums = all_reduce_sum(torch.tensor(step_preview(deltas, proposal.alpha), dtype=torch.float64)).tolist()
-        reason, self.last_relative_update = guard_verdict(guard, sums)
-        self.last_update_sq = sums[0]
+        sums = all_reduce_sum(torch.tensor(step_measures(deltas, proposal.alpha), dtype=torch.float64)).tolist()
+        reason, self.last_relative_update = guard_verdict(guard, sums[:3])
+        self.last_update_sq, self.last_step_gain = sums[0], sums[3]
         return reason
+
+    @property
+    def last_gain(self) -> float | None:
+        """``−Σ⟨g, α·ΔW⟩`` of the last step over all ranks (0 when it was vetoed or rejected)."""
+        opt = self.optimizer
+        return self.last_step_gain if opt is not None and opt.last_applied else 0.0

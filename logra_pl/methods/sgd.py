@@ -118,7 +118,6 @@ class DenseSGD(ProposalAnswers, UpdateMethod):
 
     name = "sgd"
     makes_proposals = True
-    sizes_every_step = True  # the update's norm comes from the guard's measurement of the step
 
     def __init__(self, sgd: SGDConfig | None = None) -> None:
         self.sgd = sgd or SGDConfig()
@@ -179,7 +178,7 @@ class DenseSGD(ProposalAnswers, UpdateMethod):
 
     @override
     def metrics(self) -> dict[str, float]:
-        return {"guard/relative_update": self.last_relative_update}
+        return {"guard/relative_update": self.last_relative_update, "train/update_gain": self.last_gain or 0.0}
 
     @override
     def memory(self, policy: nn.Module) -> MemoryReport:

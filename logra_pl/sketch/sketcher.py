@@ -53,6 +53,7 @@ from logra_pl.sketch.trace import traced_call
 from logra_pl.sketch.update import (
     adam_direction,
     bias_corrected,
+    factor_gain,
     first_moment,
     lr_factor,
     ratio_scale,
@@ -86,6 +87,12 @@ class LoGRASketcher:
         self.last_skip_reason: str | None = None
         self.last_update_sq_norm = 0.0  # ‖ΔW‖² of the last merged (or rejected) update, summed over matrices
         self.last_relative_update = 0.0  # its ‖ΔW‖/‖W‖
+        # The first-order gain of the last merged update (0 when skipped or rejected): ⟨S, F⟩ over the sketched
+        # matrices (the same on every rank: S is all-reduced, F whole), and −⟨g, α·Δ⟩ over this process's shards of
+        # the dense parameters (a data-parallel caller sums that part over ranks).
+        self.last_gain = 0.0
+        self.last_dense_gain = 0.0
+        self._grad_scale = 1.0
         self.row_offsets: dict[str, int] = {}
         targets = select_targets(model, self.config.targets)
         for name, linear in targets.items():
@@ -271,6 +278,7 @@ class LoGRASketcher:
         """
         cfg = self.config
         step = self.num_applied + 1
+        self._grad_scale = grad_scale
         steps = self._directions(step, grad_scale)
         grads = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
         # Everything Python decides on below, read from the device in one transfer (see logra_pl.sketch.host).
@@ -412,12 +420,14 @@ class LoGRASketcher:
             for n, d in proposal.dense.items()
         }
         factor_stacks = [stacked_factors(payload, group.names) for group in self.groups]
-        # The three checks below, read from the device in one transfer (see logra_pl.sketch.host).
-        factors_finite, update_values, dense_finite, norms = host_values(
+        # The three checks below and the update's first-order gain, read from the device in one transfer (see
+        # logra_pl.sketch.host).
+        factors_finite, update_values, dense_finite, norms, gains = host_values(
             [torch.isfinite(f).all(dim=(1, 2)) for f in factor_stacks],
             self._lifted_sq_norms(factor_stacks),
             [torch.isfinite(v).all() for v in new_dense.values()],
             [] if proposal.weight_sq_norms else self.weight_norms(),
+            self._gains(factor_stacks, proposal, payload.alpha),
         )
         if not all(factors_finite):
             self.skip(f"non-finite factors at alpha={payload.alpha}")
@@ -453,9 +463,22 @@ class LoGRASketcher:
                     group.moments.copy_(moment)  # type: ignore[union-attr]  # rounded to the storage dtype here
             if self.moments:
                 self.moment_age += 1
+        self.last_gain = self._grad_scale * sum(gains[: len(self.groups)])
+        self.last_dense_gain = sum(gains[len(self.groups) :])
         self.num_applied += 1
         self._advance()
         return payload
+
+    def _gains(self, factor_stacks: list[torch.Tensor], proposal: Proposal, alpha: float) -> list[torch.Tensor]:
+        """The merged update's first-order gain, one 0-dim float64 tensor per group (``⟨S, F⟩`` of its matrices,
+        before ``grad_scale``), then one per dense parameter (``−⟨g, α·Δ⟩`` of this process's shard, scaled)."""
+        out = [factor_gain(group.sketch, f).sum() for group, f in zip(self.groups, factor_stacks, strict=True)]
+        for name, step in proposal.dense.items():
+            grad = self.dense[name].grad
+            if grad is not None:
+                g = local_tensor(grad).detach().reshape(-1).to(torch.float64)
+                out.append(-self._grad_scale * alpha * torch.dot(g, step.delta.reshape(-1).to(torch.float64)))
+        return out
 
     def _merge(self, group: MatrixGroup, factors: torch.Tensor) -> None:
         """``W ← W − F P`` on the local rows of the group's matrices (``factors``: the payload's ``(k, d_out, r)``);
@@ -498,12 +521,14 @@ class LoGRASketcher:
         """Drop this update: nothing merged, row statistics unchanged, the event counted, next projections drawn."""
         self.num_skipped += 1
         self.last_skip_reason = reason
+        self.last_gain = self.last_dense_gain = 0.0
         self._advance()
 
     def reject(self, reason: str) -> None:
         """The divergence guard refused this update: like :meth:`skip`, but counted in ``num_rejected``."""
         self.num_rejected += 1
         self.last_skip_reason = reason
+        self.last_gain = self.last_dense_gain = 0.0
         self._advance()
 
     def _advance(self) -> None:

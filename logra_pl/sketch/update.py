@@ -192,6 +192,17 @@ def lifted_sq_norm(
     return matrix_sum(product * d64)
 
 
+def factor_gain(sketches: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``⟨S, F⟩ = ⟨G Pᵀ, F⟩ = ⟨G, F P⟩`` per matrix of a stack (``(k,)`` float64; 0-dim for one matrix): the
+    first-order decrease of the loss when ``W ← W − F P`` is merged, computed from the sketches without ``G``.
+
+    One matrix at a time, each product in float64 (the temporaries are one matrix's, whatever the stack's size).
+    """
+    if sketches.dim() == 2:
+        return torch.dot(sketches.reshape(-1).to(torch.float64), factors.reshape(-1).to(torch.float64))
+    return torch.stack([factor_gain(s, f) for s, f in zip(sketches.unbind(0), factors.unbind(0), strict=True)])
+
+
 def ratio_scale(
     weight_sq_norm: float | torch.Tensor, lifted_sq_norm_total: float | torch.Tensor, ratio: float
 ) -> float:

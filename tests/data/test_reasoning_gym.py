@@ -6,6 +6,7 @@ import pytest
 import reasoning_gym
 
 from logra_pl.data import ReasoningGymDataModule
+from logra_pl.errors import ConfigError
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 
@@ -46,6 +47,27 @@ def test_seeded_and_reproducible() -> None:
     assert [x["question"] for x in next(iter(a.train_dataloader()))] == [
         x["question"] for x in next(iter(b.train_dataloader()))
     ]
+
+
+def test_shuffle_seed_changes_the_prompt_stream_only() -> None:
+    """``shuffle_seed`` gives each seed of an experiment its own training order over the same problems and the same
+    held-out set; unset, the order follows ``seed`` as before."""
+    kwargs = {"train_size": 64, "eval_size": 10, "prompts_per_step": 8, "seed": 0}
+    base = ReasoningGymDataModule(["chain_sum"], **kwargs)
+    same = ReasoningGymDataModule(["chain_sum"], shuffle_seed=0, **kwargs)
+    other = ReasoningGymDataModule(["chain_sum"], shuffle_seed=1, **kwargs)
+    for dm in (base, same, other):
+        dm.setup()
+    assert [i["question"] for i in other.eval_items] == [i["question"] for i in base.eval_items]
+    assert sorted(i["question"] for i in other.train_items) == sorted(i["question"] for i in base.train_items)
+
+    def stream(dm: ReasoningGymDataModule) -> list[str]:
+        return [x["question"] for batch in dm.train_dataloader() for x in batch]
+
+    assert stream(same) == stream(base)
+    assert stream(other) != stream(base) and set(stream(other)) <= {i["question"] for i in base.train_items}
+    with pytest.raises(ConfigError, match="shuffle_seed"):
+        ReasoningGymDataModule(["chain_sum"], shuffle_seed=-1, **kwargs)
 
 
 def test_unknown_task_lists_available() -> None:

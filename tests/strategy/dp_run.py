@@ -88,6 +88,16 @@ class Record(pl.Callback):
             self.rows.append((ctx.update_index, ctx.items[i]["question"], resp))
 
 
+class Gains(pl.Callback):
+    """The update method's first-order gain of each update (``method.last_gain``, reduced over ranks)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.values.append(pl_module.method.last_gain)
+
+
 class SigtermAt(pl.Callback):
     """Send SIGTERM to this process at the end of update ``update`` on rank ``rank`` only (a scheduler's signal that
     reached one rank first)."""
@@ -147,7 +157,7 @@ def main() -> None:
         else None,
     )
     data = ReasoningGymDataModule({"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8)
-    callbacks: list[pl.Callback] = [record := Record(), counter := CountLayerForwards()]
+    callbacks: list[pl.Callback] = [record := Record(), counter := CountLayerForwards(), gains := Gains()]
     if args.ckpt_dir:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
@@ -206,6 +216,7 @@ def main() -> None:
                     module.policy, optimizer=module.optimizers().optimizer, sketcher=module.method.sketcher
                 ).persistent,
                 "kl": kl.history if kl is not None else None,
+                "gains": gains.values,
                 "reference": None
                 if module.reference_policy is None
                 else {
