@@ -3,6 +3,7 @@
 from logra_pl.callbacks.checkpoint import AtomicCheckpointIO, UpdateCheckpoint
 from logra_pl.callbacks.diagnostics import SketchDiagnostics
 from logra_pl.callbacks.export import HFExport
+from logra_pl.callbacks.heldout_kl import HeldOutKL
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
 from logra_pl.callbacks.memory import MemoryMonitor
 from logra_pl.callbacks.mismatch import RolloutMismatch, observed_mismatch
@@ -14,6 +15,7 @@ __all__ = [
     "AtomicCheckpointIO",
     "BudgetSchedule",
     "HFExport",
+    "HeldOutKL",
     "MemoryMonitor",
     "PolicySync",
     "PredictedKLControl",
