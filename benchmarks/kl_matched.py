@@ -69,11 +69,13 @@ from grid import (
 # report counts the updates where it did reach it).
 ALPHA_MAX = 1000.0
 VALIDATIONS = 3  # validations per run, the last at the final update
-GOAL = {"gain_vs_adamw": 1.0, "state": 0.35}
+GOAL = {"gain_vs_adamw": 1.0, "state": 0.10}
 GOAL_TEXT = (
-    "at matched KL per update, LoGRA's reward gain ≥ 100% of dense AdamW's and ≥ dense SGD's, held-out pass@1 "
-    "within one seed std of AdamW's, at ≤ 0.35× AdamW's training state"
+    "at matched KL per update, LoGRA's reward gain ≥ 100% of dense AdamW's and ≥ LoRA r = 64's, held-out pass@1 "
+    "within one AdamW seed std of AdamW's, at ≤ 0.10× AdamW's training state"
 )
+# Held-out contexts of every run (HeldOutKL): responses to the first evaluation problems, sampled once at the start.
+HELDOUT_PROMPTS = 8
 
 # Candidate tasks for `select` (name, reasoning-gym config): arithmetic of growing difficulty.
 CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -164,30 +166,53 @@ def _methods() -> dict[str, Method]:
     levers = {**paper, **_overlay_model("configs/overlays/logra_levers.yaml")["logra"]}
     adamw = dict(_overlay_model("configs/overlays/adamw.yaml")["adamw"])
     lora = _overlay_model("configs/ablations/lora.yaml")
+
+    def logra(name: str, label: str, base: dict[str, Any], **changes: Any) -> Method:
+        return Method(name, label, {"optimizer": "logra", "logra": {**base, **changes}})
+
+    def dense_adamw(name: str, label: str, **changes: Any) -> Method:
+        return Method(name, label, {"optimizer": "adamw", "logra": None, "adamw": {**adamw, **changes}})
+
+    def sgd(name: str, label: str, **changes: Any) -> Method:
+        init = {"sgd": {"lr": 0.1, **changes}}
+        return Method(
+            name,
+            label,
+            {
+                "optimizer": "logra",  # ignored: model.method chooses
+                "logra": None,
+                "method": {"class_path": "logra_pl.methods.sgd.DenseSGD", "init_args": init},
+            },
+        )
+
     # Each method's own step setting only sizes the nominal step that α then scales to the budget (AdamW's and LoRA's
     # lr, LoGRA's update_ratio or lr, SGD's lr 0.1: large enough that α stays far below ALPHA_MAX).
-    return {
-        m.name: m
-        for m in (
-            Method("logra_paper", "LoGRA, paper rule (r = 64)", {"optimizer": "logra", "logra": paper}),
-            Method("logra_levers", "LoGRA, levers (r = 64)", {"optimizer": "logra", "logra": levers}),
-            Method("adamw", "dense AdamW", {"optimizer": "adamw", "logra": None, "adamw": adamw}),
-            Method(
-                "sgd",
-                "dense SGD",
-                {
-                    "optimizer": "logra",  # ignored: model.method chooses
-                    "logra": None,
-                    "method": {"class_path": "logra_pl.methods.sgd.DenseSGD", "init_args": {"sgd": {"lr": 0.1}}},
-                },
-            ),
-            Method(
-                "lora",
-                "LoRA (r = 64)",
-                {"optimizer": "lora", "logra": None, "lora": lora["lora"], "adamw": lora["adamw"]},
-            ),
-        )
-    }
+    baselines = (
+        logra("logra_paper", "LoGRA, paper rule (r = 64)", paper),
+        logra("logra_levers", "LoGRA, levers (r = 64)", levers),
+        dense_adamw("adamw", "dense AdamW"),
+        sgd("sgd", "dense SGD"),
+        Method(
+            "lora",
+            "LoRA (r = 64)",
+            {"optimizer": "lora", "logra": None, "lora": lora["lora"], "adamw": lora["adamw"]},
+        ),
+    )
+    # The decomposition (docs/benchmarks.md): which of normalization, momentum and projection the gap is made of.
+    # Sign-SGD is Adam with β1 = β2 = 0: ΔW = −lr·g/(|g| + ε) with an ε far below every gradient entry.
+    full = {"rank": 1536, "clip_rank": True, "distribution": "hadamard"}  # r = d_in everywhere: P orthogonal
+    decomposition = (
+        dense_adamw("adamw_nomomentum", "dense AdamW, β1 = 0", betas=[0.0, 0.95]),
+        dense_adamw("signsgd", "dense sign-SGD", betas=[0.0, 0.0], eps=1e-20),
+        sgd("sgd_momentum", "dense SGD, momentum 0.9", momentum=0.9),
+        logra("logra_sgd", "LoGRA, sketched SGD (r = 64)", paper, update_rule="sgd"),
+        logra("logra_paper_full", "LoGRA, paper rule, full-rank orthogonal sketch", paper, **full),
+        logra("logra_levers_full", "LoGRA, levers, full-rank orthogonal sketch", levers, **full),
+        logra("logra_levers_fixed", "LoGRA, levers, fixed projection (r = 64)", levers, refresh=False),
+        logra("logra_levers_r16", "LoGRA, levers (r = 16)", levers, rank=16),
+        logra("logra_levers_r256", "LoGRA, levers (r = 256)", levers, rank=256),
+    )
+    return {m.name: m for m in (*baselines, *decomposition)}
 
 
 METHODS = _methods()
@@ -277,13 +302,15 @@ def relative(folder: Path) -> str:
 def run_config(model: str, setup: ModelSetup, method: Method, budget: float, seed: int, folder: Path) -> dict:
     """The full ``logra-pl fit`` config of one run: ``configs/tiny_cpu.yaml`` with
 
-    - the protocol's callbacks: RunSummary, MemoryMonitor (the training state), RolloutMismatch and
-      PredictedKLControl (cosine budget from ``budget`` to ``budget / 4`` over the run, ``alpha_max`` =
-      :data:`ALPHA_MAX`, two probe responses, ``calibrate`` for the realized KL) — the same for every method;
+    - the protocol's callbacks: RunSummary, MemoryMonitor (the training state), RolloutMismatch, HeldOutKL (the KL
+      of every update on :data:`HELDOUT_PROMPTS` held-out responses) and PredictedKLControl (cosine budget from
+      ``budget`` to ``budget / 4`` over the run, ``alpha_max`` = :data:`ALPHA_MAX`, two probe responses,
+      ``calibrate`` for the realized KL) — the same for every method;
     - no checkpoints or export (runs are redone whole when unfinished);
     - the model's task, sizes and settings (:data:`MODELS`), math-verify as the reward;
     - the method's ``model`` settings, with the schedules' lengths set to the run's;
-    - the seed in ``seed_everything``, ``model.seed`` and LoGRA's projection seed.
+    - the seed in ``seed_everything``, ``model.seed``, LoGRA's projection seed and the order of the training prompts
+      (``data.shuffle_seed``; the problems and the held-out set are the same for every seed).
     """
     cfg = yaml.safe_load((ROOT / BASE).read_text())
     schedule = {"kind": "cosine", "delta_max": budget, "delta_min": budget / 4, "horizon": setup.updates}
@@ -294,6 +321,7 @@ def run_config(model: str, setup: ModelSetup, method: Method, budget: float, see
         {"class_path": "logra_pl.callbacks.RunSummary", "init_args": {"window": 10}},
         {"class_path": "logra_pl.callbacks.MemoryMonitor", "init_args": {"image_every": 0}},
         {"class_path": "logra_pl.callbacks.RolloutMismatch", "init_args": {"ema": 0.3, "floor": 0.5}},
+        {"class_path": "logra_pl.callbacks.HeldOutKL", "init_args": {"prompts": HELDOUT_PROMPTS, "seed": 0}},
         {
             "class_path": "logra_pl.callbacks.PredictedKLControl",
             "init_args": {
@@ -320,7 +348,8 @@ def run_config(model: str, setup: ModelSetup, method: Method, budget: float, see
             m[section]["decay_steps"] = setup.updates
     data = cfg["data"]
     task, config = setup.task
-    data.update(tasks={task: {"weight": 1.0, "config": config}}, eval_size=setup.eval_size)
+    # The same problems and held-out set for every seed (data.seed), each seed its own prompt stream.
+    data.update(tasks={task: {"weight": 1.0, "config": config}}, eval_size=setup.eval_size, shuffle_seed=seed)
     data.update(prompts_per_step=setup.prompts_per_step, eval_batch_size=min(setup.eval_size, 128))
     for dotted, value in setup.args.items():
         _set(cfg, dotted, value)
@@ -394,11 +423,44 @@ def kl_calibration(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, 
     }
 
 
+# The direction's measures per update (logged by the methods, PredictedKLControl and HeldOutKL), kept as curves.
+DIRECTION_TAGS = (
+    "train/update_gain",
+    "train/update_norm",
+    "kl/gain_per_sqrt_kl",
+    "kl/heldout_realized",
+    "kl/heldout_gain_per_sqrt_kl",
+)
+
+
+def _median(points: Sequence[tuple[int, float]]) -> float | None:
+    values = [v for _, v in points if math.isfinite(v)]
+    return statistics.median(values) if values else None
+
+
+def direction(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float | None]:
+    """The update's direction, update by update (medians over the run's updates): its first-order gain ``−⟨∇L, Δθ⟩``
+    on the batch, its norm, the gain per unit of policy change on the batch's probe responses (``gain/√KL``) and on
+    the held-out responses, and the held-out KL over the in-batch KL of the same update."""
+    realized = dict(scalars.get("kl/realized", []))
+    ratios = [(s, v / realized[s]) for s, v in scalars.get("kl/heldout_realized", []) if realized.get(s, 0.0) > 0]
+    return {
+        "gain_median": _median(scalars.get("train/update_gain", [])),
+        "step_norm_median": _median(scalars.get("train/update_norm", [])),
+        "gain_per_sqrt_kl": _median(scalars.get("kl/gain_per_sqrt_kl", [])),
+        "heldout_kl": _median(scalars.get("kl/heldout_realized", [])),
+        "heldout_over_inbatch": _median(ratios),
+        "heldout_gain_per_sqrt_kl": _median(scalars.get("kl/heldout_gain_per_sqrt_kl", [])),
+    }
+
+
 def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dict[str, Any]:
     """One run's numbers: ``grid.summarize_run``'s (val0 from the run's first validation), α at its cap, state,
-    the KL calibration per update."""
+    the KL calibration per update, the direction's measures (:func:`direction`) and their curves."""
     val = scalars.get("val/pass@1", [])
     out = summarize_run(scalars, float("nan"), wall_s)
+    out["curves"].update({tag: scalars[tag] for tag in DIRECTION_TAGS if tag in scalars})
+    out.update(direction(scalars))
     alphas = [v for _, v in scalars.get("kl/alpha", [])]
     out.update(
         val_points=val,
@@ -434,9 +496,9 @@ def baseline(run: Run, out: Path, threads: int) -> float:
     folder = out / "baseline"
     cfg["trainer"]["logger"]["init_args"].update(save_dir=relative(folder), name="tb", version=0)
     cfg["trainer"]["callbacks"] = []
-    key = config_key(
-        {k: v for k, v in cfg.items() if k in ("model", "data")} | {"trainer": {"logger": {"init_args": {}}}}
-    )
+    # The training prompts' order does not change what a validation sees.
+    data = {k: v for k, v in cfg["data"].items() if k != "shuffle_seed"}
+    key = config_key({"model": cfg["model"], "data": data} | {"trainer": {"logger": {"init_args": {}}}})
     cached = out / "baseline.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
         return float(json.loads(cached.read_text())["val_start"])
@@ -499,6 +561,13 @@ KEYS = (
     "training_state_bytes",
     "wall_s",
     "updates",
+    "reward_window",
+    "gain_median",
+    "step_norm_median",
+    "gain_per_sqrt_kl",
+    "heldout_kl",
+    "heldout_over_inbatch",
+    "heldout_gain_per_sqrt_kl",
 )
 
 
@@ -576,22 +645,51 @@ def table(report: Mapping[str, Any], budget: float) -> str:
     return "\n".join(lines)
 
 
-def goal_line(report: Mapping[str, Any], budget: float) -> str:
-    """MET / MISSED for LoGRA (either rule's best gain) at this budget, with the numbers."""
+def _sci(stat: dict | None, digits: int = 2) -> str:
+    return "–" if stat is None else f"{stat['mean']:.{digits}e} ± {stat['std']:.1e}"
+
+
+def direction_table(report: Mapping[str, Any], budget: float) -> str:
+    """One budget's direction table: per update (medians over each run's updates, mean ± std over seeds) the
+    first-order gain on the batch, the step's norm, the gain per √KL on the batch's probe responses and on the
+    held-out responses, and the held-out KL over the in-batch KL."""
     cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
-    need = ("adamw", "sgd")
+    lines = [
+        "| method | gain −⟨∇L, Δθ⟩ / update | ‖Δθ‖ / update | gain / √KL, batch | gain / √KL, held-out "
+        "| held-out KL / update | held-out ÷ batch KL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in METHODS:
+        cell = cells.get(name)
+        if cell is None:
+            continue
+        s = cell["summary"]
+        if s.get("gain_median") is None:
+            continue
+        lines.append(
+            f"| {cell['label']} | {_sci(s.get('gain_median'))} | {_sci(s.get('step_norm_median'))} | "
+            f"{pm(s.get('gain_per_sqrt_kl'), 3)} | {pm(s.get('heldout_gain_per_sqrt_kl'), 3)} | "
+            f"{_sci(s.get('heldout_kl'))} | {pm(s.get('heldout_over_inbatch'), 2)} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def goal_line(report: Mapping[str, Any], budget: float) -> str:
+    """MET / MISSED for every LoGRA rule at this budget, with the numbers (against AdamW and LoRA)."""
+    cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
+    need = ("adamw", "lora")
     if any(_stat(cells.get(n), "reward_gain") is None for n in need):
-        return "Goal: not yet measured at this budget (AdamW or SGD runs missing)."
-    adamw, sgd = cells["adamw"]["summary"], cells["sgd"]["summary"]
+        return "Goal: not yet measured at this budget (AdamW or LoRA runs missing)."
+    adamw, lora = cells["adamw"]["summary"], cells["lora"]["summary"]
     out = []
-    for name in ("logra_paper", "logra_levers"):
+    for name in (n for n in METHODS if n.startswith("logra")):
         s = _stat(cells.get(name), "reward_gain")
         if s is None:
             continue
         mine = cells[name]["summary"]
         gain_ok = (
             s["mean"] >= GOAL["gain_vs_adamw"] * adamw["reward_gain"]["mean"]
-            and s["mean"] >= sgd["reward_gain"]["mean"]
+            and s["mean"] >= lora["reward_gain"]["mean"]
         )
         val, base_val = mine.get("val_final"), adamw.get("val_final")
         val_ok = bool(val and base_val and abs(val["mean"] - base_val["mean"]) <= base_val["std"])
@@ -600,11 +698,29 @@ def goal_line(report: Mapping[str, Any], budget: float) -> str:
         ok = gain_ok and val_ok and state_ratio <= GOAL["state"]
         out.append(
             f"{cells[name]['label']}: **{'MET' if ok else 'MISSED'}** — reward gain {s['mean']:+.3f} vs AdamW "
-            f"{adamw['reward_gain']['mean']:+.3f} and SGD {sgd['reward_gain']['mean']:+.3f}; pass@1 "
+            f"{adamw['reward_gain']['mean']:+.3f} and LoRA {lora['reward_gain']['mean']:+.3f}; pass@1 "
             f"{val['mean'] if val else math.nan:.3f} vs AdamW {base_val['mean'] if base_val else math.nan:.3f} ± "
             f"{base_val['std'] if base_val else math.nan:.3f}; state {state_ratio:.3f}× AdamW's."
         )
     return "Goal (" + GOAL_TEXT + "):\n\n" + "\n".join(f"- {line}" for line in out)
+
+
+def window_text(report: Mapping[str, Any], updates: int) -> str:
+    """What the reward gain averages: the windows the finished runs used (``grid.summarize_run``)."""
+    windows = sorted(
+        {
+            int(r["reward_window"])
+            for c in report["cells"].values()
+            for r in c["runs"].values()
+            if r.get("reward_window")
+        }
+    )
+    if not windows:
+        return "the last updates' mean train reward minus the first ones'"
+    w = windows[0] if len(windows) == 1 else None
+    if w is None:
+        return f"the last w updates' mean train reward minus the first w's (w = {', '.join(map(str, windows))})"
+    return f"the last {w} updates' mean train reward minus the first {w}'s ({w / updates:.0%} of the run at each end)"
 
 
 def plots(report: Mapping[str, Any], out: Path) -> list[Path]:
@@ -670,15 +786,26 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         f"{setup.prompts_per_step} prompts per update, one response each, {setup.max_new_tokens} new tokens, reward "
         f"by math-verify; {setup.updates} updates per run; held-out pass@1 greedy on {setup.eval_size} problems "
         f"({report['val_start']:.3f} before any update); "
-        f"seeds {', '.join(map(str, seeds))}; mean ± std over the seeds finished. Reward gain: the last 10% of "
-        "updates' mean train reward minus the first 10%'s (halves for runs under 20 updates). Training state: "
+        f"seeds {', '.join(map(str, seeds))} (each its own prompt order over the same problems); mean ± std over the "
+        f"seeds finished. Reward gain: {window_text(report, setup.updates)}. Training state: "
         "bytes held for training besides the weights, peak over updates (MemoryMonitor). ÷ predicted, per update: "
         "each update's realized KL over the KL predicted for the step applied, the median of the seeds' medians, "
         f"the range over every update, and the share of updates off by more than {KL_RATIO_OFF:g}× either way.",
         "",
+        "Direction tables: per update, medians over each run's updates, then mean ± std over seeds. Gain: the "
+        "first-order decrease of the update's loss that the step taken predicts, −⟨∇L, Δθ⟩ (LoGRA: ⟨S, F⟩ from its "
+        "sketches; LoRA: in adapter space). gain / √KL: the gain per unit of policy change, on the batch's two probe "
+        "responses (kl/realized, which the step control holds to the budget) and on "
+        f"{HELDOUT_PROMPTS} held-out responses sampled once at the start (HeldOutKL, outside every loss).",
+        "",
     ]
-    for budget in setup.budgets:
-        lines += [f"## Budget {budget:g} per update", "", table(report, budget), "", goal_line(report, budget), ""]
+    budgets = list(setup.budgets) + sorted({c["budget"] for c in report["cells"].values()} - set(setup.budgets))
+    for budget in budgets:
+        lines += [f"## Budget {budget:g} per update", "", table(report, budget), ""]
+        directions = direction_table(report, budget)
+        if directions:
+            lines += [directions, ""]
+        lines += [goal_line(report, budget), ""]
     lines += [f"![{p.stem}]({p.name})" for p in pngs]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 

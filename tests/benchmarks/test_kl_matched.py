@@ -63,6 +63,18 @@ def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> No
     assert by_method["lora"]["optimizer"] == "lora" and by_method["lora"]["lora"]["rank"] == 64
     seeds = {r.seed: r.config for r in runs if r.method == "logra_paper" and r.budget == setup.budgets[0]}
     assert seeds[1]["seed_everything"] == 1 and seeds[1]["model"]["logra"]["base_seed"] == 1
+    # Each seed its own prompt stream over the same problems and held-out set.
+    assert seeds[0]["data"]["shuffle_seed"] == 0 and seeds[1]["data"]["shuffle_seed"] == 1
+    assert seeds[0]["data"]["seed"] == seeds[1]["data"]["seed"]
+    heldout = [c for c in seeds[0]["trainer"]["callbacks"] if c["class_path"].endswith("HeldOutKL")]
+    assert heldout and heldout[0]["init_args"]["prompts"] == kl_matched.HELDOUT_PROMPTS
+    # The decomposition's methods: sign-SGD is Adam with β = (0, 0); the full-rank sketch is orthogonal everywhere.
+    assert by_method["signsgd"]["adamw"]["betas"] == [0.0, 0.0]
+    assert by_method["adamw_nomomentum"]["adamw"]["betas"] == [0.0, 0.95]
+    assert by_method["sgd_momentum"]["method"]["init_args"]["sgd"]["momentum"] == 0.9
+    full = by_method["logra_levers_full"]["logra"]
+    assert full["clip_rank"] and full["distribution"] == "hadamard" and full["step_mode"] == "adam"
+    assert by_method["logra_levers_fixed"]["logra"]["refresh"] is False
 
 
 def test_the_settings_key_ignores_where_a_run_writes(tmp_path: Path) -> None:
@@ -78,18 +90,19 @@ def _finish(run: kl_matched.Run, gain: float, val: float, kl: float, state: floa
     result = {"key": run.key, "method": run.method, "budget": run.budget, "seed": run.seed, "failed": False}
     result |= {"reward_gain": gain, "val_final": val, "kl_realized": kl, "kl_realized_over_budget": 1.0}
     result |= {"alpha_at_cap": 0.0, "alpha_median": 0.1, "training_state_bytes": state, "wall_s": 60.0}
-    result |= {"updates": 50, "curves": {}}
+    result |= {"updates": 50, "reward_window": 10, "curves": {}}
     (run.folder / "result.json").write_text(json.dumps(result))
 
 
 def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     budget = runs[0].budget
-    numbers = {  # gain, pass@1, state (MiB): LoGRA's levers beat AdamW and SGD at a tenth of the state
+    numbers = {  # gain, pass@1, state (MiB): LoGRA's levers beat AdamW and LoRA at a tenth of the state
         "logra_paper": (0.05, 0.30, 40),
         "logra_levers": (0.20, 0.50, 40),
         "adamw": (0.10, 0.50, 400),
         "sgd": (0.08, 0.45, 200),
+        "lora": (0.12, 0.50, 100),
     }
     for run in runs:
         if run.budget == budget and run.method in numbers:
@@ -105,6 +118,9 @@ def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path:
     assert "LoGRA, levers (r = 64): **MET**" in goal
     assert "LoGRA, paper rule (r = 64): **MISSED**" in goal
     assert "not yet measured" in kl_matched.goal_line(report, runs[-1].budget)
+    assert "the last 10 updates' mean train reward minus the first 10's (20% of the run" in kl_matched.window_text(
+        report, 50
+    )
 
 
 def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Path) -> None:
@@ -122,6 +138,9 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
         writer.add_scalar("kl/realized", r, step)
         writer.add_scalar("kl/predicted_scaled", p, step)
         writer.add_scalar("train/reward_mean", 0.1 * step, step)
+        writer.add_scalar("train/update_gain", 0.01 * (step + 1), step)
+        writer.add_scalar("kl/heldout_realized", 2 * r, step)
+        writer.add_scalar("kl/gain_per_sqrt_kl", float(step), step)
     writer.close()
 
     assert kl_matched.resummarize([run, other]) == 1  # the other run has no log: left as it was
@@ -131,6 +150,12 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     assert result["kl_ratio_min"] == pytest.approx(0.5) and result["kl_ratio_max"] == pytest.approx(2.0)
     assert result["kl_ratio_off"] == pytest.approx(0.5)  # 0.5 and 2.0 are off by more than 1.25x
     assert "kl_ratio_median" not in json.loads((other.folder / "result.json").read_text())
+    # The direction's medians over the updates: gains 0.01..0.05, held-out KL twice the batch's at every update.
+    assert result["gain_median"] == pytest.approx(0.03) and result["gain_per_sqrt_kl"] == pytest.approx(2.0)
+    assert result["heldout_over_inbatch"] == pytest.approx(2.0) and result["heldout_kl"] == pytest.approx(2.0e-3)
+    assert result["curves"]["train/update_gain"][0] == [0, pytest.approx(0.01)]
 
     report = kl_matched.collect("smollm2", kl_matched.MODELS["smollm2"], [run, other], 0.2)
     assert "| 1.05 (0.50–2.00; 50% off) |" in kl_matched.table(report, run.budget)
+    row = next(line for line in kl_matched.direction_table(report, run.budget).splitlines() if "paper" in line)
+    assert "| 3.00e-02 ± 0.0e+00 |" in row and "| 2.00 ± 0.00 |" in row
