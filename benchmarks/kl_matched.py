@@ -793,7 +793,7 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         f"the range over every update, and the share of updates off by more than {KL_RATIO_OFF:g}× either way.",
         "",
         "Direction tables: per update, medians over each run's updates, then mean ± std over seeds. Gain: the "
-        "first-order decrease of the update's loss that the step taken predicts, −⟨∇L, Δθ⟩ (LoGRA: ⟨S, F⟩ from its "
+        "first-order decrease of the update's loss that the step taken predicts, −⟨∇L, Δθ⟩ (LoGRA: α·⟨S, U⟩ from its "
         "sketches; LoRA: in adapter space). gain / √KL: the gain per unit of policy change, on the batch's two probe "
         "responses (kl/realized, which the step control holds to the budget) and on "
         f"{HELDOUT_PROMPTS} held-out responses sampled once at the start (HeldOutKL, outside every loss).",

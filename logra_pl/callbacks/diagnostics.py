@@ -360,7 +360,7 @@ class SketchDiagnostics(pl.Callback):
         if m.seed == seed:
             return m.projection
         cfg = sketcher.config
-        return make_projection(seed, cfg.rank, m.d_in, cfg.distribution, device=m.sketch.device)
+        return make_projection(seed, m.rank, m.d_in, cfg.distribution, device=m.sketch.device)
 
     def _metrics(self, values: dict[str, SketchFidelity]) -> dict[str, float]:
         finite = {n: v for n, v in values.items() if math.isfinite(v.recon_cosine) and math.isfinite(v.captured_energy)}

@@ -187,7 +187,7 @@ class UpdateMethod(ABC):
         """The first-order gain of the last update: ``−⟨∇L, Δθ⟩``, the decrease of the update's loss ``L`` that the
         step taken (``Δθ``, α included) predicts to first order, over all ranks; 0 when the update was not applied.
         None: this method does not measure it. Every built-in method does, each exactly: the dense ones from their
-        gradients and deltas (LoRA's in adapter space), LoGRA from its sketches (``⟨S, F⟩ = ⟨G, F P⟩``)."""
+        gradients and deltas (LoRA's in adapter space), LoGRA from its sketches (``α·⟨S, U⟩ = ⟨G, α·U P⟩``)."""
         return None
 
     def metrics(self) -> dict[str, float]:

@@ -23,7 +23,7 @@ from logra_pl.errors import ConfigError
 from logra_pl.methods.base import AllReduceSum, PlanShapes, StepResult, UpdateMethod, bytes_text, count_text
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, select_targets
-from logra_pl.sketch.config import DEFAULT_TARGETS, MOMENT_DTYPES
+from logra_pl.sketch.config import DEFAULT_TARGETS, MOMENT_DTYPES, matrix_rank
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, logit_tangent
@@ -149,7 +149,8 @@ class LoGRAMethod(UpdateMethod):
 
     @override
     def check_fits(self, source: str, targets: Sequence[str]) -> None:
-        """``rank ≤ d_in`` for every target matrix, read from the model's config on the meta device."""
+        """``rank ≤ d_in`` for every target matrix (unless ``clip_rank``), read from the model's config on the meta
+        device."""
         from transformers import AutoModelForCausalLM
 
         from logra_pl.models.load import load_config, resolve_source
@@ -160,11 +161,12 @@ class LoGRAMethod(UpdateMethod):
             skeleton = AutoModelForCausalLM.from_config(config)
         matrices = select_targets(skeleton, targets)
         smallest = min(m.in_features for m in matrices.values())
-        if self.config.rank > smallest:
+        if self.config.rank > smallest and not self.config.clip_rank:
             name = next(n for n, m in matrices.items() if m.in_features == smallest)
             raise ConfigError(
                 f"logra.rank={self.config.rank} exceeds d_in={smallest} of {name!r} in policy {source!r}: a sketch "
-                f"cannot have more columns than its matrix; use rank <= {smallest}"
+                f"cannot have more columns than its matrix; use rank <= {smallest} (or logra.clip_rank: true, which "
+                "gives such matrices rank d_in)"
             )
 
     @override
@@ -189,8 +191,9 @@ class LoGRAMethod(UpdateMethod):
     @property
     @override
     def last_gain(self) -> float | None:
-        """``⟨S, F⟩`` summed over the sketched matrices (``= ⟨G, F P⟩`` exactly, with ``S`` the all-reduced sketch of
-        the update's loss and ``F`` the merged factor), plus the dense parameters' ``−⟨g, α·Δ⟩``."""
+        """``α·⟨S, U⟩`` summed over the sketched matrices (``= ⟨G, α·U P⟩`` exactly, ``S`` the all-reduced sketch of
+        the update's loss and ``U`` the proposal's factor; the merged ``F = bf16(α·U)`` differs by its rounding), plus
+        the dense parameters' ``−⟨g, α·Δ⟩``."""
         return self._gain
 
     # ------------------------------------------------------------------------------------ step control
@@ -251,8 +254,9 @@ class LoGRAMethod(UpdateMethod):
         state."""
         report = MemoryReport(weights=shapes.weights)
         cfg = self.config
-        r, moment = cfg.rank, MOMENT_DTYPES[cfg.moment_dtype].itemsize
+        moment = MOMENT_DTYPES[cfg.moment_dtype].itemsize
         for linear in shapes.matrices.values():
+            r = matrix_rank(cfg.rank, linear.in_features, cfg.clip_rank)
             report.sketches += linear.out_features * r * 4
             report.projections += r * linear.in_features * 4
             report.row_statistics += linear.out_features * 4

@@ -113,7 +113,11 @@ def apply_payload_to_slices(
             params[slices[n].param].data[slices[n].local_row : slices[n].local_row + slices[n].num_rows] for n in names
         ]
         projections = make_projections(
-            [payload.seed(n) for n in names], payload.rank, first.d_in, payload.distribution, device=device
+            [payload.seed(n) for n in names],
+            payload.matrix_rank(first.d_in),
+            first.d_in,
+            payload.distribution,
+            device=device,
         )
         merge_stack_(
             blocks,

@@ -35,9 +35,16 @@ STRUCTURAL_KEYS: tuple[str, ...] = (
     "beta2",
     "beta1",
     "dense_params",
+    "clip_rank",
 )
 # What a checkpoint written before a structural key existed meant by it.
-_STRUCTURAL_DEFAULTS: dict[str, Any] = {"dense_params": [], "beta1": 0.0}
+_STRUCTURAL_DEFAULTS: dict[str, Any] = {"dense_params": [], "beta1": 0.0, "clip_rank": False}
+
+
+def matrix_rank(rank: int, d_in: int, clip: bool) -> int:
+    """The sketch rank of one ``(d_out, d_in)`` matrix: ``rank``, or with ``clip_rank`` ``min(rank, d_in)`` (a rank
+    at or above every ``d_in`` gives every matrix a full-rank sketch). Trainer, planner and receivers all use it."""
+    return min(rank, d_in) if clip else rank
 
 
 class LoGRAConfigError(ConfigError):
@@ -85,6 +92,9 @@ class LoGRAConfig:
     Arguments:
         targets: last name parts of the ``nn.Linear`` modules whose weights are trained through sketches.
         rank: sketch rank ``r``; the sketch of a ``(d_out, d_in)`` weight is ``(d_out, r)``.
+        clip_rank: a matrix whose ``d_in`` is below ``rank`` gets rank ``d_in`` (:func:`matrix_rank`) instead of the
+            error ``rank > d_in``; with ``rank`` at or above every ``d_in`` and a Hadamard projection every sketch is
+            full-rank and orthogonal (``P Pᵀ = I``: the sketch step is the dense step in a rotated basis).
         distribution: projection entries, ``"rademacher"`` (``±1/sqrt(r)``), ``"gaussian"`` (``N(0, 1/r)``) or
             ``"hadamard"`` (``r`` random rows of a signed, permuted Hadamard matrix: orthogonal rows, entries ``0`` or
             ``±sqrt(m/r)`` with ``m`` the odd part of ``d_in``; algorithm.md §2).
@@ -132,6 +142,7 @@ class LoGRAConfig:
 
     targets: tuple[str, ...] = DEFAULT_TARGETS
     rank: int = 64
+    clip_rank: bool = False
     distribution: Distribution = "rademacher"
     refresh: bool | None = None
     refresh_every: int | None = None
@@ -162,6 +173,8 @@ class LoGRAConfig:
             raise LoGRAConfigError(f"targets must be a non-empty list of module name parts, got {self.targets!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise LoGRAConfigError(f"logra.rank must be a positive integer, got {self.rank!r}")
+        if not isinstance(self.clip_rank, bool):
+            raise LoGRAConfigError(f"logra.clip_rank must be true or false, got {self.clip_rank!r}")
         check_distribution(self.distribution)
         self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
         self.refresh = self.refresh_every != 0
@@ -223,11 +236,14 @@ class LoGRAConfig:
         """Plain-Python form (lists, not tuples) for checkpoints and payloads.
 
         ``refresh_every`` is written only when ``refresh`` cannot say it (``N ≥ 2``): a config at ``N`` = 0 or 1
-        writes the same dict as before the setting existed, so its checkpoints are unchanged.
+        writes the same dict as before the setting existed, so its checkpoints are unchanged; so does ``clip_rank``,
+        written only when set.
         """
         out = dataclasses.asdict(self)
         if self.refresh_every in (0, 1):
             del out["refresh_every"]
+        if not self.clip_rank:  # as before the setting existed
+            del out["clip_rank"]
         out["targets"] = list(self.targets)
         out["dense_params"] = list(self.dense_params)
         out["dense_betas"] = list(self.dense_betas)
@@ -244,7 +260,7 @@ class LoGRAConfig:
 
     def structural_mismatch(self, other: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """Keys of :data:`STRUCTURAL_KEYS` whose value differs between ``self`` and a saved config dict."""
-        mine = {**self.to_dict(), "refresh_every": self.refresh_every}
+        mine = {**self.to_dict(), "refresh_every": self.refresh_every, "clip_rank": self.clip_rank}
         diff: dict[str, tuple[Any, Any]] = {}
         for key in STRUCTURAL_KEYS:
             theirs = other.get(key, _STRUCTURAL_DEFAULTS.get(key))  # older checkpoints: what they meant

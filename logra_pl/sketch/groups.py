@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from logra_pl.sketch.config import matrix_rank
 from logra_pl.sketch.merge import float64_scratch, per_batch
 from logra_pl.sketch.update import matrix_sum, transfer_moment
 
@@ -82,6 +83,7 @@ def group_matrices(
     rank: int,
     moment_dtype: torch.dtype | None,
     max_sketch_bytes: int = GROUP_SKETCH_BYTES,
+    clip_rank: bool = False,
 ) -> list[MatrixGroup]:
     """Stack ``linears`` by ``(d_out, d_in, weight dtype, device)``, each group in the model's order and within
     ``max_sketch_bytes`` of sketches; groups in the order of their first matrix.
@@ -91,14 +93,16 @@ def group_matrices(
         rank: sketch rank ``r``.
         moment_dtype: storage dtype of the first moments, or ``None`` for none (``logra.beta1 = 0``).
         max_sketch_bytes: the most fp32 sketch bytes one group holds (at least one matrix per group).
+        clip_rank: a group's rank is ``min(rank, d_in)`` (:func:`~logra_pl.sketch.config.matrix_rank`).
     """
     keyed: dict[tuple[object, ...], list[str]] = {}
     for name, linear in linears.items():
         w = linear.weight
         keyed.setdefault((linear.out_features, linear.in_features, w.dtype, buffer_device(w)), []).append(name)
     groups: list[MatrixGroup] = []
-    for (d_out, _, _, device), names in keyed.items():
-        per_group = max(1, max_sketch_bytes // (d_out * rank * 4))
+    for (d_out, d_in, _, device), names in keyed.items():
+        r = matrix_rank(rank, d_in, clip_rank)
+        per_group = max(1, max_sketch_bytes // (d_out * r * 4))
         for start in range(0, len(names), per_group):
             part = names[start : start + per_group]
             k = len(part)
@@ -106,12 +110,12 @@ def group_matrices(
                 MatrixGroup(
                     names=part,
                     linears=[linears[n] for n in part],
-                    rank=rank,
-                    sketch=torch.zeros(k, d_out, rank, dtype=torch.float32, device=device),
+                    rank=r,
+                    sketch=torch.zeros(k, d_out, r, dtype=torch.float32, device=device),
                     row_stats=torch.zeros(k, d_out, 1, dtype=torch.float32, device=device),
                     moments=None
                     if moment_dtype is None
-                    else torch.zeros(k, d_out, rank, dtype=moment_dtype, device=device),
+                    else torch.zeros(k, d_out, r, dtype=moment_dtype, device=device),
                     projection=torch.empty(0, device=device),
                 )
             )

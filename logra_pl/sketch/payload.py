@@ -19,7 +19,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
-from logra_pl.sketch.config import resolve_refresh_every
+from logra_pl.sketch.config import matrix_rank, resolve_refresh_every
 from logra_pl.sketch.merge import local_tensor, merge_stack_
 from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
 from logra_pl.sketch.targets import canonical_name
@@ -199,6 +199,7 @@ class Proposal:
         update_index: the update these projections belong to.
         base_seed, rank, distribution, refresh, refresh_every: what a receiver needs to rebuild every ``P``
             (``refresh_every`` ``None``: from ``refresh``, as :class:`Payload` reads it).
+        clip_rank: each matrix's rank is ``min(rank, d_in)`` (``logra.clip_rank``).
         factor_dtype: dtype ``U·α`` is rounded to in the payload.
         alpha: step multiplier; 1 is the nominal step (algorithm.md §6 sets it from the predicted KL).
         scale: the global scale ``c`` already folded into each ``U`` (NaN when scales differ per matrix).
@@ -226,6 +227,7 @@ class Proposal:
     dense: dict[str, DenseProposal] = field(default_factory=dict)
     refresh_every: int | None = None
     stacks: list[FactorStack] = field(default_factory=list)
+    clip_rank: bool = False
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
@@ -259,6 +261,7 @@ class Proposal:
             alpha=a,
             refresh_every=self.refresh_every,
             stacks=stacks,
+            clip_rank=self.clip_rank,
         )
 
 
@@ -287,10 +290,15 @@ class Payload:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     refresh_every: int | None = None
     stacks: list[FactorStack] = field(default_factory=list)
+    clip_rank: bool = False
 
     def __post_init__(self) -> None:
         self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
         self.refresh = self.refresh_every != 0
+
+    def matrix_rank(self, d_in: int) -> int:
+        """The rank of a matrix with ``d_in`` inputs: ``rank``, or ``min(rank, d_in)`` with ``clip_rank``."""
+        return matrix_rank(self.rank, d_in, self.clip_rank)
 
     def seed(self, name: str) -> int:
         """Seed of matrix ``name``'s projection: that of update ``(update_index // N)·N`` (``0`` when ``N = 0``)."""
@@ -320,6 +328,8 @@ class Payload:
         }
         if self.refresh_every not in (0, 1):
             header["refresh_every"] = self.refresh_every
+        if self.clip_rank:  # written only when set: the bytes of every other payload are as before
+            header["clip_rank"] = True
         return header
 
     def to_bytes(self) -> bytes:
@@ -402,7 +412,8 @@ def apply_payload(
         if all(c_seed == seed for (c_seed, _), seed in zip(cached, seeds, strict=True)):
             drawn = torch.stack([p.to(locals_[names[0]].device) for _, p in cached])
         else:
-            drawn = make_projections(seeds, payload.rank, d_in, payload.distribution, device=locals_[names[0]].device)
+            rank, device = payload.matrix_rank(d_in), locals_[names[0]].device
+            drawn = make_projections(seeds, rank, d_in, payload.distribution, device=device)
         merge_stack_(
             [locals_[name] for name in names],
             stacked_factors(payload, names),

@@ -79,7 +79,7 @@ class PerMatrixSketcher(LoGRASketcher):
             m = self.matrices[name]
             operand, scale = merge_operand(
                 m.seed,
-                self.config.rank,
+                m.rank,
                 m.d_in,
                 self.config.distribution,
                 device=weight.device,
@@ -97,7 +97,7 @@ class PerMatrixSketcher(LoGRASketcher):
     def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor:
         cfg = self.config
         return torch.stack(
-            [make_projection(seed, cfg.rank, group.d_in, cfg.distribution, device=group.device) for seed in seeds]
+            [make_projection(seed, group.rank, group.d_in, cfg.distribution, device=group.device) for seed in seeds]
         )
 
     def _transfer(self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor) -> None:

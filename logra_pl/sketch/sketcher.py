@@ -87,19 +87,21 @@ class LoGRASketcher:
         self.last_skip_reason: str | None = None
         self.last_update_sq_norm = 0.0  # ‖ΔW‖² of the last merged (or rejected) update, summed over matrices
         self.last_relative_update = 0.0  # its ‖ΔW‖/‖W‖
-        # The first-order gain of the last merged update (0 when skipped or rejected): ⟨S, F⟩ over the sketched
-        # matrices (the same on every rank: S is all-reduced, F whole), and −⟨g, α·Δ⟩ over this process's shards of
+        # The first-order gain of the last merged update (0 when skipped or rejected): α·⟨S, U⟩ over the sketched
+        # matrices (the same on every rank: S is all-reduced, U whole), and −⟨g, α·Δ⟩ over this process's shards of
         # the dense parameters (a data-parallel caller sums that part over ranks).
         self.last_gain = 0.0
         self.last_dense_gain = 0.0
         self._grad_scale = 1.0
+        self._unit_gains: list[torch.Tensor] = []  # per group, ⟨S_i, U_i⟩ of the current proposal
         self.row_offsets: dict[str, int] = {}
         targets = select_targets(model, self.config.targets)
         for name, linear in targets.items():
-            if self.config.rank > linear.in_features:
+            if self.config.rank > linear.in_features and not self.config.clip_rank:
                 raise LoGRAConfigError(
                     f"rank {self.config.rank} exceeds d_in={linear.in_features} of {name!r}: use rank <= "
-                    f"{min(m.in_features for m in targets.values())} for this model"
+                    f"{min(m.in_features for m in targets.values())} for this model (or logra.clip_rank: true, which "
+                    "gives such matrices rank d_in)"
                 )
         if freeze_rest:
             for p in model.parameters():
@@ -107,12 +109,15 @@ class LoGRASketcher:
         beta1 = self.config.beta1 > 0
         # Same-shaped matrices share stacked buffers; each matrix's tensors below are views of its row.
         self.groups: list[MatrixGroup] = group_matrices(
-            targets, self.config.rank, self.config.moment_torch_dtype if beta1 else None
+            targets,
+            self.config.rank,
+            self.config.moment_torch_dtype if beta1 else None,
+            clip_rank=self.config.clip_rank,
         )
         built: dict[str, MatrixSketch] = {}
         for group in self.groups:
             for name, linear, sketch in zip(group.names, group.linears, group.sketch.unbind(0), strict=True):
-                built[name] = MatrixSketch(name, linear, self.config.rank, sketch=sketch)
+                built[name] = MatrixSketch(name, linear, group.rank, sketch=sketch)
         self.matrices: dict[str, MatrixSketch] = {}
         for name, linear in targets.items():
             linear.weight.requires_grad_(False)
@@ -198,7 +203,7 @@ class LoGRASketcher:
     def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor:
         """The projections of ``seeds`` at the group's shape, stacked ``(k, r, d_in)`` on its device."""
         cfg = self.config
-        return make_projections(seeds, cfg.rank, group.d_in, cfg.distribution, device=group.device)
+        return make_projections(seeds, group.rank, group.d_in, cfg.distribution, device=group.device)
 
     def _transfer(self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor) -> None:
         """Carry the first moments of ``rows`` of the group from the projections ``old`` to ``new`` (in place)."""
@@ -321,12 +326,15 @@ class LoGRASketcher:
             for name, m in self.matrices.items()
         }
         self._pending = [(v, moment) for _, v, moment in steps]
+        # The proposal's first-order gain at α = 1, per matrix (read with apply's other values: no sync here).
+        self._unit_gains = [factor_gain(g.sketch, st.tensor) for g, st in zip(self.groups, stacks, strict=True)]
         scale = next(iter(scales.values())) if len(set(scales.values())) == 1 else float("nan")
         return Proposal(
             matrices=matrices,
             update_index=self.update_index,
             base_seed=cfg.base_seed,
             rank=cfg.rank,
+            clip_rank=cfg.clip_rank,
             distribution=cfg.distribution,
             refresh=cfg.refresh,
             refresh_every=cfg.refresh_every,
@@ -427,7 +435,7 @@ class LoGRASketcher:
             self._lifted_sq_norms(factor_stacks),
             [torch.isfinite(v).all() for v in new_dense.values()],
             [] if proposal.weight_sq_norms else self.weight_norms(),
-            self._gains(factor_stacks, proposal, payload.alpha),
+            self._unit_gains + self._dense_gains(proposal, payload.alpha),
         )
         if not all(factors_finite):
             self.skip(f"non-finite factors at alpha={payload.alpha}")
@@ -463,16 +471,17 @@ class LoGRASketcher:
                     group.moments.copy_(moment)  # type: ignore[union-attr]  # rounded to the storage dtype here
             if self.moments:
                 self.moment_age += 1
-        self.last_gain = self._grad_scale * sum(gains[: len(self.groups)])
-        self.last_dense_gain = sum(gains[len(self.groups) :])
+        sketched = len(self.matrices)
+        self.last_gain = self._grad_scale * payload.alpha * sum(gains[:sketched])
+        self.last_dense_gain = sum(gains[sketched:])
         self.num_applied += 1
         self._advance()
         return payload
 
-    def _gains(self, factor_stacks: list[torch.Tensor], proposal: Proposal, alpha: float) -> list[torch.Tensor]:
-        """The merged update's first-order gain, one 0-dim float64 tensor per group (``⟨S, F⟩`` of its matrices,
-        before ``grad_scale``), then one per dense parameter (``−⟨g, α·Δ⟩`` of this process's shard, scaled)."""
-        out = [factor_gain(group.sketch, f).sum() for group, f in zip(self.groups, factor_stacks, strict=True)]
+    def _dense_gains(self, proposal: Proposal, alpha: float) -> list[torch.Tensor]:
+        """The dense parameters' part of the update's first-order gain: ``−⟨g, α·Δ⟩`` of each one's local shard (0-dim
+        float64 tensors, ``grad_scale`` applied)."""
+        out = []
         for name, step in proposal.dense.items():
             grad = self.dense[name].grad
             if grad is not None:
@@ -533,6 +542,7 @@ class LoGRASketcher:
 
     def _advance(self) -> None:
         self._pending = None
+        self._unit_gains = []
         self._grams.clear()
         self.update_index += 1
         self.zero_sketches()

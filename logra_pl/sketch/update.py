@@ -193,14 +193,14 @@ def lifted_sq_norm(
 
 
 def factor_gain(sketches: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``⟨S, F⟩ = ⟨G Pᵀ, F⟩ = ⟨G, F P⟩`` per matrix of a stack (``(k,)`` float64; 0-dim for one matrix): the
-    first-order decrease of the loss when ``W ← W − F P`` is merged, computed from the sketches without ``G``.
-
-    One matrix at a time, each product in float64 (the temporaries are one matrix's, whatever the stack's size).
-    """
+    """``⟨S, U⟩ = ⟨G Pᵀ, U⟩ = ⟨G, U P⟩``: the first-order decrease of the loss when ``W ← W − U P`` is merged,
+    computed from the sketch without ``G``. ``S`` and ``U`` fp32 ``(d_out, r)`` or stacks ``(k, d_out, r)``; returns
+    a 0-dim tensor or ``(k,)``: one fp32 dot product per matrix (one batched GEMM for a stack, no temporaries). The
+    update merged at multiplier α gains ``α·⟨S, U⟩`` (up to the factor's bf16 rounding)."""
     if sketches.dim() == 2:
-        return torch.dot(sketches.reshape(-1).to(torch.float64), factors.reshape(-1).to(torch.float64))
-    return torch.stack([factor_gain(s, f) for s, f in zip(sketches.unbind(0), factors.unbind(0), strict=True)])
+        return torch.dot(sketches.view(-1), factors.view(-1))
+    k, n = sketches.shape[0], sketches.shape[1] * sketches.shape[2]
+    return torch.bmm(sketches.view(k, 1, n), factors.view(k, n, 1)).view(k)
 
 
 def ratio_scale(

@@ -1,5 +1,5 @@
 """Every method's first-order gain of an update (``method.last_gain = −⟨∇L, Δθ⟩``) against the dense gradient of the
-same loss and the weights' actual change, both computed here: LoGRA's from its sketches (``⟨S, F⟩``), the dense
+same loss and the weights' actual change, both computed here: LoGRA's from its sketches (``α·⟨S, U⟩``), the dense
 methods' from their gradients and steps, LoRA's in adapter space; a vetoed or rejected update gains 0."""
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 def _build(kind: str, model):
-    if kind == "logra":
-        cfg = LoGRAConfig(rank=8, base_seed=5, step_mode="adam", lr=1e-3, beta1=0.9)
+    if kind.startswith("logra"):  # logra: float32 factors, the gain is exact; logra_bf16: the default bf16 factors
+        dtype = "bfloat16" if kind == "logra_bf16" else "float32"
+        cfg = LoGRAConfig(rank=8, base_seed=5, step_mode="adam", lr=1e-3, beta1=0.9, factor_dtype=dtype)
         method = LoGRAMethod(cfg)
         opt = method.configure_optimizers(model, TARGETS, DivergenceGuard())
         return method, opt, None
@@ -66,11 +67,12 @@ def _scale(optimizer) -> None:
     optimizer.proposal.alpha = ALPHA
 
 
-@pytest.mark.parametrize("kind", ["logra", "adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["logra", "logra_bf16", "adamw", "sgd"])
 def test_gain_is_minus_the_dense_gradient_dot_the_weights_change(kind: str, qwen2_factory) -> None:
     """Two updates at α = 0.37 (the second with momentum/moments in play): each gain equals ``−⟨G, W_after −
     W_before⟩`` with ``G`` the dense gradient of the update's loss from plain autograd on a copy. LoGRA's gain comes
-    from its sketches alone (``⟨S, F⟩``), so this checks ``⟨S, F⟩ = ⟨G, F P⟩`` through the merged weights."""
+    from its sketches alone (``α·⟨S, U⟩``), so this checks ``⟨S, U⟩ = ⟨G, U P⟩`` through the merged weights (exactly
+    with float32 factors; the default bf16 ones round the merged step by ~1e-4)."""
     model = qwen2_factory(seed=0)
     method, opt, sched = _build(kind, model)
     for seed in (1, 2):
@@ -81,8 +83,8 @@ def test_gain_is_minus_the_dense_gradient_dot_the_weights_change(kind: str, qwen
         assert result.rejected is None
         after = _weights(model)
         want = -sum(float((grads[n] * (after[f"{n}.weight"] - before[f"{n}.weight"])).sum()) for n in grads)
-        assert want > 0
-        assert method.last_gain == pytest.approx(want, rel=1e-5)
+        assert want > 0  # LoGRA's α·⟨S, U⟩ leaves out the bf16 rounding of the merged factor: to ~1e-4
+        assert method.last_gain == pytest.approx(want, rel=2e-4 if kind == "logra_bf16" else 1e-5)
         assert method.metrics()["train/update_gain"] == method.last_gain
 
 

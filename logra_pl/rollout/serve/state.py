@@ -243,11 +243,12 @@ class EngineState:
             if entry is None:
                 raise RequestError(400, f"malformed payload: the served model has no matrix {name!r}")
             d_out, d_in = entry[0]
-            if factor.ndim != 2 or factor.shape[0] != d_out or factor.shape[1] != payload.rank or payload.rank > d_in:
+            rank = payload.matrix_rank(d_in)
+            if factor.ndim != 2 or factor.shape[0] != d_out or factor.shape[1] != rank or rank > d_in:
                 raise RequestError(
                     400,
                     f"malformed payload: factor of {name!r} has shape {tuple(factor.shape)}, the served matrix is "
-                    f"{d_out}x{d_in} at rank {payload.rank}",
+                    f"{d_out}x{d_in} at rank {rank}",
                 )
             if not bool(torch.isfinite(factor).all()):
                 raise RequestError(400, f"payload factor of {name!r} is not finite: refused, weights unchanged")
