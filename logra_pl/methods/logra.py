@@ -249,9 +249,9 @@ class LoGRAMethod(UpdateMethod):
     @override
     def plan_memory(self, shapes: PlanShapes) -> MemoryReport:
         """Per matrix: a ``d_out × r`` fp32 sketch, an ``r × d_in`` fp32 projection and ``d_out`` fp32 row
-        statistics, whole on every rank (each rank sketches the full matrix; the sketches are all-reduced), and with
-        ``logra.beta1 > 0`` a ``d_out × r`` first moment in ``logra.moment_dtype``; no gradients, no optimizer
-        state."""
+        statistics, whole on every rank (each rank sketches the full matrix; the sketches are all-reduced), with
+        ``logra.beta1 > 0`` a ``d_out × r`` first moment in ``logra.moment_dtype``, and with ``update_rule: adam`` a
+        ``d_out × r`` second moment in the same dtype; no gradients, no optimizer state."""
         report = MemoryReport(weights=shapes.weights)
         cfg = self.config
         moment = MOMENT_DTYPES[cfg.moment_dtype].itemsize
@@ -261,6 +261,8 @@ class LoGRAMethod(UpdateMethod):
             report.projections += r * linear.in_features * 4
             report.row_statistics += linear.out_features * 4
             if cfg.beta1 > 0:
+                report.sketch_moments += linear.out_features * r * moment
+            if cfg.update_rule == "adam":  # the per-entry second moment, in the same dtype
                 report.sketch_moments += linear.out_features * r * moment
             report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
         return report

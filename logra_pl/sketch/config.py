@@ -14,7 +14,8 @@ DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gat
 
 Distribution = Literal["rademacher", "gaussian", "hadamard"]
 DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "hadamard")  # every value of Distribution, in order
-UpdateRule = Literal["rowadam", "sgd"]
+UpdateRule = Literal["rowadam", "sgd", "adam"]
+UPDATE_RULES: tuple[str, ...] = ("rowadam", "sgd", "adam")
 StepMode = Literal["ratio", "lr", "adam"]
 MomentTransfer = Literal["project", "reset"]
 RatioScope = Literal["global", "matrix"]
@@ -104,16 +105,19 @@ class LoGRAConfig:
             fixed basis. ``None`` (default): from ``refresh``, else ``1`` (the paper's refresh at every update).
             Both given, they must agree (:func:`resolve_refresh_every`).
         base_seed: mixed with the update index and the module name into each projection's seed.
-        update_rule: ``"rowadam"`` (per-row second moment, algorithm.md §4) or ``"sgd"`` (``D = S``).
-        beta2: RowAdam's EMA factor for the row statistic.
+        update_rule: ``"rowadam"`` (per-row second moment, algorithm.md §4), ``"sgd"`` (``D = S``) or ``"adam"``
+            (a per-entry second moment of the ``d_out × r`` sketch, ``D = N / sqrt(V̂)``: Adam in sketch space, with
+            ``d_out × r`` more state per matrix, stored as ``moment_dtype``).
+        beta2: the EMA factor of the second moment (RowAdam's row statistic, or ``adam``'s per-entry one).
         beta1: EMA factor of a first moment in sketch space (``d_out × r`` per matrix), carried across
             projection changes; ``0`` (default, the paper's rule): no first moment, ``D`` is formed from ``S``.
-        momentum_transfer: what the first moment does when a matrix's projection changes: ``"project"`` carries it
-            to the new basis (``m ← m (P_old P_oldᵀ)⁻¹ P_old P_newᵀ``), ``"reset"`` zeroes it (and its bias
-            correction restarts).
-        moment_dtype: how the first moment is stored between updates: ``"float32"`` (default) or ``"bfloat16"``
-            (half the bytes; each update computes ``β1·m + (1−β1)·S`` and its step in fp32 from the stored value,
-            then rounds the new ``m`` to bf16 to keep it). Not structural: a resume under another dtype casts.
+        momentum_transfer: what the sketch-space moments do when a matrix's projection changes: ``"project"``
+            carries them to the new basis (``m ← m C`` with ``C = (P_old P_oldᵀ)⁻¹ P_old P_newᵀ``; ``adam``'s ``V ← V
+            (C ∘ C)``), ``"reset"`` zeroes them (and their bias corrections restart).
+        moment_dtype: how the sketch-space moments are stored between updates: ``"float32"`` (default) or
+            ``"bfloat16"`` (half the bytes; each update computes ``β1·m + (1−β1)·S`` (``β2·V + (1−β2)·S²``) and its
+            step in fp32 from the stored value, then rounds the new moment to bf16 to keep it). Not structural: a
+            resume under another dtype casts.
         eps: RowAdam's denominator floor, relative to the mean row root.
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``;
             ``"adam"`` uses ``U = lr·N/den``: row-wise Adam in sketch space (no norm restore), steps of dense Adam's
@@ -178,13 +182,13 @@ class LoGRAConfig:
         check_distribution(self.distribution)
         self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
         self.refresh = self.refresh_every != 0
-        if self.update_rule not in ("rowadam", "sgd"):
-            raise LoGRAConfigError(f"unknown update_rule {self.update_rule!r}: use 'rowadam' or 'sgd'")
+        if self.update_rule not in UPDATE_RULES:
+            raise LoGRAConfigError(f"unknown update_rule {self.update_rule!r}: use 'rowadam', 'sgd' or 'adam'")
         if self.step_mode not in ("ratio", "lr", "adam"):
             raise LoGRAConfigError(f"unknown step_mode {self.step_mode!r}: use 'ratio', 'lr' or 'adam'")
-        if self.step_mode == "adam" and self.update_rule != "rowadam":
+        if self.step_mode == "adam" and self.update_rule == "sgd":
             raise LoGRAConfigError(
-                "step_mode 'adam' divides by RowAdam's row statistic: use update_rule 'rowadam' (or step_mode 'lr')"
+                "step_mode 'adam' divides by a second moment: use update_rule 'rowadam' or 'adam' (or step_mode 'lr')"
             )
         if self.momentum_transfer not in ("project", "reset"):
             raise LoGRAConfigError(f"unknown momentum_transfer {self.momentum_transfer!r}: use 'project' or 'reset'")

@@ -48,6 +48,8 @@ class MatrixGroup:
         sketch: ``(k, d_out, r)`` fp32 sketches ``S`` (zero between updates).
         row_stats: ``(k, d_out, 1)`` fp32 RowAdam row statistics ``v``.
         moments: ``(k, d_out, r)`` first moments ``m`` in their storage dtype (``logra.beta1 > 0``), else ``None``.
+        second_moments: ``(k, d_out, r)`` per-entry second moments ``V`` in the same dtype (``update_rule: adam``),
+            else ``None``.
         projection: ``(k, r, d_in)`` fp32 projections of the current update (empty until the first is drawn;
             replaced, not overwritten, when a new basis is drawn, so a proposal keeps the ``P`` it was made with).
     """
@@ -59,6 +61,7 @@ class MatrixGroup:
     row_stats: torch.Tensor
     moments: torch.Tensor | None
     projection: torch.Tensor
+    second_moments: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -84,6 +87,7 @@ def group_matrices(
     moment_dtype: torch.dtype | None,
     max_sketch_bytes: int = GROUP_SKETCH_BYTES,
     clip_rank: bool = False,
+    second_moment_dtype: torch.dtype | None = None,
 ) -> list[MatrixGroup]:
     """Stack ``linears`` by ``(d_out, d_in, weight dtype, device)``, each group in the model's order and within
     ``max_sketch_bytes`` of sketches; groups in the order of their first matrix.
@@ -94,6 +98,8 @@ def group_matrices(
         moment_dtype: storage dtype of the first moments, or ``None`` for none (``logra.beta1 = 0``).
         max_sketch_bytes: the most fp32 sketch bytes one group holds (at least one matrix per group).
         clip_rank: a group's rank is ``min(rank, d_in)`` (:func:`~logra_pl.sketch.config.matrix_rank`).
+        second_moment_dtype: storage dtype of per-entry second moments, or ``None`` for none (``update_rule`` not
+            ``adam``).
     """
     keyed: dict[tuple[object, ...], list[str]] = {}
     for name, linear in linears.items():
@@ -117,6 +123,9 @@ def group_matrices(
                     if moment_dtype is None
                     else torch.zeros(k, d_out, r, dtype=moment_dtype, device=device),
                     projection=torch.empty(0, device=device),
+                    second_moments=None
+                    if second_moment_dtype is None
+                    else torch.zeros(k, d_out, r, dtype=second_moment_dtype, device=device),
                 )
             )
     return groups
@@ -194,13 +203,14 @@ def stack_lifted_sq_norms(directions: torch.Tensor, grams: torch.Tensor) -> torc
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def stack_transfer(moments: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """First moments ``(k, d_out, r)`` carried from projections ``old`` to ``new`` (each ``(k, r, d_in)``) by
-    :func:`~logra_pl.sketch.update.transfer_moment`, a budget's worth of matrices at a time; in ``moments``' dtype."""
+def stack_transfer(moments: torch.Tensor, old: torch.Tensor, new: torch.Tensor, squared: bool = False) -> torch.Tensor:
+    """First moments ``(k, d_out, r)`` (with ``squared``, per-entry second moments) carried from projections ``old``
+    to ``new`` (each ``(k, r, d_in)``) by :func:`~logra_pl.sketch.update.transfer_moment`, a budget's worth of
+    matrices at a time; in ``moments``' dtype."""
     count, d_out, rank = moments.shape
     batch = per_batch(count, 8 * (2 * rank * old.shape[-1] + d_out * rank), moments.device)
     parts = [
-        transfer_moment(moments[i0 : i0 + batch], old[i0 : i0 + batch], new[i0 : i0 + batch])
+        transfer_moment(moments[i0 : i0 + batch], old[i0 : i0 + batch], new[i0 : i0 + batch], squared)
         for i0 in range(0, count, batch)
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)

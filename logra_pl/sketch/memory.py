@@ -1,8 +1,8 @@
 """Memory accounting: bytes of training state by kind, for a module, its optimizer and its LoGRA sketcher.
 
 Counts each storage once (tied weights, views), by what it is for: ``weights``, ``gradients``,
-``optimizer_state``, ``sketches``, ``projections``, ``row_statistics``, ``sketch_moments`` (LoGRA's first
-moment), ``reference_policy`` (the KL penalty's frozen initial policy, counted by the module: it is not part of the
+``optimizer_state``, ``sketches``, ``projections``, ``row_statistics``, ``sketch_moments`` (LoGRA's sketch-space
+first moment, and the per-entry second moment of ``update_rule: adam``), ``reference_policy`` (the KL penalty's frozen initial policy, counted by the module: it is not part of the
 trained model). ``dense_gradient_equivalent`` is what fp32 dense gradients of the sketched weights would have cost — the
 memory LoGRA does not spend.
 """
@@ -121,6 +121,7 @@ def memory_report(
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
         report.projections = _storage_bytes((m.projection for m in sketcher.matrices.values()), seen)
         report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)
-        report.sketch_moments = _storage_bytes(getattr(sketcher, "moments", {}).values(), seen)
+        moments = [*getattr(sketcher, "moments", {}).values(), *getattr(sketcher, "second_moments", {}).values()]
+        report.sketch_moments = _storage_bytes(moments, seen)
         report.dense_gradient_equivalent = sum(m.d_out * m.d_in * 4 for m in sketcher.matrices.values())
     return report

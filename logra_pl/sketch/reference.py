@@ -38,14 +38,16 @@ class PerMatrixSketcher(LoGRASketcher):
                 None if group.moments is None else group.moments[i],
                 step,
                 grad_scale,
+                None if group.second_moments is None else group.second_moments[i],
             )
             for i in range(group.size)
         ]
-        d, v, m = zip(*rows, strict=True)
+        d, v, m, second = zip(*rows, strict=True)
         return (
             torch.stack(d),
             None if v[0] is None else torch.stack(v),
             None if m[0] is None else torch.stack(m),
+            None if second[0] is None else torch.stack(second),
         )
 
     def _sketch_finite(self) -> list[torch.Tensor]:
@@ -100,7 +102,10 @@ class PerMatrixSketcher(LoGRASketcher):
             [make_projection(seed, group.rank, group.d_in, cfg.distribution, device=group.device) for seed in seeds]
         )
 
-    def _transfer(self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor) -> None:
-        assert group.moments is not None
+    def _transfer(
+        self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor, squared: bool = False
+    ) -> None:
+        kept = group.second_moments if squared else group.moments
+        assert kept is not None
         for i in rows:
-            group.moments[i] = transfer_moment(group.moments[i], old[i], new[i])
+            kept[i] = transfer_moment(kept[i], old[i], new[i], squared)

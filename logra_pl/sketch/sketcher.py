@@ -53,6 +53,7 @@ from logra_pl.sketch.trace import traced_call
 from logra_pl.sketch.update import (
     adam_direction,
     bias_corrected,
+    entry_adam_direction,
     factor_gain,
     first_moment,
     lr_factor,
@@ -61,9 +62,10 @@ from logra_pl.sketch.update import (
     sgd_direction,
 )
 
-# What one group's update rule produced: the directions D (k, d_out, r), and the row statistics and first moments
+# What one group's update rule produced: the directions D (k, d_out, r), and the row statistics, first moments and
+# per-entry second moments
 # to commit if the update merges (None when the rule keeps none).
-GroupStep = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+GroupStep = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 STATE_FORMAT = "logra-pl/sketcher/v1"
 
@@ -107,12 +109,14 @@ class LoGRASketcher:
             for p in model.parameters():
                 p.requires_grad_(False)
         beta1 = self.config.beta1 > 0
+        entry = self.config.update_rule == "adam"
         # Same-shaped matrices share stacked buffers; each matrix's tensors below are views of its row.
         self.groups: list[MatrixGroup] = group_matrices(
             targets,
             self.config.rank,
             self.config.moment_torch_dtype if beta1 else None,
             clip_rank=self.config.clip_rank,
+            second_moment_dtype=self.config.moment_torch_dtype if entry else None,
         )
         built: dict[str, MatrixSketch] = {}
         for group in self.groups:
@@ -133,10 +137,17 @@ class LoGRASketcher:
             {n: views[n][0].moments[views[n][1]] for n in self.matrices} if beta1 else {}  # type: ignore[index]
         )
         self.moment_age = 0
+        # ``update_rule: adam``'s per-entry second moment (d_out × r per matrix, ``moment_dtype``), in the same basis;
+        # ``second_age`` counts the merged updates it has averaged (bias correction).
+        self.second_moments: dict[str, torch.Tensor] = (
+            {n: views[n][0].second_moments[views[n][1]] for n in self.matrices} if entry else {}  # type: ignore[index]
+        )
+        self.second_age = 0
         # The matrices in group order: how per-group values (k per group) line up with names.
         self._grouped_names = [n for g in self.groups for n in g.names]
-        # What the proposal of this update will commit if merged: per group, (row statistics, first moments).
-        self._pending: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+        # What the proposal of this update will commit if merged: per group, (row statistics, first moments, second
+        # moments).
+        self._pending: list[tuple[torch.Tensor | None, ...]] | None = None
         # ``{group index: P Pᵀ}`` (float64, (k, r, r)) for the current update: propose and the guard in apply both
         # measure ``‖· P‖``.
         self._grams: dict[int, torch.Tensor] = {}
@@ -186,31 +197,38 @@ class LoGRASketcher:
                 new = group.projection.clone()
                 new[fresh] = drawn
             carried = [i for i in fresh if matrices[i].seed != -1]
-            if carry and group.moments is not None and carried:
+            for kept, squared in ((group.moments, False), (group.second_moments, True)):
+                if not carry or kept is None or not carried:
+                    continue
                 if self.config.momentum_transfer == "project":
-                    self._transfer(group, carried, group.projection, new)
+                    self._transfer(group, carried, group.projection, new, squared)
                 elif len(carried) == group.size:
-                    group.moments.zero_()
+                    kept.zero_()
                 else:
-                    group.moments[carried] = 0
+                    kept[carried] = 0
                 changed = True
             group.projection = new
             for i in fresh:
                 matrices[i].set_stacked_projection(new, i, seeds[i])
         if changed and self.config.momentum_transfer == "reset":
-            self.moment_age = 0
+            self.moment_age = self.second_age = 0
 
     def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor:
         """The projections of ``seeds`` at the group's shape, stacked ``(k, r, d_in)`` on its device."""
         cfg = self.config
         return make_projections(seeds, group.rank, group.d_in, cfg.distribution, device=group.device)
 
-    def _transfer(self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor) -> None:
-        """Carry the first moments of ``rows`` of the group from the projections ``old`` to ``new`` (in place)."""
+    def _transfer(
+        self, group: MatrixGroup, rows: list[int], old: torch.Tensor, new: torch.Tensor, squared: bool = False
+    ) -> None:
+        """Carry the first moments (``squared``: the per-entry second moments) of ``rows`` of the group from the
+        projections ``old`` to ``new`` (in place)."""
+        kept = group.second_moments if squared else group.moments
+        assert kept is not None
         if len(rows) == group.size:
-            group.moments.copy_(stack_transfer(group.moments, old, new))  # type: ignore[union-attr]
+            kept.copy_(stack_transfer(kept, old, new, squared))
         else:
-            group.moments[rows] = stack_transfer(group.moments[rows], old[rows], new[rows])  # type: ignore[index]
+            kept[rows] = stack_transfer(kept[rows], old[rows], new[rows], squared)
 
     def sketches(self) -> dict[str, torch.Tensor]:
         """``{name: S}`` (views of the groups' stacks) — every matrix's sketch, in the model's order."""
@@ -289,7 +307,7 @@ class LoGRASketcher:
         # Everything Python decides on below, read from the device in one transfer (see logra_pl.sketch.host).
         finite, lifted_values, norms = host_values(
             self._sketch_finite() + [torch.isfinite(local_tensor(g)).all() for g in grads.values()],
-            self._lifted_sq_norms([d for d, _, _ in steps]),
+            self._lifted_sq_norms([step[0] for step in steps]),
             self.weight_norms() if weight_sq_norms is None else [],
         )
         ok = self._by_name(finite[: len(self.matrices)]) | dict(zip(grads, finite[len(self.matrices) :], strict=True))
@@ -316,7 +334,7 @@ class LoGRASketcher:
             return None
         stacks = [
             FactorStack(tuple(group.names), scaled_(d, [scales[n] for n in group.names]))
-            for group, (d, _, _) in zip(self.groups, steps, strict=True)
+            for group, (d, *_) in zip(self.groups, steps, strict=True)
         ]
         rows = {name: (st, g, i) for st, g in zip(stacks, self.groups, strict=True) for i, name in enumerate(st.names)}
         matrices = {
@@ -325,7 +343,7 @@ class LoGRASketcher:
             )
             for name, m in self.matrices.items()
         }
-        self._pending = [(v, moment) for _, v, moment in steps]
+        self._pending = [tuple(step[1:]) for step in steps]
         # The proposal's first-order gain at α = 1, per matrix (read with apply's other values: no sync here).
         self._unit_gains = [factor_gain(g.sketch, st.tensor) for g, st in zip(self.groups, stacks, strict=True)]
         scale = next(iter(scales.values())) if len(set(scales.values())) == 1 else float("nan")
@@ -358,7 +376,7 @@ class LoGRASketcher:
     def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:
         """``(D, v_new, m_new)`` of one group, or of one matrix when given its 2-D rows (the update formulas take
         either, see :mod:`logra_pl.sketch.update`)."""
-        return self._rule(group.sketch, group.row_stats, group.moments, step, grad_scale)
+        return self._rule(group.sketch, group.row_stats, group.moments, step, grad_scale, group.second_moments)
 
     def _rule(
         self,
@@ -367,21 +385,26 @@ class LoGRASketcher:
         moments: torch.Tensor | None,
         step: int,
         grad_scale: float,
+        second_moments: torch.Tensor | None = None,
     ) -> GroupStep:
-        """The update rule on ``S`` (one matrix or a stack): ``(D, v_new, m_new)``."""
+        """The update rule on ``S`` (one matrix or a stack): ``(D, v_new, m_new, V_new)``."""
         cfg = self.config
         s = sketch * grad_scale if grad_scale != 1.0 else sketch
         numerator = moment = None
         if moments is not None:
             moment = first_moment(s, moments, cfg.beta1)
             numerator = bias_corrected(moment, cfg.beta1, self.moment_age + 1)
+        if cfg.update_rule == "adam":
+            assert second_moments is not None
+            d, second = entry_adam_direction(s, second_moments, self.second_age + 1, cfg.beta2, cfg.eps, numerator)
+            return d, None, moment, second
         if cfg.step_mode == "adam":
             d, v = adam_direction(s, row_stats, step, cfg.beta2, cfg.eps, numerator)
-            return d, v, moment
+            return d, v, moment, None
         if cfg.update_rule == "rowadam":
             d, v = rowadam_direction(s, row_stats, step, cfg.beta2, cfg.eps, numerator)
-            return d, v, moment
-        return (sgd_direction(s) if numerator is None else numerator), None, moment
+            return d, v, moment, None
+        return (sgd_direction(s) if numerator is None else numerator), None, moment, None
 
     def _dense_proposals(self, step: int, grad_scale: float) -> dict[str, DenseProposal]:
         """Adam steps of the dense parameters at α = 1 (torch's AdamW without weight decay, step ``step``)."""
@@ -464,13 +487,17 @@ class LoGRASketcher:
         # Engines receive the new values whole (FSDP shards gathered: a collective, on every rank).
         payload.dense = {n: full_tensor(self.dense[n]).detach().clone() for n in new_dense}
         if self._pending is not None:
-            for group, (v, moment) in zip(self.groups, self._pending, strict=True):
+            for group, (v, moment, second) in zip(self.groups, self._pending, strict=True):
                 if v is not None:
                     group.row_stats.copy_(v)
                 if moment is not None:
                     group.moments.copy_(moment)  # type: ignore[union-attr]  # rounded to the storage dtype here
+                if second is not None:
+                    group.second_moments.copy_(second)  # type: ignore[union-attr]  # likewise
             if self.moments:
                 self.moment_age += 1
+            if self.second_moments:
+                self.second_age += 1
         sketched = len(self.matrices)
         self.last_gain = self._grad_scale * payload.alpha * sum(gains[:sketched])
         self.last_dense_gain = sum(gains[sketched:])
@@ -564,6 +591,8 @@ class LoGRASketcher:
             },
             "moments": {name: m.detach().cpu().clone() for name, m in self.moments.items()},
             "moment_age": self.moment_age,
+            "second_moments": {name: v.detach().cpu().clone() for name, v in self.second_moments.items()},
+            "second_age": self.second_age,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -619,6 +648,16 @@ class LoGRASketcher:
         for name, moment in moments.items():
             self.moments[name].copy_(moment)
         self.moment_age = int(state.get("moment_age", 0))
+        second = state.get("second_moments", {})
+        if set(second) != set(self.second_moments):
+            raise LoGRAConfigError(
+                f"LoGRA checkpoint holds per-entry second moments for {len(second)} matrices, this run needs "
+                f"{len(self.second_moments)} (logra.update_rule = {self.config.update_rule!r}): resume with the "
+                "checkpoint's logra.update_rule"
+            )
+        for name, value in second.items():
+            self.second_moments[name].copy_(value)
+        self.second_age = int(state.get("second_age", 0))
 
 
 def weight_versions(weights: list[torch.Tensor]) -> list[tuple[int, int]]:

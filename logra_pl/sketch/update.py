@@ -120,6 +120,35 @@ def adam_direction(
     return num / row_denominator(v_new, step, beta2, eps), v_new
 
 
+def entry_adam_direction(
+    sketch: torch.Tensor,
+    second_moment: torch.Tensor,
+    age: int,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    numerator: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-entry Adam in sketch space (``update_rule: adam``); returns ``(D, V_new)``, inputs untouched::
+
+        V ← β2·V + (1−β2)·S²                      (per entry of the d_out × r sketch)
+        root = sqrt(V / (1 − β2^a))               (a: merged updates V has averaged, from 1)
+        D    = N / (root + max(ε·mean(root), tiny))
+
+    ``N`` is ``S`` or the bias-corrected first moment ``m̂``; ``ε`` is relative to the matrix's mean root (as
+    RowAdam's), so the rule does not depend on the gradient's scale. With the sketch's basis fixed (``refresh_every:
+    0``) this is Adam on the ``d_out × r`` coordinates ``S = G Pᵀ``: the step LoRA's AdamW takes on its ``B`` while its
+    ``A`` (here ``P``) is frozen. ``V`` is computed in fp32 from ``V`` as stored.
+    """
+    if age < 1:
+        raise ValueError(f"second-moment age starts at 1, got {age}")
+    s32 = _float32(sketch)
+    v_new = beta2 * _float32(second_moment) + (1.0 - beta2) * s32.square()
+    root = torch.sqrt(v_new / (1.0 - beta2**age))
+    den = root + torch.clamp(eps * root.mean(dim=(-2, -1), keepdim=True), min=TINY)
+    num = s32 if numerator is None else _float32(numerator)
+    return num / den, v_new
+
+
 def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
     """SGD mode: ``D = S``."""
     return _float32(sketch).clone()
@@ -138,16 +167,22 @@ def bias_corrected(moment: torch.Tensor, beta1: float, age: int) -> torch.Tensor
     return moment / (1.0 - beta1**age)
 
 
-def transfer_moment(moment: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+def transfer_moment(moment: torch.Tensor, old: torch.Tensor, new: torch.Tensor, squared: bool = False) -> torch.Tensor:
     """Carry a first moment from projection ``old`` to ``new``: ``m ← m · (P_old P_oldᵀ)⁻¹ · P_old · P_newᵀ``.
 
     ``m`` is a sketch ``M P_oldᵀ`` of a dense moment ``M``; ``m (P_old P_oldᵀ)⁻¹ P_old`` is the least-norm ``M̂``
     with that sketch (``M`` restricted to the row space of ``P_old``), and ``M̂ P_newᵀ`` its sketch in the new
     basis. The transfer to the same basis is the identity; with orthonormal rows (``P Pᵀ = I``, e.g. a square
     orthogonal ``P``) it is ``m · P_old · P_newᵀ``. Computed in float64, returned in ``m``'s dtype.
+
+    ``squared``: carry a per-entry second moment ``V`` (``update_rule: adam``) the way the variance of ``m``'s entries
+    goes, ``V ← V · (C ∘ C)`` with ``C`` the same carry matrix (exact for independent entries; the identity for the
+    same basis).
     """
     p_old, p_new = old.to(torch.float64), new.to(torch.float64)
     carry = torch.linalg.solve(p_old @ p_old.mT, p_old @ p_new.mT)  # (r × r): (P_old P_oldᵀ)⁻¹ P_old P_newᵀ
+    if squared:
+        carry = carry.square()
     return (moment.to(torch.float64) @ carry).to(moment.dtype)
 
 

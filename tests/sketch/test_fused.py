@@ -42,6 +42,16 @@ OPTIONS: dict[str, dict] = {
     "rank-16": {"rank": 16},  # c = 1/4 folded into M: on a CPU the GEMM subtracts from W's float64 copies itself
     "dense-params": {"dense_params": ("*norm.weight",)},
     "small-chunks": {"merge_chunk_rows": 7},
+    "entry-adam-refresh-3": {"update_rule": "adam", "beta1": 0.9, "refresh_every": 3, "distribution": "hadamard"},
+    "entry-adam-fixed-bf16": {
+        "update_rule": "adam",
+        "step_mode": "adam",
+        "lr": 1e-3,
+        "refresh_every": 0,
+        "moment_dtype": "bfloat16",
+        "beta1": 0.9,
+    },
+    "clip-rank-full": {"rank": 256, "clip_rank": True, "distribution": "hadamard", "beta1": 0.9},
 }
 
 
@@ -80,12 +90,13 @@ def _assert_same(grouped: list[dict], reference: list[dict]) -> None:
             assert torch.equal(a["factors"][name], value), (u, name)
         for key, value in b["weights"].items():
             assert torch.equal(a["weights"][key], value), (u, key)
-        for kind in ("row_stats", "moments"):
+        for kind in ("row_stats", "moments", "second_moments"):
             for name, value in b["state"][kind].items():
                 assert torch.equal(a["state"][kind][name], value), (u, kind, name)
         for name, st in b["state"]["dense_state"].items():
             assert all(torch.equal(a["state"]["dense_state"][name][k], v) for k, v in st.items()), (u, name)
         assert a["state"]["moment_age"] == b["state"]["moment_age"], u
+        assert a["state"]["second_age"] == b["state"]["second_age"], u
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
