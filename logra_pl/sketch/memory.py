@@ -2,9 +2,9 @@
 
 Counts each storage once (tied weights, views), by what it is for: ``weights``, ``gradients``,
 ``optimizer_state``, ``sketches``, ``projections``, ``row_statistics``, ``sketch_moments`` (LoGRA's sketch-space
-first moment, and the per-entry second moment of ``update_rule: adam``), ``reference_policy`` (the KL penalty's frozen initial policy, counted by the module: it is not part of the
-trained model). ``dense_gradient_equivalent`` is what fp32 dense gradients of the sketched weights would have cost — the
-memory LoGRA does not spend.
+first moment, and the per-entry second moment of ``update_rule: adam``), ``reference_policy`` (the KL penalty's
+frozen initial policy, counted by the module: it is not part of the trained model). ``dense_gradient_equivalent`` is
+what fp32 dense gradients of the sketched weights would have cost — the memory LoGRA does not spend.
 """
 
 from __future__ import annotations
