@@ -212,7 +212,14 @@ def _methods() -> dict[str, Method]:
         logra("logra_levers_r16", "LoGRA, levers (r = 16)", levers, rank=16),
         logra("logra_levers_r256", "LoGRA, levers (r = 256)", levers, rank=256),
     )
-    return {m.name: m for m in (*baselines, *decomposition)}
+    # Candidate rules (docs/benchmarks.md), each with LoGRA's contract: Adam on the sketch's d_out × r coordinates
+    # with a first moment, both kept in bf16, on a basis that persists (fixed, or refreshed every N updates).
+    sketch_adam = {**levers, "update_rule": "adam", "refresh": None}
+    candidates = (
+        logra("logra_adam_fixed", "LoGRA, sketch-space Adam, fixed projection (r = 64)", sketch_adam, refresh_every=0),
+        logra("logra_adam_n25", "LoGRA, sketch-space Adam, refresh every 25 (r = 64)", sketch_adam, refresh_every=25),
+    )
+    return {m.name: m for m in (*baselines, *decomposition, *candidates)}
 
 
 METHODS = _methods()
