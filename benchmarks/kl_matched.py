@@ -218,6 +218,14 @@ def _methods() -> dict[str, Method]:
     candidates = (
         logra("logra_adam_fixed", "LoGRA, sketch-space Adam, fixed projection (r = 64)", sketch_adam, refresh_every=0),
         logra("logra_adam_n25", "LoGRA, sketch-space Adam, refresh every 25 (r = 64)", sketch_adam, refresh_every=25),
+        logra("logra_gram", "LoGRA, paper rule + input Gram (r = 64)", paper, input_precondition="gram"),
+        logra(
+            "logra_levers_gram_fixed",
+            "LoGRA, levers + input Gram, fixed projection (r = 64)",
+            levers,
+            input_precondition="gram",
+            refresh=False,
+        ),
     )
     return {m.name: m for m in (*baselines, *decomposition, *candidates)}
 

@@ -258,6 +258,8 @@ class LoGRAMethod(UpdateMethod):
         for linear in shapes.matrices.values():
             r = matrix_rank(cfg.rank, linear.in_features, cfg.clip_rank)
             report.sketches += linear.out_features * r * 4
+            if cfg.input_precondition == "gram":  # the update's r × r Gram and its token count
+                report.sketches += r * r * 4 + 4
             report.projections += r * linear.in_features * 4
             report.row_statistics += linear.out_features * 4
             if cfg.beta1 > 0:

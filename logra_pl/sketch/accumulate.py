@@ -28,12 +28,23 @@ class MatrixSketch:
         rank: sketch rank ``r``.
         sketch: the ``(d_out, r)`` fp32 buffer to accumulate into (the sketcher passes its row of a group's stack,
             :mod:`logra_pl.sketch.groups`); default: a zero buffer of its own on the weight's device.
+        gram: an ``(r, r)`` fp32 buffer (and ``gram_tokens``, a 1-element one) into which backward also accumulates
+            ``Γ += Z_mᵀ Z_m`` over the rows ``m`` whose output gradient is non-zero, and their count
+            (``logra.input_precondition: gram``); None: not kept.
 
     Holds the current projection ``P`` (r × d_in, fp32; installed by the sketcher), its seed, and the sketch
     buffer ``S`` (d_out × r, fp32).
     """
 
-    def __init__(self, name: str, module: nn.Linear, rank: int, sketch: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Linear,
+        rank: int,
+        sketch: torch.Tensor | None = None,
+        gram: torch.Tensor | None = None,
+        gram_tokens: torch.Tensor | None = None,
+    ) -> None:
         self.name = name
         self.module = module
         self.rank = rank
@@ -46,6 +57,7 @@ class MatrixSketch:
                 f"sketch buffer of {name!r} has shape {tuple(sketch.shape)}, expected {(self.d_out, rank)}"
             )
         self.sketch = sketch
+        self.gram, self.gram_tokens = gram, gram_tokens
         self._projection: torch.Tensor | None = torch.empty(0, device=sketch.device)
         self._projection_row: tuple[torch.Tensor, int] | None = None  # (stack, row) until first read
         self.seed = -1
@@ -89,10 +101,14 @@ class MatrixSketch:
         return SketchGrad.apply(output, z, self.anchor, self)
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
-        """``S += dYᵀ Z`` in fp32."""
+        """``S += dYᵀ Z`` in fp32 (and, with a Gram buffer, ``Γ += Z_mᵀ Z_m`` over the rows with a gradient)."""
         dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
         with traced("logra.sketch.accumulate"), torch.autocast(device_type=dy.device.type, enabled=False):
             self.sketch.addmm_(dy.T, z)
+            if self.gram is not None:
+                live = z[dy.ne(0).any(dim=1)]  # padding after a row's last token gets no gradient: left out
+                self.gram.addmm_(live.T, live)
+                self.gram_tokens.add_(live.shape[0])
 
 
 class SketchGrad(torch.autograd.Function):

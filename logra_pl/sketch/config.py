@@ -18,6 +18,7 @@ UpdateRule = Literal["rowadam", "sgd", "adam"]
 UPDATE_RULES: tuple[str, ...] = ("rowadam", "sgd", "adam")
 StepMode = Literal["ratio", "lr", "adam"]
 MomentTransfer = Literal["project", "reset"]
+InputPreconditioner = Literal["none", "gram"]
 RatioScope = Literal["global", "matrix"]
 
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -119,6 +120,12 @@ class LoGRAConfig:
             step in fp32 from the stored value, then rounds the new moment to bf16 to keep it). Not structural: a
             resume under another dtype casts.
         eps: RowAdam's denominator floor, relative to the mean row root.
+        input_precondition: ``"none"`` (default) or ``"gram"``: right-multiply the direction's numerator (``S`` or
+            ``m̂``) by ``(Γ/n + λ·tr(Γ/n)/r·I)⁻¹``, with ``Γ = Σ z zᵀ`` the ``r × r`` Gram of the update's projected
+            inputs ``z = P x`` over the ``n`` tokens whose output gradient is non-zero: the natural-gradient step for
+            the layer's input side inside the sketch (K-FAC's ``A⁻¹`` restricted to ``P``'s row space), which damps
+            the input directions that carry most of the activations' energy. ``update_rule`` ``rowadam`` or ``sgd``.
+        gram_damping: ``λ`` of ``input_precondition: gram``, relative to the Gram's mean eigenvalue.
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``;
             ``"adam"`` uses ``U = lr·N/den``: row-wise Adam in sketch space (no norm restore), steps of dense Adam's
             size for the same ``lr``.
@@ -157,6 +164,8 @@ class LoGRAConfig:
     momentum_transfer: MomentTransfer = "project"
     moment_dtype: str = "float32"
     eps: float = 1e-8
+    input_precondition: InputPreconditioner = "none"
+    gram_damping: float = 0.1
     step_mode: StepMode = "ratio"
     update_ratio: float = 6e-5
     ratio_scope: RatioScope = "global"
@@ -190,6 +199,13 @@ class LoGRAConfig:
             raise LoGRAConfigError(
                 "step_mode 'adam' divides by a second moment: use update_rule 'rowadam' or 'adam' (or step_mode 'lr')"
             )
+        if self.input_precondition not in ("none", "gram"):
+            raise LoGRAConfigError(f"unknown input_precondition {self.input_precondition!r}: use 'none' or 'gram'")
+        if self.input_precondition == "gram" and self.update_rule == "adam":
+            raise LoGRAConfigError(
+                "input_precondition 'gram' whitens the sketch's columns, which update_rule 'adam' normalizes entry by "
+                "entry again: use update_rule 'rowadam' or 'sgd' with it"
+            )
         if self.momentum_transfer not in ("project", "reset"):
             raise LoGRAConfigError(f"unknown momentum_transfer {self.momentum_transfer!r}: use 'project' or 'reset'")
         if self.ratio_scope not in ("global", "matrix"):
@@ -201,6 +217,7 @@ class LoGRAConfig:
             check_int("logra.lr_warmup_steps", self.lr_warmup_steps, 0)
             check_int("logra.lr_decay_steps", self.lr_decay_steps, 0)
             check_range("logra.eps", self.eps, 0.0)
+            check_range("logra.gram_damping", self.gram_damping, 0.0, low_open=True, hint="relative damping λ")
             check_range("logra.update_ratio", self.update_ratio, 0.0, low_open=True, hint="‖ΔW‖/‖W‖ per update")
             check_range("logra.lr", self.lr, 0.0, low_open=True)
         except ConfigError as err:
@@ -248,6 +265,8 @@ class LoGRAConfig:
             del out["refresh_every"]
         if not self.clip_rank:  # as before the setting existed
             del out["clip_rank"]
+        if self.input_precondition == "none":  # likewise
+            del out["input_precondition"], out["gram_damping"]
         out["targets"] = list(self.targets)
         out["dense_params"] = list(self.dense_params)
         out["dense_betas"] = list(self.dense_betas)

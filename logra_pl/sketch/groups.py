@@ -50,6 +50,9 @@ class MatrixGroup:
         moments: ``(k, d_out, r)`` first moments ``m`` in their storage dtype (``logra.beta1 > 0``), else ``None``.
         second_moments: ``(k, d_out, r)`` per-entry second moments ``V`` in the same dtype (``update_rule: adam``),
             else ``None``.
+        grams: ``(k, r, r)`` fp32 Grams ``Γ = Σ z zᵀ`` of the update's projected inputs (``input_precondition:
+            gram``; zero between updates, all-reduced with the sketches), else ``None``.
+        gram_tokens: ``(k,)`` fp32 token counts of those Grams, else ``None``.
         projection: ``(k, r, d_in)`` fp32 projections of the current update (empty until the first is drawn;
             replaced, not overwritten, when a new basis is drawn, so a proposal keeps the ``P`` it was made with).
     """
@@ -62,6 +65,8 @@ class MatrixGroup:
     moments: torch.Tensor | None
     projection: torch.Tensor
     second_moments: torch.Tensor | None = None
+    grams: torch.Tensor | None = None
+    gram_tokens: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -88,6 +93,7 @@ def group_matrices(
     max_sketch_bytes: int = GROUP_SKETCH_BYTES,
     clip_rank: bool = False,
     second_moment_dtype: torch.dtype | None = None,
+    grams: bool = False,
 ) -> list[MatrixGroup]:
     """Stack ``linears`` by ``(d_out, d_in, weight dtype, device)``, each group in the model's order and within
     ``max_sketch_bytes`` of sketches; groups in the order of their first matrix.
@@ -100,6 +106,7 @@ def group_matrices(
         clip_rank: a group's rank is ``min(rank, d_in)`` (:func:`~logra_pl.sketch.config.matrix_rank`).
         second_moment_dtype: storage dtype of per-entry second moments, or ``None`` for none (``update_rule`` not
             ``adam``).
+        grams: keep the projected inputs' Gram per matrix (``input_precondition: gram``).
     """
     keyed: dict[tuple[object, ...], list[str]] = {}
     for name, linear in linears.items():
@@ -126,6 +133,8 @@ def group_matrices(
                     second_moments=None
                     if second_moment_dtype is None
                     else torch.zeros(k, d_out, r, dtype=second_moment_dtype, device=device),
+                    grams=torch.zeros(k, r, r, dtype=torch.float32, device=device) if grams else None,
+                    gram_tokens=torch.zeros(k, dtype=torch.float32, device=device) if grams else None,
                 )
             )
     return groups

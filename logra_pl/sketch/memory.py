@@ -119,6 +119,8 @@ def memory_report(
         dense_state = [v for st in getattr(sketcher, "dense_state", {}).values() for v in st.values()]
         report.optimizer_state += _storage_bytes(dense_state, seen)  # the dense_params' Adam moments
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
+        grams = [t for m in sketcher.matrices.values() for t in (m.gram, m.gram_tokens) if t is not None]
+        report.sketches += _storage_bytes(grams, seen)  # input_precondition: gram's per-update Grams
         report.projections = _storage_bytes((m.projection for m in sketcher.matrices.values()), seen)
         report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)
         moments = [*getattr(sketcher, "moments", {}).values(), *getattr(sketcher, "second_moments", {}).values()]

@@ -39,6 +39,7 @@ class PerMatrixSketcher(LoGRASketcher):
                 step,
                 grad_scale,
                 None if group.second_moments is None else group.second_moments[i],
+                None if group.grams is None else (group.grams[i], group.gram_tokens[i : i + 1]),
             )
             for i in range(group.size)
         ]

@@ -56,6 +56,7 @@ from logra_pl.sketch.update import (
     entry_adam_direction,
     factor_gain,
     first_moment,
+    gram_preconditioned,
     lr_factor,
     ratio_scale,
     rowadam_direction,
@@ -117,11 +118,13 @@ class LoGRASketcher:
             self.config.moment_torch_dtype if beta1 else None,
             clip_rank=self.config.clip_rank,
             second_moment_dtype=self.config.moment_torch_dtype if entry else None,
+            grams=self.config.input_precondition == "gram",
         )
         built: dict[str, MatrixSketch] = {}
         for group in self.groups:
-            for name, linear, sketch in zip(group.names, group.linears, group.sketch.unbind(0), strict=True):
-                built[name] = MatrixSketch(name, linear, group.rank, sketch=sketch)
+            for i, (name, linear) in enumerate(zip(group.names, group.linears, strict=True)):
+                gram = (group.grams[i], group.gram_tokens[i : i + 1]) if group.grams is not None else (None, None)
+                built[name] = MatrixSketch(name, linear, group.rank, group.sketch[i], *gram)
         self.matrices: dict[str, MatrixSketch] = {}
         for name, linear in targets.items():
             linear.weight.requires_grad_(False)
@@ -236,13 +239,22 @@ class LoGRASketcher:
 
     def sketch_stacks(self) -> list[torch.Tensor]:
         """The sketches as stored: one ``(k, d_out, r)`` buffer per group, the buffers a data-parallel strategy
-        all-reduces before :meth:`propose` (one call each). Together they hold every matrix's ``S`` once."""
-        return [group.sketch for group in self.groups]
+        all-reduces before :meth:`propose` (one call each). Together they hold every matrix's ``S`` once; with
+        ``input_precondition: gram`` they are followed by each group's Grams ``(k, r, r)`` and token counts ``(k,)``,
+        summed over ranks alike."""
+        stacks = [group.sketch for group in self.groups]
+        for group in self.groups:
+            if group.grams is not None:
+                stacks += [group.grams, group.gram_tokens]
+        return stacks
 
     def zero_sketches(self) -> None:
         """Reset every ``S`` to zero (start of an update), and the dense parameters' gradients."""
         for group in self.groups:
             group.sketch.zero_()
+            if group.grams is not None:
+                group.grams.zero_()
+                group.gram_tokens.zero_()
         for p in self.dense.values():
             p.grad = None
 
@@ -376,7 +388,8 @@ class LoGRASketcher:
     def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:
         """``(D, v_new, m_new)`` of one group, or of one matrix when given its 2-D rows (the update formulas take
         either, see :mod:`logra_pl.sketch.update`)."""
-        return self._rule(group.sketch, group.row_stats, group.moments, step, grad_scale, group.second_moments)
+        grams = (group.grams, group.gram_tokens) if group.grams is not None else None
+        return self._rule(group.sketch, group.row_stats, group.moments, step, grad_scale, group.second_moments, grams)
 
     def _rule(
         self,
@@ -386,14 +399,18 @@ class LoGRASketcher:
         step: int,
         grad_scale: float,
         second_moments: torch.Tensor | None = None,
+        grams: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> GroupStep:
-        """The update rule on ``S`` (one matrix or a stack): ``(D, v_new, m_new, V_new)``."""
+        """The update rule on ``S`` (one matrix or a stack): ``(D, v_new, m_new, V_new)``. ``grams``: the projected
+        inputs' Grams and token counts (``input_precondition: gram``), which right-multiply the numerator."""
         cfg = self.config
         s = sketch * grad_scale if grad_scale != 1.0 else sketch
         numerator = moment = None
         if moments is not None:
             moment = first_moment(s, moments, cfg.beta1)
             numerator = bias_corrected(moment, cfg.beta1, self.moment_age + 1)
+        if grams is not None:
+            numerator = gram_preconditioned(s if numerator is None else numerator, *grams, cfg.gram_damping)
         if cfg.update_rule == "adam":
             assert second_moments is not None
             d, second = entry_adam_direction(s, second_moments, self.second_age + 1, cfg.beta2, cfg.eps, numerator)

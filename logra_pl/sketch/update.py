@@ -149,6 +149,26 @@ def entry_adam_direction(
     return num / den, v_new
 
 
+def gram_preconditioned(
+    numerator: torch.Tensor, gram: torch.Tensor, tokens: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """``N Γ̃⁻¹`` with ``Γ̃ = Γ/n + (λ·tr(Γ/n)/r + tiny)·I`` (``input_precondition: gram``); inputs untouched.
+
+    ``Γ = Σ z zᵀ`` is the ``r × r`` Gram of the update's projected layer inputs ``z = P x`` over its ``n`` tokens
+    (``tokens``), so ``Γ/n = P A Pᵀ`` with ``A`` the inputs' second moment: the layer's KL for a step ``ΔW = U P`` is,
+    on its input side, ``tr(U P A Pᵀ Uᵀ)``, and the step that gains most for it is ``U ∝ S (P A Pᵀ)⁻¹`` — K-FAC's
+    input factor, exact inside the sketch. ``λ`` (relative to the mean eigenvalue) keeps directions the batch barely
+    visits from blowing up. Works on one matrix (``(d_out, r)``, ``(r, r)``, ``(1,)``) or a stack (``(k, …)``).
+    """
+    n = tokens.clamp(min=1.0).reshape(*tokens.shape[:-1] if gram.dim() == 2 else tokens.shape, 1, 1)
+    second = gram / n
+    rank = second.shape[-1]
+    mean = second.diagonal(dim1=-2, dim2=-1).sum(dim=-1).reshape(n.shape) / rank
+    eye = torch.eye(rank, dtype=second.dtype, device=second.device)
+    damped = second + (damping * mean + TINY) * eye
+    return torch.linalg.solve(damped, _float32(numerator).mT).mT  # N Γ̃⁻¹ (Γ̃ symmetric)
+
+
 def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
     """SGD mode: ``D = S``."""
     return _float32(sketch).clone()

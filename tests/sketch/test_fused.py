@@ -52,6 +52,8 @@ OPTIONS: dict[str, dict] = {
         "beta1": 0.9,
     },
     "clip-rank-full": {"rank": 256, "clip_rank": True, "distribution": "hadamard", "beta1": 0.9},
+    "gram-rowadam-beta1": {"input_precondition": "gram", "beta1": 0.9, "refresh_every": 0},
+    "gram-sgd": {"input_precondition": "gram", "update_rule": "sgd", "gram_damping": 0.5},
 }
 
 
