@@ -289,10 +289,13 @@ class LoGRAMethod(UpdateMethod):
         basis = (
             "fixed" if every == 0 else "refreshed every update" if every == 1 else f"refreshed every {every} updates"
         )
+        kept = [*sketcher.moments.values(), *sketcher.second_moments.values()]
+        moments = sum(t.numel() * t.element_size() for t in kept)
+        moment_text = f" + {bytes_text(moments)} of sketch-space moments" if moments else ""
         return (
             f"LoGRA trains {count_text(self.trained_parameter_count(policy))} parameters in {len(sketcher.matrices)} "
             f"matrices ({', '.join(targets)}) through rank-{cfg.rank} sketches ({cfg.distribution} projections, "
-            f"{basis}); everything else is frozen. Its state: {bytes_text(sketch)} of sketches + {bytes_text(proj)} of "
-            f"projections + {bytes_text(rows)} of row statistics, in place of {bytes_text(dense)} of fp32 dense "
-            f"gradients (+ {bytes_text(2 * dense)} of Adam moments)"
+            f"{basis}; {cfg.update_rule} rule); everything else is frozen. Its state: {bytes_text(sketch)} of "
+            f"sketches + {bytes_text(proj)} of projections + {bytes_text(rows)} of row statistics{moment_text}, in "
+            f"place of {bytes_text(dense)} of fp32 dense gradients (+ {bytes_text(2 * dense)} of Adam moments)"
         )
