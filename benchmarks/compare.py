@@ -1,7 +1,8 @@
 """Dense AdamW, LoRA and LoGRA, side by side: training state, peak memory and step time on the same model and prompts.
 
-    python benchmarks/compare.py --json out.json [--model-size small|medium] [--steps N] [--repeats R]
-        [--rank R] [--lora-alpha A] [--optimizers adamw lora logra] [--mmap-threshold BYTES] [--logprob-chunk N]
+    python benchmarks/compare.py --json out.json [--model-size small|medium | --policy SOURCE] [--steps N]
+        [--repeats R] [--rank R] [--lora-alpha A] [--logra-config YAML] [--optimizers adamw lora logra]
+        [--mmap-threshold BYTES] [--logprob-chunk N]
 
 Each run is its own fresh process (peaks do not mix), the order alternates between repeats (adamw, lora, logra,
 then logra, lora, adamw, ...), and all optimizers see the same prompts, sampling seeds, microbatching and rollout
@@ -20,6 +21,10 @@ glibc's dynamic one), to measure what the allocator's choices do to peak RSS and
 The table and the JSON ``ratios`` compare lora/adamw, logra/adamw and logra/lora (keys
 ``<a>_vs_<b>_<metric>``, e.g. ``logra_vs_adamw_state``, ``lora_vs_adamw_step_time``, ``logra_vs_lora_peak``),
 for the pairs whose optimizers ran.
+
+``--policy`` takes any policy source instead of a tiny preset (``smollm2``: SmolLM2-135M-Instruct, a pretrained model
+whose state matters). LoGRA runs with ``LoGRAConfig``'s defaults at ``--rank`` (and ``update_ratio`` 1e-3), or with
+the ``model.logra`` section of ``--logra-config`` (e.g. ``configs/overlays/paper_logra.yaml`` for the paper's rule).
 
 By default the HF rollout engine generates with the trainer's own weights (``rollout.share_weights``), as the
 training process holds no engine copy when vLLM runs on other devices (the paper's setup);
@@ -63,11 +68,11 @@ def run_worker(args: argparse.Namespace) -> None:
     from logra_pl.sketch import LoGRAConfig
 
     pl.seed_everything(0, verbose=False)
-    policy = f"tiny:{args.model_size}"
+    policy = args.policy or f"tiny:{args.model_size}"
     module = LoGRAPolicyModule(
         policy=policy,
         optimizer=args.worker,
-        logra=LoGRAConfig(rank=args.rank, update_ratio=1e-3),
+        logra=LoGRAConfig(**{"update_ratio": 1e-3, **logra_section(args.logra_config), "rank": args.rank}),
         adamw=AdamWConfig(lr=1e-5),
         lora=LoRAConfig(rank=args.rank, alpha=args.lora_alpha if args.lora_alpha is not None else 2.0 * args.rank),
         rollout=RolloutSettings(
@@ -119,7 +124,13 @@ def run_worker(args: argparse.Namespace) -> None:
         return statistics.median(r[key] for r in timed)
 
     last = rows[-1]
-    planned = plan(resolve_source(policy).location, ranks=1, rank_r=args.rank, optimizers=[args.worker])
+    if args.worker == "logra":  # the method as it ran plans itself
+        from logra_pl.methods.memory_plan import plan_shapes
+
+        planned_total = module.method.plan_memory(plan_shapes(resolve_source(policy).location)).total
+    else:
+        planned = plan(resolve_source(policy).location, ranks=1, rank_r=args.rank, optimizers=[args.worker])
+        planned_total = planned[args.worker].report.total
     result = {
         "optimizer": args.worker,
         "model": policy,
@@ -128,7 +139,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "updates": len(rows),
         "state_bytes": last["memory/state_bytes"],
         "state_by_kind": {k.split("/")[-1]: v for k, v in last.items() if k.startswith("memory/state/")},
-        "planned_state_bytes": planned[args.worker].report.total,
+        "planned_state_bytes": planned_total,
         "peak_rss_bytes": max(r["memory/peak_rss_bytes"] for r in rows),
         "baseline_rss_bytes": baseline_rss,
         "process_peak_rss_bytes": peak_rss_lifetime_bytes(),
@@ -151,6 +162,16 @@ def run_worker(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps(result, indent=2))
 
 
+def logra_section(path: str | None) -> dict:
+    """The ``model.logra`` section of a config file (``{}`` without one): LoGRA's settings for its runs."""
+    if not path:
+        return {}
+    import yaml
+
+    section = ((yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}).get("logra") or {}
+    return dict(section)
+
+
 def aggregate(runs: list[dict]) -> dict:
     """Median over repeats of every number; the first run's non-numeric fields."""
     out = dict(runs[0])
@@ -165,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--model-size", default="medium", choices=["tiny", "small", "medium"])
+    parser.add_argument("--policy", help="any policy source instead of tiny:<model-size> (e.g. smollm2)")
+    parser.add_argument("--logra-config", help="a config whose model.logra section LoGRA runs with; default: defaults")
     parser.add_argument("--steps", type=int, default=6, help="timed updates per run; default 6")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first updates per run; default 2")
     parser.add_argument("--repeats", type=int, default=2, help="runs per optimizer, order alternating; default 2")
@@ -201,9 +224,11 @@ def main() -> None:
 
     from logra_pl.models.load import resolve_source
 
-    resolve_source(f"tiny:{args.model_size}")  # build and cache the model once, outside the timed runs
+    resolve_source(args.policy or f"tiny:{args.model_size}")  # build and cache the model once, outside the timed runs
     names = [name for name in OPTIMIZERS if name in args.optimizers]  # canonical order, each once
     shared = ["--model-size", args.model_size, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    shared += ["--policy", args.policy] if args.policy else []
+    shared += ["--logra-config", args.logra_config] if args.logra_config else []
     shared += ["--rank", str(args.rank), "--lora-alpha", repr(args.lora_alpha)]
     shared += ["--prompts", str(args.prompts), "--microbatch", str(args.microbatch)]
     shared += ["--max-new-tokens", str(args.max_new_tokens)] + (["--engine-copy"] if args.engine_copy else [])

@@ -27,6 +27,10 @@ def _zero(values: list[float]) -> bool:
     return set(values) <= {0.0}
 
 
+def _finite(values: list[float]) -> bool:
+    return bool(values) and all(math.isfinite(v) for v in values)
+
+
 def _entropy(values: list[float]) -> bool:
     """A mean token entropy of the 97-token tiny policy: finite, in (0, log 97]."""
     return all(math.isfinite(v) and 0.0 < v <= math.log(97) + 1e-6 for v in values)
@@ -45,6 +49,9 @@ ADDED_SCALARS: dict[str, tuple[str, Callable[[list[float]], bool]]] = {
     "train/entropy": ("issue 25: the policy's mean token entropy over the step's responses", _entropy),
     "verifier/nan": ("issue 25: verifier calls that returned a non-finite reward (run total)", _zero),
     "verifier/failure_rate": ("issue 25: the update's share of responses without a reward", _zero),
+    # A reading of the step taken, no change to it: the first-order gain −⟨∇L, Δθ⟩ and its ratio to √(realized KL).
+    "train/update_gain": ("issue 51: the update's first-order gain (every method measures it)", _finite),
+    "kl/gain_per_sqrt_kl": ("issue 51: the gain per √(realized KL), with PredictedKLControl's calibration", _finite),
 }
 ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options and the sketcher's moment state
     "beta1": 0.0,
@@ -59,6 +66,9 @@ ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options
     "nan": 0,
     "failed_updates": 0,
     "failed_in_a_row": 0,
+    # issue 51: update_rule adam's per-entry second moment (none with the other rules)
+    "second_moments": {},
+    "second_age": 0,
 }
 
 

@@ -101,20 +101,11 @@ def plan(
         raise ValueError(f"unknown optimizers {unknown}: plan one or more of {', '.join(map(repr, methods))}")
     if moment_dtype not in MOMENT_DTYPES:
         raise ValueError(f"unknown moment_dtype {moment_dtype!r}: use one of {sorted(MOMENT_DTYPES)}")
-    cfg = load_config(config)
-    dtype = _DTYPES[weight_dtype]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    matrices = select_targets(model, targets)
-    if not matrices:
-        raise ValueError(f"no target matrices {list(targets)} in this {type(model).__name__}")
-    for name, linear in matrices.items():
+    shapes, model = _shapes(config, ranks, weight_dtype, targets)
+    for name, linear in shapes.matrices.items():
         if rank_r > linear.in_features:
             raise ValueError(f"rank {rank_r} exceeds d_in={linear.in_features} of {name!r}")
-    params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    shapes = PlanShapes(matrices, params, 0, ranks, dtype)
-    shapes.weights = sum(shapes.shard_bytes(p) for p in params) + buffers
+    params = shapes.params
     reference_bytes = _reference_bytes(model, params, shapes, reference, reference_dtype or weight_dtype)
     # Each method as a run's sections would build it (model.logra, model.adamw, model.lora): its own settings.
     moments = {"beta1": 0.9, "moment_dtype": moment_dtype} if logra_moments else {}
@@ -130,6 +121,34 @@ def plan(
         report.reference_policy = reference_bytes
         out[name] = PlanRow(name, ranks, report)
     return out
+
+
+def plan_shapes(
+    config: str | Path | PretrainedConfig | dict[str, Any],
+    ranks: int = 1,
+    weight_dtype: str = "float32",
+    targets: Sequence[str] = DEFAULT_TARGETS,
+) -> PlanShapes:
+    """What a method's :meth:`~logra_pl.methods.UpdateMethod.plan_memory` reads for a model: built on the meta
+    device, its target matrices, parameters and weight bytes per rank (for a method built with its own settings)."""
+    return _shapes(config, ranks, weight_dtype, targets)[0]
+
+
+def _shapes(
+    config: str | Path | PretrainedConfig | dict[str, Any], ranks: int, weight_dtype: str, targets: Sequence[str]
+) -> tuple[PlanShapes, nn.Module]:
+    cfg = load_config(config)
+    dtype = _DTYPES[weight_dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    matrices = select_targets(model, targets)
+    if not matrices:
+        raise ValueError(f"no target matrices {list(targets)} in this {type(model).__name__}")
+    params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    shapes = PlanShapes(matrices, params, 0, ranks, dtype)
+    shapes.weights = sum(shapes.shard_bytes(p) for p in params) + buffers
+    return shapes, model
 
 
 def _reference_bytes(
