@@ -5,7 +5,8 @@
     python benchmarks/ablate.py --grid parity [--model tiny|tiny:small] [--stage tune|report|all|levers]
         [--updates N] [--values K] [--methods NAME ...] [--jobs 2] [--out results/parity/<model>] [--dry-run]
 
-Each cell of a grid is ``configs/tiny_cpu.yaml`` plus YAML overlays (``configs/ablations/``, ``configs/overlays/``),
+Each cell of a grid is ``configs/tiny_cpu.yaml`` with ``configs/overlays/rowadam_demo.yaml`` (the LoGRA rule the
+ablations vary) plus YAML overlays (``configs/ablations/``, ``configs/overlays/``),
 run for every seed as ``logra-pl fit`` in its own process (``--jobs`` at a time, each with ``cpu_count / jobs``
 threads). A seed sets ``seed_everything``, the sampling seed ``model.seed`` and, for LoGRA, the projection seed
 ``model.logra.base_seed``; the warm start, the training prompts and the held-out evaluation set stay fixed, so the
@@ -137,6 +138,10 @@ GRIDS: dict[str, list[Cell]] = {
 }
 # The demo grid runs the README's two configs exactly as users do (no overrides, no extra callbacks).
 DEMO_CONFIGS = {"logra": "configs/tiny_cpu.yaml", "adamw": "configs/tiny_cpu_adamw.yaml"}
+# The LoGRA rule the paper's ablations vary (the paper's RowAdam, a new projection every update, the per-matrix step),
+# which the demo ran until it adopted Adam in sketch space on a fixed projection: pinned so the ablations keep their
+# meaning (dense cells drop it: their overlays set model.logra to null).
+RULE = "configs/overlays/rowadam_demo.yaml"
 # Smaller everything for the test suite: a short warm start (its own cache entry), 16 prompts, 32 held-out problems.
 QUICK_ARGS = (
     "--model.warm_start.steps=40",
@@ -176,7 +181,7 @@ def run_args(
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The ``logra-pl fit`` arguments of one run (after the program name); ``extra`` goes last."""
-    configs = [DEMO_CONFIGS[cell.name]] if grid == "demo" else [BASE, *cell.overlays]
+    configs = [DEMO_CONFIGS[cell.name]] if grid == "demo" else [BASE, RULE, *cell.overlays]
     args = ["fit"] + [a for c in configs for a in ("--config", c)]
     args += [f"--seed_everything={seed}", f"--model.seed={seed}"]
     if cell.optimizer == "logra":

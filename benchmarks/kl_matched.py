@@ -358,6 +358,7 @@ def run_config(model: str, setup: ModelSetup, method: Method, budget: float, see
         m[key] = json.loads(json.dumps(value))
     if m.get("logra") is not None:
         m["logra"]["base_seed"] = seed
+        m["logra"] = explicit_logra(m["logra"])
     for section in ("adamw",):
         if m.get(section) is not None and "decay_steps" in m[section]:
             m[section]["decay_steps"] = setup.updates
@@ -416,6 +417,55 @@ def load_result(run: Run) -> dict | None:
         return None
     result = json.loads(done.read_text())
     return result if result.get("key") == run.key else None
+
+
+def explicit_logra(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``model.logra`` section with every setting of the rule written out (``LoGRAConfig(...).to_dict()``): a run's
+    config then says what it ran whatever the code's defaults become."""
+    from logra_pl.sketch import LoGRAConfig
+
+    return LoGRAConfig(**section).to_dict()
+
+
+# The rule's defaults before the project adopted Adam in sketch space on a fixed projection (2026-12-05): runs written
+# then left them out of their configs. A run's config meant these where it said nothing.
+DEFAULTS_BEFORE = {"update_rule": "rowadam", "beta1": 0.0, "moment_dtype": "float32", "step_mode": "ratio"}
+
+
+def _as_ran(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` with its ``model.logra`` section written out as the code of its time read it."""
+    plain = json.loads(json.dumps(cfg))
+    section = plain["model"].get("logra")
+    if section is not None:
+        filled = {**DEFAULTS_BEFORE, **section}
+        if "refresh" not in section and "refresh_every" not in section:
+            filled["refresh"] = True  # the paper's refresh was the default
+        plain["model"]["logra"] = explicit_logra(filled)
+    return plain
+
+
+def rekey(runs: Sequence[Run]) -> int:
+    """Finished runs whose config, its LoGRA rule written out as the code of its time read it (:data:`DEFAULTS_BEFORE`),
+    is the planned run's config: their ``config.yaml`` and settings key are rewritten to the planned ones (the same
+    run, now spelled out), so a grid resumes across a change of the code's defaults. Returns how many."""
+    done = 0
+    for run in runs:
+        path, stored = run.folder / "result.json", run.folder / "config.yaml"
+        if not path.exists() or not stored.exists():
+            continue
+        result = json.loads(path.read_text())
+        if result.get("key") == run.key:
+            continue
+        old = yaml.safe_load(stored.read_text())
+        mine, theirs = json.loads(json.dumps(run.config)), _as_ran(old)
+        for cfg in (mine, theirs):
+            cfg["trainer"]["logger"]["init_args"].pop("save_dir", None)
+        if mine != theirs or config_key(old) != result.get("key"):
+            continue
+        stored.write_text(yaml.safe_dump(run.config, sort_keys=False))
+        path.write_text(json.dumps(result | {"key": run.key}))
+        done += 1
+    return done
 
 
 # An update whose realized KL is off its prediction by more than this factor either way counts as off.
@@ -855,6 +905,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dry_run:
         execute(runs, args.jobs, dry_run=True)
         return
+    renamed = rekey(runs)
+    if renamed:
+        print(f"{renamed} finished runs written out under today's defaults (the same runs; see rekey)")
     if args.stage == "resummarize":
         print(f"{resummarize(runs)} finished runs summarized again from their logs")
         return

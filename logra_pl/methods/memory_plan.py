@@ -41,6 +41,8 @@ from logra_pl.sketch.config import MOMENT_DTYPES
 from logra_pl.sketch.memory import MemoryReport
 
 GiB = 1024**3
+# The LoGRA rules `logra-pl plan` knows by name: the default (LoGRAConfig's own) and the paper's.
+LOGRA_RULES = {"default": LoGRAConfig, "paper": LoGRAConfig.paper}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -68,8 +70,9 @@ def plan(
     weight_dtype: str = "float32",
     targets: Sequence[str] = DEFAULT_TARGETS,
     train_all: bool = False,
+    logra_rule: str = "default",
     logra_moments: bool = False,
-    moment_dtype: str = "float32",
+    moment_dtype: str | None = None,
     reference: str | None = None,
     reference_dtype: str | None = None,
     sgd_momentum: bool = False,
@@ -86,8 +89,12 @@ def plan(
         weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
         targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
         train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
-        logra_moments: LoGRA keeps a sketch-space first moment (``logra.beta1 > 0``): ``d_out × r`` per matrix.
-        moment_dtype: its storage (``logra.moment_dtype``): ``"float32"`` (4 bytes per value) or ``"bfloat16"`` (2).
+        logra_rule: ``"default"``: LoGRA's default rule (Adam in sketch space: a first and a per-entry second moment,
+            ``d_out × r`` each per matrix, bf16); ``"paper"``: the paper's (RowAdam, ``d_out`` row statistics only).
+        logra_moments: the paper's rule with a sketch-space first moment (``logra.beta1 > 0``): ``d_out × r`` per
+            matrix (the default rule has one already).
+        moment_dtype: the moments' storage (``logra.moment_dtype``): ``"float32"`` (4 bytes per value) or
+            ``"bfloat16"`` (2); None: the rule's own (bf16 for the default rule, fp32 for the paper's).
         reference: a KL penalty's reference policy (``loss.reference_device``): ``"same"`` (sharded over ``ranks``
             like the weights) or ``"cpu"`` (whole, in host memory; ``ranks`` must be 1); None: no KL penalty.
         reference_dtype: its dtype (``loss.reference_dtype``); None: ``weight_dtype``.
@@ -99,7 +106,9 @@ def plan(
     unknown = sorted(set(optimizers) - set(methods))
     if unknown:
         raise ValueError(f"unknown optimizers {unknown}: plan one or more of {', '.join(map(repr, methods))}")
-    if moment_dtype not in MOMENT_DTYPES:
+    if logra_rule not in LOGRA_RULES:
+        raise ValueError(f"unknown logra_rule {logra_rule!r}: use one of {sorted(LOGRA_RULES)}")
+    if moment_dtype is not None and moment_dtype not in MOMENT_DTYPES:
         raise ValueError(f"unknown moment_dtype {moment_dtype!r}: use one of {sorted(MOMENT_DTYPES)}")
     shapes, model = _shapes(config, ranks, weight_dtype, targets)
     for name, linear in shapes.matrices.items():
@@ -108,9 +117,13 @@ def plan(
     params = shapes.params
     reference_bytes = _reference_bytes(model, params, shapes, reference, reference_dtype or weight_dtype)
     # Each method as a run's sections would build it (model.logra, model.adamw, model.lora): its own settings.
-    moments = {"beta1": 0.9, "moment_dtype": moment_dtype} if logra_moments else {}
+    logra: dict[str, Any] = {"rank": rank_r, "targets": tuple(targets)}
+    if logra_moments:
+        logra["beta1"] = 0.9
+    if moment_dtype is not None:
+        logra["moment_dtype"] = moment_dtype
     sections = {
-        "logra": LoGRAConfig(rank=rank_r, targets=tuple(targets), **moments),
+        "logra": LOGRA_RULES[logra_rule](**logra),
         "adamw": AdamWConfig(train_all=train_all),
         "sgd": SGDConfig(momentum=0.9 if sgd_momentum else 0.0, train_all=train_all),
         "lora": LoRAConfig(rank=rank_r, alpha=2.0 * rank_r),
@@ -235,11 +248,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--train-all", action="store_true", help="dense baselines train every parameter")
     parser.add_argument("--sgd-momentum", action="store_true", help="dense SGD keeps a momentum buffer")
     parser.add_argument(
+        "--logra-rule",
+        default="default",
+        choices=sorted(LOGRA_RULES),
+        help="LoGRA's rule: default (Adam in sketch space, two bf16 moments) or paper (RowAdam); default: default",
+    )
+    parser.add_argument(
         "--logra-moments",
         nargs="?",
         const="float32",
         choices=sorted(MOMENT_DTYPES),
-        help="LoGRA keeps a first moment (logra.beta1 > 0), stored as this dtype (logra.moment_dtype; default float32)",
+        help="with --logra-rule paper: a first moment (logra.beta1 > 0), stored as this dtype (default float32)",
     )
     parser.add_argument(
         "--reference",
@@ -262,8 +281,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.rank,
         weight_dtype=args.weight_dtype,
         train_all=args.train_all,
+        logra_rule=args.logra_rule,
         logra_moments=args.logra_moments is not None,
-        moment_dtype=args.logra_moments or "float32",
+        moment_dtype=args.logra_moments,
         reference=args.reference,
         reference_dtype=args.reference_dtype,
         sgd_momentum=args.sgd_momentum,

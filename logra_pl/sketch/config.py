@@ -65,7 +65,9 @@ def resolve_refresh_every(refresh: bool | None, refresh_every: int | None) -> in
 
     ``refresh_every`` wins when given: ``N ≥ 1`` draws a new projection every ``N`` updates, ``0`` keeps one fixed
     basis. ``refresh`` alone is the old flag: ``True`` means ``N = 1`` (the paper: a new ``P`` every update),
-    ``False`` means ``N = 0``. Neither given: ``N = 1``, today's default. Both given, they must agree on whether the
+    ``False`` means ``N = 0``. Neither given: ``N = 0``, one basis for the whole run (the project's default since the
+    KL-matched grid: a first moment survives on a basis that persists; the paper's ``N = 1`` is ``refresh: true``).
+    Both given, they must agree on whether the
     basis is refreshed at all: ``refresh: false`` with ``refresh_every ≥ 1``, or ``refresh: true`` with
     ``refresh_every: 0``, is an error naming both (``refresh: true`` with any ``N ≥ 1`` is consistent: it says the
     basis is refreshed, ``refresh_every`` says how often).
@@ -73,7 +75,7 @@ def resolve_refresh_every(refresh: bool | None, refresh_every: int | None) -> in
     if refresh is not None and not isinstance(refresh, bool):
         raise LoGRAConfigError(f"logra.refresh must be true or false, got {refresh!r}")
     if refresh_every is None:
-        return 0 if refresh is False else 1
+        return 1 if refresh is True else 0
     if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 0:
         raise LoGRAConfigError(
             f"logra.refresh_every must be a non-negative integer (N >= 1: a new projection every N updates; "
@@ -91,6 +93,12 @@ def resolve_refresh_every(refresh: bool | None, refresh_every: int | None) -> in
 class LoGRAConfig:
     """Every knob of the LoGRA sketch core, with the defaults of algorithm.md §1-5.
 
+    The defaults are the project's rule for new runs, chosen by the KL-matched grid (docs/benchmarks.md): Adam on the
+    sketch's coordinates (``update_rule: adam``) with a first moment (``beta1`` 0.9), both kept in bf16, on one
+    projection for the whole run (``refresh_every`` 0), stepped by ``lr`` (``step_mode: adam``). The paper's rule
+    (RowAdam, no first moment, a new projection every update, the ratio step) is :meth:`paper`, or
+    ``configs/overlays/paper_logra.yaml`` in a config.
+
     Arguments:
         targets: last name parts of the ``nn.Linear`` modules whose weights are trained through sketches.
         rank: sketch rank ``r``; the sketch of a ``(d_out, d_in)`` weight is ``(d_out, r)``.
@@ -100,11 +108,13 @@ class LoGRAConfig:
         distribution: projection entries, ``"rademacher"`` (``±1/sqrt(r)``), ``"gaussian"`` (``N(0, 1/r)``) or
             ``"hadamard"`` (``r`` random rows of a signed, permuted Hadamard matrix: orthogonal rows, entries ``0`` or
             ``±sqrt(m/r)`` with ``m`` the odd part of ``d_in``; algorithm.md §2).
-        refresh: the older spelling of ``refresh_every``: ``True`` = a new projection every update, ``False`` = one
-            fixed basis. ``None`` (default): not given. After construction it holds ``refresh_every != 0``.
+        refresh: the older spelling of ``refresh_every``: ``True`` = a new projection every update (the paper's),
+            ``False`` = one fixed basis. ``None`` (default): not given. After construction it holds
+            ``refresh_every != 0``.
         refresh_every: ``N``: a new projection every ``N`` updates (projection index ``(u // N)·N``); ``0``: one
-            fixed basis. ``None`` (default): from ``refresh``, else ``1`` (the paper's refresh at every update).
-            Both given, they must agree (:func:`resolve_refresh_every`).
+            fixed basis. ``None`` (default): from ``refresh``, else ``0`` (one basis for the run; the paper's refresh
+            at every update is ``refresh: true`` or ``refresh_every: 1``). Both given, they must agree
+            (:func:`resolve_refresh_every`).
         base_seed: mixed with the update index and the module name into each projection's seed.
         update_rule: ``"rowadam"`` (per-row second moment, algorithm.md §4), ``"sgd"`` (``D = S``) or ``"adam"``
             (a per-entry second moment of the ``d_out × r`` sketch, ``D = N / sqrt(V̂)``: Adam in sketch space, with
@@ -158,15 +168,15 @@ class LoGRAConfig:
     refresh: bool | None = None
     refresh_every: int | None = None
     base_seed: int = 0
-    update_rule: UpdateRule = "rowadam"
+    update_rule: UpdateRule = "adam"
     beta2: float = 0.95
-    beta1: float = 0.0
+    beta1: float = 0.9
     momentum_transfer: MomentTransfer = "project"
-    moment_dtype: str = "float32"
+    moment_dtype: str = "bfloat16"
     eps: float = 1e-8
     input_precondition: InputPreconditioner = "none"
     gram_damping: float = 0.1
-    step_mode: StepMode = "ratio"
+    step_mode: StepMode = "adam"
     update_ratio: float = 6e-5
     ratio_scope: RatioScope = "global"
     lr: float = 1e-4
@@ -242,6 +252,18 @@ class LoGRAConfig:
             raise LoGRAConfigError(str(err)) from None
         if not isinstance(self.base_seed, int) or self.base_seed < 0:
             raise LoGRAConfigError(f"base_seed must be a non-negative integer, got {self.base_seed!r}")
+
+    @classmethod
+    def paper(cls, **overrides: Any) -> LoGRAConfig:
+        """The paper's rule (algorithm.md §4, §10): RowAdam with no first moment on a new Rademacher projection every
+        update, the step a global ratio of the weights' norm; ``overrides`` set any other key (``rank``,
+        ``update_ratio``, ...)."""
+        rule: dict[str, Any] = dict(
+            update_rule="rowadam", beta1=0.0, moment_dtype="float32", step_mode="ratio", ratio_scope="global"
+        )  # fmt: skip
+        if "refresh" not in overrides and "refresh_every" not in overrides:
+            rule["refresh_every"] = 1  # either spelling given wins, whole
+        return cls(**{**rule, **overrides})
 
     @property
     def factor_torch_dtype(self) -> torch.dtype:

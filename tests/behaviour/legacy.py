@@ -36,6 +36,7 @@ LEGACY = Path(__file__).resolve().parent / "legacy"
 # The CLI run: the demo config, 2 updates (a checkpoint at update 2), then resumed to update 4.
 CLI_COMMON = [
     "--config=configs/tiny_cpu.yaml",
+    "--config=configs/overlays/rowadam_demo.yaml",  # the rule tiny_cpu.yaml held when the checkpoint was written
     "--trainer.val_check_interval=2",
     "--trainer.enable_progress_bar=false",
     "--model.warm_start.steps=20",

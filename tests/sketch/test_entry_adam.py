@@ -52,7 +52,7 @@ def test_fixed_basis_adam_is_loras_step_on_b_with_a_frozen(qwen2_factory) -> Non
     model = qwen2_factory(seed=0)
     cfg = LoGRAConfig(
         rank=8, refresh_every=0, update_rule="adam", beta1=BETA1, beta2=BETA2, step_mode="adam", lr=LR,
-        factor_dtype="float32", base_seed=4,
+        moment_dtype="float32", factor_dtype="float32", base_seed=4,
     )  # fmt: skip
     sketcher = LoGRASketcher(model, cfg)
     projections = {n: m.projection.double().clone() for n, m in sketcher.matrices.items()}
@@ -134,4 +134,5 @@ def test_the_state_resumes_exactly(qwen2_factory) -> None:
     for n in straight.second_moments:
         assert torch.equal(straight.second_moments[n], resumed.second_moments[n])
     with pytest.raises(LoGRAConfigError, match="update_rule"):
-        LoGRASketcher(qwen2_factory(seed=0), LoGRAConfig(rank=8, refresh_every=0, beta1=BETA1)).load_state_dict(saved)
+        rowadam = LoGRAConfig.paper(rank=8, refresh_every=0, beta1=BETA1)
+        LoGRASketcher(qwen2_factory(seed=0), rowadam).load_state_dict(saved)

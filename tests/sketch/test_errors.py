@@ -42,7 +42,7 @@ def test_unknown_distribution() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"update_rule": "adam"}, "unknown update_rule 'adam'"),
+        ({"update_rule": "lion"}, "unknown update_rule 'lion'"),
         ({"step_mode": "auto"}, "unknown step_mode 'auto'"),
         ({"beta2": 1.0}, "beta2 must lie in"),
         ({"factor_dtype": "int8"}, "unknown factor_dtype 'int8'"),

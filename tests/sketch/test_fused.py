@@ -103,7 +103,7 @@ def _assert_same(grouped: list[dict], reference: list[dict]) -> None:
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_grouped_step_is_the_per_matrix_step(qwen2_factory, option: str) -> None:
-    cfg = LoGRAConfig(**{"rank": 8, "update_ratio": 1e-3, "dense_lr": 1e-3, **OPTIONS[option]})
+    cfg = LoGRAConfig.paper(**{"rank": 8, "update_ratio": 1e-3, "dense_lr": 1e-3, **OPTIONS[option]})
     model = qwen2_factory(seed=0)
     reference = copy.deepcopy(model)
     grouped = _updates(model, LoGRASketcher(model, cfg), UPDATES)
@@ -126,7 +126,7 @@ def test_medium_shapes_in_small_float64_batches(qwen2_factory, monkeypatch, dist
     gave other bits than the matrix's own: ``matrix_sum``, ``stack_grams``)."""
     if budget is not None:
         monkeypatch.setattr(merge_module, "MERGE_BUFFER_BYTES_CPU", budget)
-    cfg = LoGRAConfig(rank=64, update_ratio=1e-3, distribution=distribution, beta1=0.9)
+    cfg = LoGRAConfig.paper(rank=64, update_ratio=1e-3, distribution=distribution, beta1=0.9)
     model = qwen2_factory(seed=2, **MEDIUM_SHAPES)
     reference = copy.deepcopy(model)
     grouped = _updates(model, LoGRASketcher(model, cfg), UPDATES)
@@ -135,7 +135,7 @@ def test_medium_shapes_in_small_float64_batches(qwen2_factory, monkeypatch, dist
 
 def test_groups_stack_same_shaped_matrices_and_share_their_buffers(qwen2_factory) -> None:
     model = qwen2_factory(seed=0, **MEDIUM_SHAPES)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=16, beta1=0.9))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=16, beta1=0.9))
     shapes = [(g.d_out, g.d_in, g.size) for g in sketcher.groups]
     assert shapes == [(640, 640, 4), (128, 640, 4), (2048, 640, 4), (640, 2048, 2)]  # q/o, k/v, gate/up, down
     for group in sketcher.groups:
@@ -153,7 +153,7 @@ def test_receivers_merge_the_grouped_payload_to_the_trainers_bits(qwen2_factory)
     """A receiver stacks the factors it is sent and draws each group's projections in one go: the same weights."""
     model = qwen2_factory(seed=5, **MEDIUM_SHAPES)
     receiver = {k: v.clone() for k, v in model.state_dict().items()}
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=16, update_ratio=1e-3, distribution="gaussian"))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=16, update_ratio=1e-3, distribution="gaussian"))
     for payload in (update["payload"] for update in _updates(model, sketcher, 3)):
         apply_payload(Payload.from_bytes(payload), receiver)
     assert all(torch.equal(receiver[k], v) for k, v in model.state_dict().items())
@@ -198,7 +198,7 @@ def test_operator_calls_of_one_step_are_bounded(qwen2_factory) -> None:
     """Counts are deterministic (unlike time): a grouped step makes a few calls per group and a few per matrix."""
     model = qwen2_factory(seed=0, num_hidden_layers=4)
     reference = copy.deepcopy(model)
-    cfg = LoGRAConfig(rank=16)
+    cfg = LoGRAConfig.paper(rank=16)
     grouped = LoGRASketcher(model, cfg)
     per_matrix = PerMatrixSketcher(reference, cfg)
     assert len(grouped.matrices) == 28 and len(grouped.groups) == 4
@@ -214,7 +214,7 @@ def test_medium_step_makes_at_most_two_thousand_operator_calls(qwen2_factory) ->
     a backward, counted as ``torch.profiler`` counts (every ``aten::`` event, nested ones included)."""
     model = qwen2_factory(seed=0, num_hidden_layers=10, **MEDIUM_SHAPES)
     reference = copy.deepcopy(model)
-    cfg = LoGRAConfig(rank=64, update_ratio=1e-3)
+    cfg = LoGRAConfig.paper(rank=64, update_ratio=1e-3)
     grouped = LoGRASketcher(model, cfg)
     assert len(grouped.matrices) == 70
     calls = _calls(model, grouped, _profiler)
@@ -226,7 +226,7 @@ def test_weights_written_between_updates_are_normed_again(qwen2_factory) -> None
     """A merge leaves the merged weights' norms for the next update; a weight written in place after it (here a
     scaling, as ``load_state_dict`` or any ``copy_`` would) is normed again: the next update's scale, factors and
     payload are the reference's, which norms every weight every time."""
-    cfg = LoGRAConfig(rank=8, update_ratio=1e-3)
+    cfg = LoGRAConfig.paper(rank=8, update_ratio=1e-3)
     model = qwen2_factory(seed=0)
     reference = copy.deepcopy(model)
     grouped, per_matrix = LoGRASketcher(model, cfg), PerMatrixSketcher(reference, cfg)
@@ -247,7 +247,7 @@ def test_a_factor_replaced_in_the_payload_is_merged_as_replaced(qwen2_factory) -
     """A payload's factors are rows of its groups' stacks until one is set: then that matrix merges the new value
     and the others their rows (compared with a payload built from plain per-matrix tensors)."""
     model = qwen2_factory(seed=1)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, update_ratio=1e-3))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8, update_ratio=1e-3))
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     proposal = sketcher.propose()

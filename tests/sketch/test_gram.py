@@ -46,7 +46,7 @@ def _reference(model, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, 
 def test_the_step_is_the_sketch_times_the_inverse_damped_input_gram(qwen2_factory, distribution: str) -> None:
     model = qwen2_factory(seed=0)
     ref = _reference(model, 1)
-    cfg = LoGRAConfig(
+    cfg = LoGRAConfig.paper(
         rank=16, distribution=distribution, update_rule="sgd", input_precondition="gram", gram_damping=DAMPING,
         step_mode="lr", lr=LR, factor_dtype="float32",
     )  # fmt: skip
@@ -71,7 +71,7 @@ def test_the_step_is_the_sketch_times_the_inverse_damped_input_gram(qwen2_factor
 
 def test_grams_are_per_update_buffers_counted_as_sketches(qwen2_factory) -> None:
     model = qwen2_factory(seed=0)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, input_precondition="gram"))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8, input_precondition="gram"))
     ids = _ids(model, 2)
     model(input_ids=ids, labels=ids).loss.backward()
     stacks = sketcher.sketch_stacks()
@@ -82,11 +82,12 @@ def test_grams_are_per_update_buffers_counted_as_sketches(qwen2_factory) -> None
     assert not bool(m.gram.any()) and float(m.gram_tokens) == 0.0  # zeroed for the next update
     from logra_pl.sketch import memory_report
 
-    plain = memory_report(qwen2_factory(seed=0), sketcher=LoGRASketcher(qwen2_factory(seed=0), LoGRAConfig(rank=8)))
+    plain_sketcher = LoGRASketcher(qwen2_factory(seed=0), LoGRAConfig.paper(rank=8))
+    plain = memory_report(qwen2_factory(seed=0), sketcher=plain_sketcher)
     report = memory_report(model, sketcher=sketcher)
     assert report.sketches - plain.sketches == len(sketcher.matrices) * (8 * 8 * 4 + 4)
 
 
 def test_gram_with_per_entry_adam_is_refused() -> None:
     with pytest.raises(LoGRAConfigError, match="input_precondition"):
-        LoGRAConfig(update_rule="adam", input_precondition="gram")
+        LoGRAConfig.paper(update_rule="adam", input_precondition="gram")

@@ -96,7 +96,9 @@ def test_square_orthogonal_projection_gives_the_dense_rule(monkeypatch, settings
     monkeypatch.setattr(sketcher_module, "make_projections", _orthogonal_stack)
     model = OneLayer()
     # "gaussian": the merge multiplies by P as drawn (a Rademacher merge would take its signs).
-    cfg = LoGRAConfig(targets=("up_proj",), rank=D_IN, distribution="gaussian", factor_dtype="float32", **settings)
+    cfg = LoGRAConfig.paper(
+        targets=("up_proj",), rank=D_IN, distribution="gaussian", factor_dtype="float32", **settings
+    )
     sketcher = LoGRASketcher(model, cfg)
     w0 = model.up_proj.weight.detach().clone()
     gen = torch.Generator().manual_seed(3)
@@ -131,18 +133,20 @@ def _run(cfg: LoGRAConfig, updates: int, state: dict | None = None, seed: int = 
 def test_reset_on_every_change_is_no_moment_at_all() -> None:
     """``momentum_transfer: reset`` with a new basis every update: m̂ = S each time, the paper's rule exactly."""
     base = {"targets": ("up_proj",), "rank": 4, "update_ratio": 1e-2}
-    _, plain, without = _run(LoGRAConfig(**base), 4)
-    _, reset, with_reset = _run(LoGRAConfig(beta1=0.9, momentum_transfer="reset", **base), 4)
+    _, plain, without = _run(LoGRAConfig.paper(**base), 4)
+    _, reset, with_reset = _run(LoGRAConfig.paper(beta1=0.9, momentum_transfer="reset", **base), 4)
     for a, b in zip(without, with_reset, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)  # (0.1·S)/(1 − 0.9) = S up to rounding
     assert reset.moment_age == 0 and plain.moments == {}
     # A fixed basis keeps the moment: the steps differ from the second update on.
-    _, fixed, kept = _run(LoGRAConfig(beta1=0.9, refresh=False, **base), 4)
-    assert fixed.moment_age == 4 and not torch.allclose(kept[1], _run(LoGRAConfig(refresh=False, **base), 2)[2][1])
+    _, fixed, kept = _run(LoGRAConfig.paper(beta1=0.9, refresh=False, **base), 4)
+    assert fixed.moment_age == 4 and not torch.allclose(
+        kept[1], _run(LoGRAConfig.paper(refresh=False, **base), 2)[2][1]
+    )
 
 
 def test_moment_resumes_bit_for_bit() -> None:
-    cfg = LoGRAConfig(targets=("up_proj",), rank=4, beta1=0.9, step_mode="adam", lr=1e-2, lr_warmup_steps=2)
+    cfg = LoGRAConfig.paper(targets=("up_proj",), rank=4, beta1=0.9, step_mode="adam", lr=1e-2, lr_warmup_steps=2)
     straight, s_sketcher, _ = _run(cfg, 5)
     first, f_sketcher, _ = _run(cfg, 2)
     state = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "sketcher": f_sketcher.state_dict()}
@@ -151,15 +155,15 @@ def test_moment_resumes_bit_for_bit() -> None:
     assert torch.equal(s_sketcher.moments["up_proj"], r_sketcher.moments["up_proj"])
     assert r_sketcher.moment_age == s_sketcher.moment_age == 5
     # A checkpoint without a moment does not resume under one (and an old one, without the key, means beta1 = 0).
-    saved = _run(LoGRAConfig(targets=("up_proj",), rank=4), 1)[1].state_dict()
+    saved = _run(LoGRAConfig.paper(targets=("up_proj",), rank=4), 1)[1].state_dict()
     with pytest.raises(LoGRAConfigError, match="beta1"):
         LoGRASketcher(OneLayer(), cfg).load_state_dict(saved)
     del saved["config"]["beta1"]
-    LoGRASketcher(OneLayer(), LoGRAConfig(targets=("up_proj",), rank=4)).load_state_dict(saved)
+    LoGRASketcher(OneLayer(), LoGRAConfig.paper(targets=("up_proj",), rank=4)).load_state_dict(saved)
 
 
 def test_lr_schedule_of_the_adam_step() -> None:
-    cfg = LoGRAConfig(
+    cfg = LoGRAConfig.paper(
         targets=("up_proj",), rank=4, step_mode="adam", lr=0.1, lr_warmup_steps=2, lr_decay_steps=4, lr_min_ratio=0.2
     )
     sketcher = LoGRASketcher(OneLayer(), cfg)
@@ -178,24 +182,29 @@ def test_lr_schedule_of_the_adam_step() -> None:
 
 def test_bad_settings_name_the_fix() -> None:
     with pytest.raises(LoGRAConfigError, match="update_rule 'rowadam'"):
-        LoGRAConfig(step_mode="adam", update_rule="sgd")
+        LoGRAConfig.paper(step_mode="adam", update_rule="sgd")
     with pytest.raises(LoGRAConfigError, match="beta1"):
-        LoGRAConfig(beta1=1.0)
+        LoGRAConfig.paper(beta1=1.0)
     with pytest.raises(LoGRAConfigError, match="momentum_transfer"):
-        LoGRAConfig(momentum_transfer="flora")
+        LoGRAConfig.paper(momentum_transfer="flora")
     with pytest.raises(LoGRAConfigError, match="lr_warmup_steps"):
-        LoGRAConfig(lr_warmup_steps=-1)
+        LoGRAConfig.paper(lr_warmup_steps=-1)
 
 
 def test_the_moment_is_counted_and_planned(qwen2_factory) -> None:
     model = qwen2_factory(seed=1)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, beta1=0.9))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8, beta1=0.9))
     report = memory_report(model, sketcher=sketcher)
     assert report.sketch_moments == sum(m.d_out * 8 * 4 for m in sketcher.matrices.values()) == report.sketches
     assert report.persistent == report.weights + report.row_statistics + report.sketch_moments
-    planned = plan(model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_moments=True)["logra"].report
+    planned = plan(model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_rule="paper", logra_moments=True)[
+        "logra"
+    ].report
     assert planned.sketch_moments == report.sketch_moments
-    assert memory_report(model, sketcher=LoGRASketcher(qwen2_factory(seed=1), LoGRAConfig(rank=8))).sketch_moments == 0
+    assert (
+        memory_report(model, sketcher=LoGRASketcher(qwen2_factory(seed=1), LoGRAConfig.paper(rank=8))).sketch_moments
+        == 0
+    )
 
 
 def test_bf16_storage_is_the_fp32_rule_rounded_at_each_commit() -> None:
@@ -203,7 +212,7 @@ def test_bf16_storage_is_the_fp32_rule_rounded_at_each_commit() -> None:
     with that fp32 value, and keeps it rounded to bf16. Checked with SGD at a constant lr (the factor is lr·m̂) on a
     fixed basis, against the recurrence written here."""
     base = {"targets": ("up_proj",), "rank": 4, "beta1": 0.9, "refresh": False, "update_rule": "sgd"}
-    cfg = LoGRAConfig(**base, step_mode="lr", lr=0.5, factor_dtype="float32", moment_dtype="bfloat16")
+    cfg = LoGRAConfig.paper(**base, step_mode="lr", lr=0.5, factor_dtype="float32", moment_dtype="bfloat16")
     _, sketcher, factors = _run(cfg, 5)
     stored = torch.zeros(D_OUT, 4, dtype=torch.bfloat16)
     for t, factor in enumerate(factors, start=1):
@@ -214,12 +223,12 @@ def test_bf16_storage_is_the_fp32_rule_rounded_at_each_commit() -> None:
         stored = m.to(torch.bfloat16)
     assert sketcher.moments["up_proj"].dtype == torch.bfloat16 and torch.equal(sketcher.moments["up_proj"], stored)
     # Not the fp32-stored run: the rounding is real (and the fp32 default is unchanged by the option's existence).
-    _, _, fp32 = _run(LoGRAConfig(**base, step_mode="lr", lr=0.5, factor_dtype="float32"), 5)
+    _, _, fp32 = _run(LoGRAConfig.paper(**base, step_mode="lr", lr=0.5, factor_dtype="float32"), 5)
     assert torch.equal(fp32[0], factors[0]) and not torch.equal(fp32[-1], factors[-1])
 
 
 def test_bf16_moment_resumes_bit_for_bit_and_transfers_in_bf16() -> None:
-    cfg = LoGRAConfig(targets=("up_proj",), rank=4, beta1=0.9, update_ratio=1e-2, moment_dtype="bfloat16")
+    cfg = LoGRAConfig.paper(targets=("up_proj",), rank=4, beta1=0.9, update_ratio=1e-2, moment_dtype="bfloat16")
     straight, s_sketcher, _ = _run(cfg, 5)  # a new basis every update: the moment is carried (projected) 4 times
     first, f_sketcher, _ = _run(cfg, 2)
     state = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "sketcher": f_sketcher.state_dict()}
@@ -229,20 +238,32 @@ def test_bf16_moment_resumes_bit_for_bit_and_transfers_in_bf16() -> None:
     assert torch.equal(s_sketcher.moments["up_proj"], r_sketcher.moments["up_proj"])
     assert r_sketcher.moments["up_proj"].dtype == torch.bfloat16
     with pytest.raises(LoGRAConfigError, match="moment_dtype"):
-        LoGRAConfig(moment_dtype="float16")
+        LoGRAConfig.paper(moment_dtype="float16")
 
 
 def test_bf16_moment_is_counted_and_planned_at_half(qwen2_factory, tmp_path) -> None:
     model = qwen2_factory(seed=1)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, beta1=0.9, moment_dtype="bfloat16"))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8, beta1=0.9, moment_dtype="bfloat16"))
     report = memory_report(model, sketcher=sketcher)
     assert report.sketch_moments == sum(m.d_out * 8 * 2 for m in sketcher.matrices.values())
-    planned = plan(model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_moments=True, moment_dtype="bfloat16")
+    planned = plan(
+        model.config.to_dict(), rank_r=8, optimizers=["logra"], logra_rule="paper", logra_moments=True,
+        moment_dtype="bfloat16",
+    )  # fmt: skip
     assert planned["logra"].report.sketch_moments == report.sketch_moments
-    # The CLI: `--logra-moments` alone is fp32, with a dtype that dtype.
+    # The CLI: the paper's rule with `--logra-moments` alone is fp32, with a dtype that dtype; the default rule keeps
+    # two moments (first and per-entry second) in bf16, and the paper's rule none.
     model.config.to_json_file(tmp_path / "config.json")
-    for flag, bytes_each in ((["--logra-moments"], 4), (["--logra-moments", "bfloat16"], 2)):
+    paper = ["--logra-rule", "paper"]
+    for flag, bytes_each in (
+        ([], 2 * 2),
+        (paper, 0),
+        ([*paper, "--logra-moments"], 4),
+        ([*paper, "--logra-moments", "bfloat16"], 2),
+    ):
         out = tmp_path / "plan.json"
         plan_main(["--model", str(tmp_path / "config.json"), "--rank", "8", *flag, "--json", str(out)])
         planned_cli = json.loads(out.read_text())["logra"]["sketch_moments"]
-        assert planned_cli == sum(m.d_out * 8 * bytes_each for m in sketcher.matrices.values())
+        assert planned_cli == sum(m.d_out * 8 * bytes_each for m in sketcher.matrices.values()), flag
+    default = memory_report(qwen2_factory(seed=1), sketcher=LoGRASketcher(qwen2_factory(seed=1), LoGRAConfig(rank=8)))
+    assert default.sketch_moments == sum(m.d_out * 8 * 2 * 2 for m in sketcher.matrices.values())

@@ -14,7 +14,7 @@ from logra_pl.sketch.probe import logit_tangent, predicted_kl_terms
 
 
 def _proposal(model, seed: int):
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=16, update_ratio=1e-2, base_seed=seed))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=16, update_ratio=1e-2, base_seed=seed))
     gen = torch.Generator().manual_seed(seed)
     for _ in range(2):
         ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
@@ -72,7 +72,7 @@ def test_jvp_and_finite_difference_agree(qwen2_factory) -> None:
 
 def test_zero_proposal_has_zero_tangent(qwen2_factory) -> None:
     model = qwen2_factory(seed=5)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8))
     proposal = sketcher.propose()  # nothing accumulated: U = 0
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
     _, tangent = logit_tangent(model, {n: m.module for n, m in sketcher.matrices.items()}, proposal, {"input_ids": ids})

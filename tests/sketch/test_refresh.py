@@ -37,7 +37,7 @@ def test_projection_index_steps_every_n_updates() -> None:
 
 @pytest.mark.parametrize(
     ("refresh", "every", "resolved"),
-    [(None, None, 1), (True, None, 1), (False, None, 0), (None, 0, 0), (None, 1, 1), (None, 7, 7), (True, 7, 7)],
+    [(None, None, 0), (True, None, 1), (False, None, 0), (None, 0, 0), (None, 1, 1), (None, 7, 7), (True, 7, 7)],
 )
 def test_both_spellings_resolve(refresh, every, resolved: int) -> None:
     cfg = LoGRAConfig(refresh=refresh, refresh_every=every)
@@ -123,7 +123,7 @@ def test_payload_carries_refresh_every_and_checks_it() -> None:
 
 def test_checkpoints_of_either_spelling_resume_and_n_is_structural(qwen2_factory) -> None:
     model = qwen2_factory(seed=2)
-    saved = LoGRASketcher(model, LoGRAConfig(rank=8)).state_dict()
+    saved = LoGRASketcher(model, LoGRAConfig(rank=8, refresh=True)).state_dict()
     assert "refresh_every" not in saved["config"] and saved["config"]["refresh"] is True  # the old dict
     LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8, refresh_every=1)).load_state_dict(saved)
     other = LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8, refresh_every=10))
@@ -132,8 +132,11 @@ def test_checkpoints_of_either_spelling_resume_and_n_is_structural(qwen2_factory
     fixed = copy.deepcopy(saved)
     fixed["config"]["refresh"] = False
     LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8, refresh_every=0)).load_state_dict(fixed)
+    LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8)).load_state_dict(fixed)  # today's default: one basis
     with pytest.raises(LoGRAConfigError, match=r"refresh_every: checkpoint 0 vs current 1"):
-        LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8)).load_state_dict(fixed)
+        LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8, refresh=True)).load_state_dict(fixed)
+    with pytest.raises(LoGRAConfigError, match=r"refresh_every: checkpoint 1 vs current 0"):
+        LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8)).load_state_dict(saved)  # a run of the old default
     every3 = LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(rank=8, refresh_every=3)).state_dict()
     assert every3["config"]["refresh_every"] == 3
     with pytest.raises(LoGRAConfigError, match=r"refresh_every: checkpoint 3 vs current 1"):
@@ -141,16 +144,20 @@ def test_checkpoints_of_either_spelling_resume_and_n_is_structural(qwen2_factory
 
 
 def test_run_settings_compare_across_spellings() -> None:
-    """The CLI's resume check: an old run's ``refresh: true`` is today's default and ``refresh_every: 1``."""
+    """The CLI's resume check: an old run's ``refresh: true`` is ``refresh_every: 1``; saying neither is today's
+    default, one fixed basis (``refresh: false``, ``refresh_every: 0``), which such a run must now write out."""
     old = {"model": {"logra": {"rank": 64, "refresh": True}}}
-    for now in ({}, {"refresh": None, "refresh_every": None}, {"refresh_every": 1}, {"refresh": True}):
+    for now in ({"refresh_every": 1}, {"refresh": True}, {"refresh": True, "refresh_every": None}):
         check_resume(old, {"model": {"logra": {"rank": 64, **now}}})
+    with pytest.raises(ResumeMismatchError, match=r"model\.logra\.refresh_every: checkpoint 1, now 0"):
+        check_resume(old, {"model": {"logra": {"rank": 64}}})
     with pytest.raises(ResumeMismatchError, match=r"model\.logra\.refresh_every: checkpoint 1, now 10"):
         check_resume(old, {"model": {"logra": {"rank": 64, "refresh_every": 10}}})
     fixed = {"model": {"logra": {"rank": 64, "refresh": False}}}
-    check_resume(fixed, {"model": {"logra": {"rank": 64, "refresh_every": 0}}})
+    for now in ({}, {"refresh": None, "refresh_every": None}, {"refresh_every": 0}):
+        check_resume(fixed, {"model": {"logra": {"rank": 64, **now}}})
     with pytest.raises(ResumeMismatchError, match=r"model\.logra\.refresh_every: checkpoint 0, now 1"):
-        check_resume(fixed, {"model": {"logra": {"rank": 64}}})
+        check_resume(fixed, {"model": {"logra": {"rank": 64, "refresh_every": 1}}})
 
 
 def test_resume_mid_period_reproduces_the_uninterrupted_run(qwen2_factory, tmp_path) -> None:
@@ -185,7 +192,8 @@ def test_first_moment_is_carried_only_when_the_basis_changes(qwen2_factory, monk
     original = groups_module.transfer_moment
     calls: list[int] = []
 
-    def counting(moment, old, new):  # a stack of a group's matrices at a time
+    def counting(moment, old, new, squared=False):  # a stack of a group's matrices at a time
+        assert not squared, "RowAdam keeps no per-entry second moment to carry"
         calls.extend([sketcher.update_index] * moment.shape[0])
         carried = original(moment, old, new)
         scale = old.shape[-2] / old.shape[-1]
@@ -195,7 +203,10 @@ def test_first_moment_is_carried_only_when_the_basis_changes(qwen2_factory, monk
 
     monkeypatch.setattr(groups_module, "transfer_moment", counting)
     model = qwen2_factory(seed=1)
-    cfg = LoGRAConfig(rank=8, beta1=0.9, update_ratio=1e-3, distribution="hadamard", refresh_every=3)
+    cfg = LoGRAConfig(
+        rank=8, update_rule="rowadam", beta1=0.9, moment_dtype="float32", update_ratio=1e-3, distribution="hadamard",
+        refresh_every=3,
+    )  # fmt: skip
     sketcher = LoGRASketcher(model, cfg)
     for u in range(7):
         _step(model, sketcher, u)

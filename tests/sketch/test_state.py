@@ -17,7 +17,7 @@ def _update(model, sketcher: LoGRASketcher, seed: int) -> None:
 
 
 def test_resume_reproduces_uninterrupted_run(qwen2_factory, tmp_path) -> None:
-    cfg = LoGRAConfig(rank=8, base_seed=11, update_ratio=1e-3)
+    cfg = LoGRAConfig.paper(rank=8, base_seed=11, update_ratio=1e-3)
     straight = qwen2_factory(seed=0)
     s1 = LoGRASketcher(straight, cfg)
     for i in range(4):
@@ -46,7 +46,7 @@ def test_resume_reproduces_uninterrupted_run(qwen2_factory, tmp_path) -> None:
 
 def test_state_holds_everything(qwen2_factory) -> None:
     model = qwen2_factory(seed=1)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, base_seed=5))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8, base_seed=5))
     _update(model, sketcher, 0)
     state = sketcher.state_dict()
     assert state["config"]["base_seed"] == 5 and state["config"]["rank"] == 8
@@ -69,18 +69,18 @@ def test_state_holds_everything(qwen2_factory) -> None:
 )
 def test_mismatched_config_is_refused(qwen2_factory, change: dict, word: str) -> None:
     model = qwen2_factory(seed=2)
-    saved = LoGRASketcher(model, LoGRAConfig(rank=8)).state_dict()
-    other = LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig(**{"rank": 8, **change}))
+    saved = LoGRASketcher(model, LoGRAConfig.paper(rank=8)).state_dict()
+    other = LoGRASketcher(qwen2_factory(seed=2), LoGRAConfig.paper(**{"rank": 8, **change}))
     with pytest.raises(LoGRAConfigError, match=word):
         other.load_state_dict(saved)
     assert other.update_index == 0  # nothing half-loaded
 
 
 def test_state_of_another_model_is_refused(qwen2_factory) -> None:
-    saved = LoGRASketcher(qwen2_factory(seed=3), LoGRAConfig(rank=8)).state_dict()
-    other = LoGRASketcher(qwen2_factory(seed=3, num_hidden_layers=1), LoGRAConfig(rank=8))
+    saved = LoGRASketcher(qwen2_factory(seed=3), LoGRAConfig.paper(rank=8)).state_dict()
+    other = LoGRASketcher(qwen2_factory(seed=3, num_hidden_layers=1), LoGRAConfig.paper(rank=8))
     with pytest.raises(LoGRAConfigError, match="matrices differ"):
         other.load_state_dict(saved)
-    wider = LoGRASketcher(qwen2_factory(seed=3, intermediate_size=256), LoGRAConfig(rank=8))
+    wider = LoGRASketcher(qwen2_factory(seed=3, intermediate_size=256), LoGRAConfig.paper(rank=8))
     with pytest.raises(LoGRAConfigError, match="shape"):
         wider.load_state_dict(saved)

@@ -60,7 +60,7 @@ def _fill(sketcher: LoGRASketcher, gen: torch.Generator) -> dict[str, torch.Tens
 def test_merged_update_matches_reference(qwen2_factory, rule: str) -> None:
     """Five updates through the sketcher; each merged ΔW equals −bf16(c·D)·P computed densely here."""
     model = qwen2_factory(seed=1)
-    cfg = LoGRAConfig(rank=8, update_rule=rule, update_ratio=1e-3)
+    cfg = LoGRAConfig.paper(rank=8, update_rule=rule, update_ratio=1e-3)
     sketcher = LoGRASketcher(model, cfg)
     gen = torch.Generator().manual_seed(1)
     history: dict[str, list[np.ndarray]] = {name: [] for name in sketcher.matrices}
@@ -97,7 +97,7 @@ def test_merged_update_matches_reference(qwen2_factory, rule: str) -> None:
 
 def test_lr_mode_scales_by_learning_rate(qwen2_factory) -> None:
     model = qwen2_factory(seed=2)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=4, update_rule="sgd", step_mode="lr", lr=0.5))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=4, update_rule="sgd", step_mode="lr", lr=0.5))
     sketches = _fill(sketcher, torch.Generator().manual_seed(2))
     proposal = sketcher.propose()
     for n, m in proposal.matrices.items():
@@ -107,7 +107,7 @@ def test_lr_mode_scales_by_learning_rate(qwen2_factory) -> None:
 def test_zero_sketch_gives_zero_step(qwen2_factory) -> None:
     model = qwen2_factory(seed=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8))
     proposal = sketcher.propose()
     assert proposal is not None and proposal.scale == 0.0
     assert all(float(m.factor.abs().max()) == 0.0 for m in proposal.matrices.values())
@@ -120,7 +120,7 @@ def test_zero_sketch_gives_zero_step(qwen2_factory) -> None:
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_non_finite_sketch_skips_update(qwen2_factory, poison: float) -> None:
     model = qwen2_factory(seed=4)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8))
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     model(input_ids=ids, labels=ids).loss.backward()
     assert sketcher.step() is not None  # one good update, so the row statistics are non-zero
@@ -145,7 +145,7 @@ def test_non_finite_sketch_skips_update(qwen2_factory, poison: float) -> None:
 
 def test_non_finite_alpha_skips_merge(qwen2_factory) -> None:
     model = qwen2_factory(seed=5)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8))
     _fill(sketcher, torch.Generator().manual_seed(5))
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     proposal = sketcher.propose()
@@ -156,7 +156,7 @@ def test_non_finite_alpha_skips_merge(qwen2_factory) -> None:
 
 def test_matrix_ratio_scope_gives_every_matrix_the_same_relative_step(qwen2_factory) -> None:
     model = qwen2_factory(seed=6)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=8, update_ratio=1e-3, ratio_scope="matrix"))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8, update_ratio=1e-3, ratio_scope="matrix"))
     _fill(sketcher, torch.Generator().manual_seed(6))
     before = {n: m.module.weight.detach().double().clone() for n, m in sketcher.matrices.items()}
     assert sketcher.step() is not None
