@@ -23,7 +23,8 @@ The table and the JSON ``ratios`` compare lora/adamw, logra/adamw and logra/lora
 for the pairs whose optimizers ran.
 
 ``--policy`` takes any policy source instead of a tiny preset (``smollm2``: SmolLM2-135M-Instruct, a pretrained model
-whose state matters). LoGRA runs with ``LoGRAConfig``'s defaults at ``--rank`` (and ``update_ratio`` 1e-3), or with
+whose state matters). LoGRA runs with ``LoGRAConfig``'s defaults (the default rule: Adam in sketch space on a fixed
+projection) at ``--rank`` (and ``update_ratio`` 1e-3, which only the ratio step reads), or with
 the ``model.logra`` section of ``--logra-config`` (e.g. ``configs/overlays/paper_logra.yaml`` for the paper's rule).
 
 By default the HF rollout engine generates with the trainer's own weights (``rollout.share_weights``), as the

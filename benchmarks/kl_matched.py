@@ -554,6 +554,10 @@ def resummarize(runs: Sequence[Run]) -> int:
     return done
 
 
+# The sections of model that say how a run updates the policy (none of them is read by a validation).
+METHOD_SECTIONS = ("optimizer", "method", "logra", "adamw", "sgd", "lora")
+
+
 def baseline(run: Run, out: Path, threads: int) -> float:
     """Greedy held-out pass@1 of the policy before any update (``logra-pl validate`` with a run's config: the same
     problems, reward and reply length as every run), cached in ``<out>/baseline.json``."""
@@ -561,9 +565,10 @@ def baseline(run: Run, out: Path, threads: int) -> float:
     folder = out / "baseline"
     cfg["trainer"]["logger"]["init_args"].update(save_dir=relative(folder), name="tb", version=0)
     cfg["trainer"]["callbacks"] = []
-    # The training prompts' order does not change what a validation sees.
+    # Neither the training prompts' order nor the update method changes what a validation before any update sees.
     data = {k: v for k, v in cfg["data"].items() if k != "shuffle_seed"}
-    key = config_key({"model": cfg["model"], "data": data} | {"trainer": {"logger": {"init_args": {}}}})
+    model = {k: v for k, v in cfg["model"].items() if k not in METHOD_SECTIONS}
+    key = config_key({"model": model, "data": data} | {"trainer": {"logger": {"init_args": {}}}})
     cached = out / "baseline.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
         return float(json.loads(cached.read_text())["val_start"])

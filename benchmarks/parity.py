@@ -366,6 +366,29 @@ ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
     # correctness and the verifier failure policy (issue 25)
     "model.scoring": {"correct_threshold": 1.0, "max_failure_rate": 0.5, "max_failed_updates": 2},
 }
+# Keys a file gained when LoGRA's defaults became Adam in sketch space, written out at the old defaults (what their
+# absence meant then): keyed as absent, in that file only.
+WRITTEN_OUT = {"configs/overlays/paper_logra.yaml": {"beta1": 0.0, "moment_dtype": "float32"}}
+# The LoGRA rule the base config held while the protocol was measured (configs/overlays/rowadam_demo.yaml, less the
+# keys it adds at the old defaults): every method of the protocol either writes its whole rule (paper_logra.yaml) or
+# does not run LoGRA, so the base's rule is keyed as this one and a change of the demo's rule reruns nothing.
+PROTOCOL_BASE_RULE = "configs/overlays/rowadam_demo.yaml"
+_RULE_KEYS_ADDED = ("moment_dtype", "lr", "lr_warmup_steps", "lr_decay_steps", "lr_min_ratio")
+
+
+def _keyed_content(path: str) -> Any:
+    """The parsed YAML file ``path`` as the settings key reads it (the base with the protocol's rule)."""
+    config = yaml.safe_load((ROOT / path).read_text())
+    if Path(path) == Path(BASE) and isinstance(config, dict):
+        rule = yaml.safe_load((ROOT / PROTOCOL_BASE_RULE).read_text())["model"]["logra"]
+        config["model"]["logra"] = {k: v for k, v in rule.items() if k not in _RULE_KEYS_ADDED}
+    written = WRITTEN_OUT.get(Path(path).as_posix().removeprefix("./"), {})
+    logra = (config.get("model") or {}).get("logra") if isinstance(config, dict) else None
+    if written and isinstance(logra, dict):
+        for name, value in written.items():
+            if logra.get(name) == value:
+                del logra[name]
+    return _without_added_defaults(config)
 
 
 def _without_added_defaults(config: Any) -> Any:
@@ -392,11 +415,7 @@ def settings_key(args: Sequence[str]) -> str:
         {a.split("=", 1)[-1] for a in args if a.endswith(".yaml")}
         | {b for a, b in itertools.pairwise(args) if a == "--config"}
     )
-    content = [
-        f"{f}:{json.dumps(_without_added_defaults(yaml.safe_load((ROOT / f).read_text())), sort_keys=True)}"
-        for f in files
-        if (ROOT / f).is_file()
-    ]
+    content = [f"{f}:{json.dumps(_keyed_content(f), sort_keys=True)}" for f in files if (ROOT / f).is_file()]
     return args_key([*args, *content])
 
 

@@ -30,9 +30,10 @@ RECIPES = ROOT / "callbacks"
 BASE = CONFIGS / "tiny_cpu.yaml"
 # overlay -> the full config that base + overlay must resolve to
 OVERLAYS = {"adamw": CONFIGS / "tiny_cpu_adamw.yaml", "vllm": CONFIGS / "tiny_cpu_vllm.yaml"}
-# Overlays with no full config of their own (the parity protocol's methods: benchmarks/ablate.py --grid parity), and
+# Overlays with no full config of their own (the parity protocol's methods: benchmarks/ablate.py --grid parity; the
+# rule the ablations and the behaviour records pin), and
 # the overlays each one is applied after (on the base).
-PROTOCOL_OVERLAYS = {"paper_logra": (), "logra_levers": ("paper_logra",)}
+PROTOCOL_OVERLAYS = {"paper_logra": (), "logra_levers": ("paper_logra",), "rowadam_demo": ()}
 # Overlays that switch a feature on, or swap one part (the reward), over the base (no full config of their own): they
 # parse, instantiate and hold only what differs from the base.
 FEATURE_OVERLAYS = ("dapo_shaping", "reward_model", "llm_judge", "calculator", "higher_lower")

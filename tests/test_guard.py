@@ -45,10 +45,10 @@ def _module(**kwargs) -> LoGRAPolicyModule:
     [
         (
             "update_ratio 10",
-            dict(logra=LoGRAConfig(rank=16, update_ratio=10.0)),
+            dict(logra=LoGRAConfig.paper(rank=16, update_ratio=10.0)),
             "exceeds the guard's max_update_ratio",
         ),
-        ("update_ratio 1e10", dict(logra=LoGRAConfig(rank=16, update_ratio=1e10)), "exceeds|non-finite factors"),
+        ("update_ratio 1e10", dict(logra=LoGRAConfig.paper(rank=16, update_ratio=1e10)), "exceeds|non-finite factors"),
         (
             "huge lr",
             dict(logra=LoGRAConfig(rank=16, step_mode="lr", lr=1e30)),

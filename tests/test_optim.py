@@ -41,7 +41,7 @@ def test_logra_optimizer_keeps_no_merged_proposal_alive(qwen2_factory) -> None:
     from logra_pl.sketch import LoGRAConfig, LoGRASketcher
 
     model = qwen2_factory(seed=0)
-    sketcher = LoGRASketcher(model, LoGRAConfig(rank=4, update_ratio=1e-3))
+    sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=4, update_ratio=1e-3))  # a new P every update
     opt = LoGRAOptimizer(sketcher)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
 

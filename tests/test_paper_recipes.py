@@ -191,8 +191,9 @@ def _flags(tokens: list[str]) -> dict[str, str]:
 
 @functools.cache
 def _plan(policy: str, rank: int, train_all: bool = False) -> dict[str, Any]:
-    """``logra-pl plan --ranks 4 --rank <rank> [--train-all]`` (fp32 weights) of a policy's committed config."""
-    return plan(_policy_config(policy), ranks=4, rank_r=rank, train_all=train_all)
+    """``logra-pl plan --ranks 4 --rank <rank> --logra-rule paper [--train-all]`` (fp32 weights) of a policy's
+    committed config: the paper recipes run the paper's rule."""
+    return plan(_policy_config(policy), ranks=4, rank_r=rank, train_all=train_all, logra_rule="paper")
 
 
 # ------------------------------------------------------------------------------------------------------ parsing

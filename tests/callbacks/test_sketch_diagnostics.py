@@ -44,7 +44,7 @@ def _run(callbacks, root, logger=False, optimizer: str = "logra", steps: int = U
     module = LoGRAPolicyModule(
         policy="tiny",
         optimizer=optimizer,
-        logra=LoGRAConfig(rank=RANK, update_ratio=1e-2),
+        logra=LoGRAConfig.paper(rank=RANK, update_ratio=1e-2),  # refreshed: the projection of each update its own
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,  # the 16 probe responses take two microbatches
     )
