@@ -64,7 +64,6 @@ def run_worker(args: argparse.Namespace) -> None:
     from logra_pl.methods.adamw import AdamWConfig
     from logra_pl.methods.lora import LoRAConfig, lora_layers
     from logra_pl.methods.memory_plan import plan
-    from logra_pl.models.load import resolve_source
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
     from logra_pl.sketch import LoGRAConfig
 
@@ -128,9 +127,9 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.worker == "logra":  # the method as it ran plans itself
         from logra_pl.methods.memory_plan import plan_shapes
 
-        planned_total = module.method.plan_memory(plan_shapes(resolve_source(policy).location)).total
+        planned_total = module.method.plan_memory(plan_shapes(policy)).total
     else:
-        planned = plan(resolve_source(policy).location, ranks=1, rank_r=args.rank, optimizers=[args.worker])
+        planned = plan(policy, ranks=1, rank_r=args.rank, optimizers=[args.worker])
         planned_total = planned[args.worker].report.total
     result = {
         "optimizer": args.worker,
