@@ -67,10 +67,9 @@ def resolve_refresh_every(refresh: bool | None, refresh_every: int | None) -> in
     basis. ``refresh`` alone is the old flag: ``True`` means ``N = 1`` (the paper: a new ``P`` every update),
     ``False`` means ``N = 0``. Neither given: ``N = 0``, one basis for the whole run (the project's default since the
     KL-matched grid: a first moment survives on a basis that persists; the paper's ``N = 1`` is ``refresh: true``).
-    Both given, they must agree on whether the
-    basis is refreshed at all: ``refresh: false`` with ``refresh_every ≥ 1``, or ``refresh: true`` with
-    ``refresh_every: 0``, is an error naming both (``refresh: true`` with any ``N ≥ 1`` is consistent: it says the
-    basis is refreshed, ``refresh_every`` says how often).
+    Both given, they must agree on whether the basis is refreshed at all: ``refresh: false`` with
+    ``refresh_every ≥ 1``, or ``refresh: true`` with ``refresh_every: 0``, is an error naming both (``refresh: true``
+    with any ``N ≥ 1`` is consistent: it says the basis is refreshed, ``refresh_every`` says how often).
     """
     if refresh is not None and not isinstance(refresh, bool):
         raise LoGRAConfigError(f"logra.refresh must be true or false, got {refresh!r}")
