@@ -565,9 +565,10 @@ def baseline(run: Run, out: Path, threads: int) -> float:
     folder = out / "baseline"
     cfg["trainer"]["logger"]["init_args"].update(save_dir=relative(folder), name="tb", version=0)
     cfg["trainer"]["callbacks"] = []
-    # Neither the training prompts' order nor the update method changes what a validation before any update sees.
+    # Neither the training prompts' order, the sampling seed (the validation is greedy) nor the update method changes
+    # what a validation before any update sees: one baseline serves every seed and method.
     data = {k: v for k, v in cfg["data"].items() if k != "shuffle_seed"}
-    model = {k: v for k, v in cfg["model"].items() if k not in METHOD_SECTIONS}
+    model = {k: v for k, v in cfg["model"].items() if k not in (*METHOD_SECTIONS, "seed")}
     key = config_key({"model": model, "data": data} | {"trainer": {"logger": {"init_args": {}}}})
     cached = out / "baseline.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
