@@ -70,6 +70,12 @@ GroupStep = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.
 
 STATE_FORMAT = "logra-pl/sketcher/v1"
 
+# ``update_rule: adam`` runs on slices of a group holding at most 1/RULE_SLICES of the model's sketch entries (but
+# never fewer than RULE_MIN_ENTRIES: small groups, whose temporaries cost nothing, run whole), at least one matrix
+# each (see LoGRASketcher._group_direction). RowAdam and SGD form one or two stack-sized temporaries and run whole.
+RULE_SLICES = 4
+RULE_MIN_ENTRIES = 1 << 16
+
 
 class LoGRASketcher:
     """The LoGRA state of one model: per-matrix sketches and projections, RowAdam row statistics, counters.
@@ -157,6 +163,9 @@ class LoGRASketcher:
         # ``{group index: (‖W_i‖, the weights' (data pointer, version) pairs)}``: the norms the last merge left, when
         # it held the merged float64 values anyway (merge_stack_(norms=True)); reused while no weight has changed.
         self._merged_norms: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
+        # The most sketch entries one slice of the update rule reads (see _group_direction).
+        slices = RULE_SLICES if self.config.update_rule == "adam" else 1
+        self._rule_entries = max(RULE_MIN_ENTRIES, sum(g.sketch.numel() for g in self.groups) // slices)
         self.dense = select_dense(model, self.config.dense_params, set(self.matrices))
         for p in self.dense.values():
             p.requires_grad_(True)
@@ -386,10 +395,45 @@ class LoGRASketcher:
         return [self._group_direction(group, step, grad_scale) for group in self.groups]
 
     def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:
-        """``(D, v_new, m_new)`` of one group, or of one matrix when given its 2-D rows (the update formulas take
-        either, see :mod:`logra_pl.sketch.update`)."""
-        grams = (group.grams, group.gram_tokens) if group.grams is not None else None
-        return self._rule(group.sketch, group.row_stats, group.moments, step, grad_scale, group.second_moments, grams)
+        """``(D, v_new, m_new, V_new)`` of one group, by slices of whole matrices with ``update_rule: adam``.
+
+        Every formula of a rule reads one matrix at a time (row statistics, per-matrix means and norms), so a slice
+        gives its matrices' values bit for bit as the whole stack would. Per-entry Adam forms about six stack-sized
+        fp32 temporaries (the scaled sketch, the new moments, ``m̂``, the quotient); on a slice of at most
+        ``1/RULE_SLICES`` of the model's sketch entries (at least one matrix, at least ``RULE_MIN_ENTRIES``) they stay
+        a small part of the state instead of adding several times a group's sketch to the update's peak. Each extra
+        slice costs its own operator calls (about 90), so slices are few and only the rule that needs them has them.
+        """
+        k = group.size
+        per = max(1, self._rule_entries // max(1, group.sketch.shape[1:].numel()))
+        if per >= k:
+            grams = (group.grams, group.gram_tokens) if group.grams is not None else None
+            return self._rule(
+                group.sketch, group.row_stats, group.moments, step, grad_scale, group.second_moments, grams
+            )
+        out: list[torch.Tensor | None] | None = None
+        for lo in range(0, k, per):
+            part = self._rule_slice(group, slice(lo, min(k, lo + per)), step, grad_scale)
+            if out is None:  # the results' dtypes are the rule's: allocated once its first slice has run
+                out = [None if t is None else t.new_empty((k, *t.shape[1:])) for t in part]
+            for whole, t in zip(out, part, strict=True):
+                if whole is not None:
+                    whole[lo : lo + len(t)].copy_(t)  # type: ignore[arg-type]
+        assert out is not None
+        return out[0], out[1], out[2], out[3]
+
+    def _rule_slice(self, group: MatrixGroup, rows: slice, step: int, grad_scale: float) -> GroupStep:
+        """:meth:`_rule` on the matrices ``rows`` of ``group`` (views of its stacks: nothing copied)."""
+        grams = (group.grams[rows], group.gram_tokens[rows]) if group.grams is not None else None
+        return self._rule(
+            group.sketch[rows],
+            group.row_stats[rows],
+            None if group.moments is None else group.moments[rows],
+            step,
+            grad_scale,
+            None if group.second_moments is None else group.second_moments[rows],
+            grams,
+        )
 
     def _rule(
         self,
@@ -411,10 +455,14 @@ class LoGRASketcher:
             numerator = bias_corrected(moment, cfg.beta1, self.moment_age + 1)
         if grams is not None:
             numerator = gram_preconditioned(s if numerator is None else numerator, *grams, cfg.gram_damping)
+        if moment is not None and moments is not None:
+            # Held until the merge commits it, in the dtype it is stored in (the commit rounds to it anyway): a bf16
+            # moment waits at half the bytes of its fp32 value.
+            moment = moment.to(moments.dtype)
         if cfg.update_rule == "adam":
             assert second_moments is not None
             d, second = entry_adam_direction(s, second_moments, self.second_age + 1, cfg.beta2, cfg.eps, numerator)
-            return d, None, moment, second
+            return d, None, moment, second.to(second_moments.dtype)  # likewise
         if cfg.step_mode == "adam":
             d, v = adam_direction(s, row_stats, step, cfg.beta2, cfg.eps, numerator)
             return d, v, moment, None

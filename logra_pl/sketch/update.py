@@ -142,11 +142,13 @@ def entry_adam_direction(
     if age < 1:
         raise ValueError(f"second-moment age starts at 1, got {age}")
     s32 = _float32(sketch)
-    v_new = beta2 * _float32(second_moment) + (1.0 - beta2) * s32.square()
-    root = torch.sqrt(v_new / (1.0 - beta2**age))
-    den = root + torch.clamp(eps * root.mean(dim=(-2, -1), keepdim=True), min=TINY)
+    # The same operations as the formulas above, each stack-sized result formed once and then updated in place: a
+    # group's temporaries are what bounds the update's peak (on a CPU glibc's heap keeps what it grew to).
+    v_new = _float32(second_moment).mul(beta2).add_(s32.square().mul_(1.0 - beta2))
+    den = v_new.div(1.0 - beta2**age).sqrt_()  # root
+    den.add_(torch.clamp(eps * den.mean(dim=(-2, -1), keepdim=True), min=TINY))
     num = s32 if numerator is None else _float32(numerator)
-    return num / den, v_new
+    return torch.div(num, den, out=den), v_new
 
 
 def gram_preconditioned(
@@ -177,7 +179,8 @@ def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
 def first_moment(sketch: torch.Tensor, moment: torch.Tensor, beta1: float) -> torch.Tensor:
     """``m ← β1·m + (1−β1)·S`` in fp32 (from ``m`` as stored: fp32 or bf16), the sketch-space first moment;
     returns the new fp32 ``m``, inputs untouched. The caller rounds it to the storage dtype when it commits."""
-    return beta1 * _float32(moment) + (1.0 - beta1) * _float32(sketch)
+    # ``β1·m`` is a new tensor (``m`` as stored is never written); the second product is added to it in place.
+    return _float32(moment).mul(beta1).add_(_float32(sketch).mul(1.0 - beta1))
 
 
 def bias_corrected(moment: torch.Tensor, beta1: float, age: int) -> torch.Tensor:

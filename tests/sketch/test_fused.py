@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, apply_payload
 from logra_pl.sketch import merge as merge_module
+from logra_pl.sketch import sketcher as sketcher_module
 from logra_pl.sketch.reference import PerMatrixSketcher
 
 UPDATES = 7
@@ -113,6 +114,25 @@ def test_grouped_step_is_the_per_matrix_step(qwen2_factory, option: str) -> None
         grouped[0]["weights"]["model.layers.0.mlp.up_proj.weight"],
         grouped[-1]["weights"]["model.layers.0.mlp.up_proj.weight"],
     )  # the run trained (no vacuous equality)
+
+
+@pytest.mark.parametrize("slices", [3, 1000])
+def test_the_default_rule_by_slices_is_the_per_matrix_step(qwen2_factory, monkeypatch, slices: int) -> None:
+    """``update_rule: adam`` runs on slices of whole matrices (several per slice and an uneven last one at 3 slices of
+    the model's entries; one matrix per slice at 1000): the same bits as the rule on each matrix alone."""
+    monkeypatch.setattr(sketcher_module, "RULE_MIN_ENTRIES", 1)
+    monkeypatch.setattr(sketcher_module, "RULE_SLICES", slices)
+    cfg = LoGRAConfig(rank=8, lr=1e-3, lr_warmup_steps=0, dense_lr=1e-3)
+    model = qwen2_factory(seed=0)
+    reference = copy.deepcopy(model)
+    sliced = LoGRASketcher(model, cfg)
+    per_slice = [max(1, sliced._rule_entries // g.sketch.shape[1:].numel()) for g in sliced.groups]
+    assert any(per < g.size for per, g in zip(per_slice, sliced.groups, strict=True))  # it does slice
+    if slices == 3:
+        assert any(1 < per < g.size and g.size % per for per, g in zip(per_slice, sliced.groups, strict=True))
+    grouped = _updates(model, sliced, UPDATES)
+    _assert_same(grouped, _updates(reference, PerMatrixSketcher(reference, cfg), UPDATES))
+    assert grouped[-1]["state"]["second_moments"]
 
 
 @pytest.mark.parametrize(
@@ -220,6 +240,12 @@ def test_medium_step_makes_at_most_two_thousand_operator_calls(qwen2_factory) ->
     calls = _calls(model, grouped, _profiler)
     assert calls <= 2000, calls
     assert calls <= 0.2 * _calls(reference, PerMatrixSketcher(reference, cfg), _profiler), calls
+    # The default rule, which runs its largest groups in slices (RULE_SLICES), stays within the same bound.
+    model = qwen2_factory(seed=0, num_hidden_layers=10, **MEDIUM_SHAPES)
+    default = LoGRASketcher(model, LoGRAConfig(rank=64))
+    assert any(g.sketch.numel() > default._rule_entries for g in default.groups)  # it does slice
+    calls = _calls(model, default, _profiler)
+    assert calls <= 2000, calls
 
 
 def test_weights_written_between_updates_are_normed_again(qwen2_factory) -> None:
