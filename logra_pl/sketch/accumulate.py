@@ -79,6 +79,12 @@ class MatrixSketch:
     def projection(self, value: torch.Tensor) -> None:
         self._projection, self._projection_row = value, None
 
+    def set_projection(self, projection: torch.Tensor, seed: int) -> None:
+        """Install ``P`` (on the sketch's device) and its seed for the coming update: how a matrix sketched on its own,
+        outside a :class:`~logra_pl.sketch.LoGRASketcher`, gets its projection (``tutorials/01_sketch_core``)."""
+        self.projection = projection if projection.device == self.sketch.device else projection.to(self.sketch.device)
+        self.seed = seed
+
     def set_stacked_projection(self, stack: torch.Tensor, row: int, seed: int) -> None:
         """Install row ``row`` of a ``(k, r, d_in)`` stack (on the sketch's device) as ``P``, and its seed; the row
         is viewed when ``P`` is first read (the sketcher installs whole groups at once)."""
