@@ -1,13 +1,16 @@
 """``LoGRAStrategy`` (``logra_fsdp``): FSDP2 data parallelism that owns LoGRA's distributed steps.
 
 It shards every decoder layer and then the root with ``fully_shard`` on the data-parallel mesh (the module
-does not need to know), and wires the sketch core to the process group:
+does not need to know). It names no update method: an optimizer whose state is replicated on every rank
+(:class:`~logra_pl.methods.base.ReplicatedStateOptimizer`) is saved and loaded whole and wires its own collectives
+through the strategy (:class:`~logra_pl.methods.base.DataParallelRanks`: world size, device, stats, row offsets).
+LoGRA's optimizer (:meth:`~logra_pl.methods.logra.LoGRAOptimizer.wire_ranks`) then:
 
-- before each proposal, every sketch ``S`` is all-reduced (sum — the loss is already normalised by the
+- before each proposal, all-reduces every sketch ``S`` (sum — the loss is already normalised by the
   token count of all ranks, so the sum is the gradient sketch of the global token-mean loss);
-- ``Σ‖W_i‖²`` is summed over the ranks' row shards, so RowAdam and the global scale see whole matrices and
+- sums ``Σ‖W_i‖²`` over the ranks' row shards, so RowAdam and the global scale see whole matrices and
   every rank forms the identical proposal;
-- each rank merges only its local row shard, at the shard's global row offset (dim-0 sharding).
+- merges only each rank's local row shard, at the shard's global row offset (dim-0 sharding).
 
 A KL penalty's reference policy (``loss.reference_device: same``) is sharded the same way (:meth:`shard_reference`);
 one kept on the CPU is refused here, since every process would hold all of it.
@@ -17,7 +20,6 @@ World size 1 runs through the same code, so a config does not change between a l
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from torch import nn
 from typing_extensions import override
 
 from logra_pl.errors import ConfigError
-from logra_pl.methods.logra import LoGRAOptimizer
+from logra_pl.methods.base import ReplicatedStateOptimizer
 from logra_pl.runtime import compat
 from logra_pl.runtime.checkpointing import checkpointed_layers, decoder_layers, enable_activation_checkpointing
 from logra_pl.sketch.memory import local_state_bytes
@@ -93,6 +95,7 @@ class LoGRAStrategy(ModelParallelStrategy):
         )
         self.activation_checkpointing = activation_checkpointing
         self.param_dtype = param_dtype
+        # What collectives wired through this strategy last did ({name: value}, e.g. the sketch all-reduce's bytes).
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------- setup
@@ -170,42 +173,22 @@ class LoGRAStrategy(ModelParallelStrategy):
         self._wire_optimizers()
 
     def _wire_optimizers(self) -> None:
+        """Let every optimizer that keeps a replicated state wire its own collectives into this strategy."""
         for opt in self.optimizers:
-            inner = getattr(opt, "optimizer", opt)
-            if isinstance(inner, LoGRAOptimizer):
-                inner.before_propose = self.reduce_sketches
-                inner.weight_sq_norms = self.weight_sq_norms
-                sketcher = inner.sketcher
-                sketcher.row_offsets = {n: row_offset(m.module.weight) for n, m in sketcher.matrices.items()}
+            inner = compat.inner_optimizer(opt)
+            if isinstance(inner, ReplicatedStateOptimizer):
+                inner.wire_ranks(self)
 
-    # ------------------------------------------------------------------------------- LoGRA collectives
-    def reduce_sketches(self, optimizer: LoGRAOptimizer) -> None:
-        """All-reduce (sum) every sketch, one call per group of same-shaped matrices (each group's sketches are one
-        stacked buffer, :meth:`~logra_pl.sketch.LoGRASketcher.sketch_stacks`); record bytes and seconds."""
-        start = time.perf_counter()
-        stacks = optimizer.sketcher.sketch_stacks()
-        nbytes = sum(s.numel() * s.element_size() for s in stacks)
-        if self.world_size > 1:
-            for stack in stacks:
-                torch.distributed.all_reduce(stack, op=torch.distributed.ReduceOp.SUM)
-        self.stats["logra/sketch_allreduce_bytes"] = float(nbytes if self.world_size > 1 else 0)
-        self.stats["logra/sketch_allreduce_s"] = time.perf_counter() - start
-
-    def weight_sq_norms(self, optimizer: LoGRAOptimizer) -> dict[str, float]:
-        """``‖W_i‖²`` of whole matrices: local shard sums, summed over ranks."""
-        local = optimizer.sketcher.weight_sq_norms()
-        if self.world_size <= 1:
-            return local
-        names = list(local)
-        t = torch.tensor([local[n] for n in names], dtype=torch.float64, device=self.root_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-        return {n: float(v) for n, v in zip(names, t.tolist(), strict=True)}
+    def row_offset(self, weight: torch.Tensor) -> int:
+        """Global index of the first row of ``weight`` this rank holds (:func:`row_offset`; the ranks' contract,
+        :class:`~logra_pl.methods.base.DataParallelRanks`)."""
+        return row_offset(weight)
 
     # ------------------------------------------------------------------------------------ checkpoints
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         inner = compat.inner_optimizer(optimizer)
-        if isinstance(inner, LoGRAOptimizer):
+        if isinstance(inner, ReplicatedStateOptimizer):
             return inner.state_dict()  # replicated: identical on every rank
         return super().optimizer_state(optimizer)
 
@@ -222,16 +205,16 @@ class LoGRAStrategy(ModelParallelStrategy):
         module = self.lightning_module
         assert module is not None
         state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
-        inners = [getattr(o, "optimizer", o) for o in self.optimizers]
+        inners = [compat.inner_optimizer(o) for o in self.optimizers]
         for idx, inner in enumerate(inners):
-            if isinstance(inner, LoGRAOptimizer):
+            if isinstance(inner, ReplicatedStateOptimizer):
                 state[f"optimizer_{idx}"] = inner.state_dict()  # the template DCP fills in place
             else:
                 state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, inner)
         dcp_load(state, checkpoint_id=path)
         set_model_state_dict(module, state["state_dict"])
         for idx, inner in enumerate(inners):
-            if isinstance(inner, LoGRAOptimizer):
+            if isinstance(inner, ReplicatedStateOptimizer):
                 inner.load_state_dict(state[f"optimizer_{idx}"])
             else:
                 set_optimizer_state_dict(module, inner, state[f"optimizer_{idx}"])
@@ -256,8 +239,8 @@ class LoGRAStrategy(ModelParallelStrategy):
         if len(states) != len(self.optimizers):
             raise ValueError(f"checkpoint has {len(states)} optimizer states, the run has {len(self.optimizers)}")
         for opt, state in zip(self.optimizers, states, strict=True):
-            inner = getattr(opt, "optimizer", opt)
-            if isinstance(inner, LoGRAOptimizer):
+            inner = compat.inner_optimizer(opt)
+            if isinstance(inner, ReplicatedStateOptimizer):
                 inner.load_state_dict(state)
             else:
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

@@ -207,3 +207,26 @@ def test_deprecated_names_and_old_paths_live_in_the_graveyard_only() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             assert all(getattr(stand_in, n) is getattr(first, n) for n in public), old
+
+
+def test_the_strategy_names_no_update_method() -> None:
+    """``strategy.py`` asks an optimizer what it can do (the protocols of ``methods/base.py``), never what it is: it
+    imports nothing from a method's own module and names none of their classes."""
+    path = PACKAGE / "strategy.py"
+    tree = ast.parse(path.read_text())
+    from_methods = [
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("logra_pl.methods")
+    ]
+    assert from_methods and set(from_methods) == {"logra_pl.methods.base"}, from_methods
+    method_classes = {
+        node.name
+        for module in (PACKAGE / "methods").glob("*.py")
+        if module.name != "base.py"
+        for node in ast.walk(ast.parse(module.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    named |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert method_classes and not (named & method_classes), sorted(named & method_classes)

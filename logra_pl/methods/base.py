@@ -20,7 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -34,6 +34,44 @@ from logra_pl.sketch.payload import Payload
 from logra_pl.sketch.probe import ProbeMode
 
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class DataParallelRanks(Protocol):
+    """What a data-parallel strategy offers the optimizers that wire themselves into it (the whole contract).
+
+    Arguments:
+        world_size: ranks training together (1: nothing to reduce).
+        root_device: this rank's device.
+        stats: ``{name: value}`` the strategy logs after each update (bytes and seconds of collectives).
+    """
+
+    world_size: int
+    root_device: torch.device
+    stats: dict[str, float]
+
+    def row_offset(self, weight: torch.Tensor) -> int:
+        """Global index of the first row of ``weight`` this rank holds (0 when it is not sharded)."""
+        ...
+
+
+@runtime_checkable
+class ReplicatedStateOptimizer(Protocol):
+    """An optimizer whose whole state is the same on every rank, wired into data parallelism by itself (the whole
+    contract): a strategy saves and loads its ``state_dict`` as it is (never as sharded optimizer state) and calls
+    :meth:`wire_ranks` once it has sharded the model, so the optimizer sets up the collectives its step needs."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state, identical on every rank."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        ...
+
+    def wire_ranks(self, ranks: DataParallelRanks) -> None:
+        """Set up what each step must reduce over ``ranks`` (called once per setup, on every rank)."""
+        ...
 
 
 @dataclass

@@ -8,6 +8,7 @@ Backward fills ``S = G Pᵀ`` per target matrix; ``optimizer.step()`` forms the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -20,13 +21,46 @@ from typing_extensions import override
 
 from logra_pl.config import register
 from logra_pl.errors import ConfigError
-from logra_pl.methods.base import AllReduceSum, PlanShapes, StepResult, UpdateMethod, bytes_text, count_text
+from logra_pl.methods.base import (
+    AllReduceSum,
+    DataParallelRanks,
+    PlanShapes,
+    StepResult,
+    UpdateMethod,
+    bytes_text,
+    count_text,
+)
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, select_targets
 from logra_pl.sketch.config import DEFAULT_TARGETS, MOMENT_DTYPES, matrix_rank
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, logit_tangent
+
+
+def reduce_sketches(optimizer: LoGRAOptimizer, ranks: DataParallelRanks) -> None:
+    """All-reduce (sum) every sketch, one call per group of same-shaped matrices (each group's sketches are one
+    stacked buffer, :meth:`~logra_pl.sketch.LoGRASketcher.sketch_stacks`); the bytes and seconds go to the ranks'
+    ``stats``."""
+    start = time.perf_counter()
+    stacks = optimizer.sketcher.sketch_stacks()
+    nbytes = sum(s.numel() * s.element_size() for s in stacks)
+    if ranks.world_size > 1:
+        for stack in stacks:
+            torch.distributed.all_reduce(stack, op=torch.distributed.ReduceOp.SUM)
+    ranks.stats["logra/sketch_allreduce_bytes"] = float(nbytes if ranks.world_size > 1 else 0)
+    ranks.stats["logra/sketch_allreduce_s"] = time.perf_counter() - start
+
+
+def summed_weight_sq_norms(optimizer: LoGRAOptimizer, ranks: DataParallelRanks) -> dict[str, float]:
+    """``‖W_i‖²`` of whole matrices: each rank's shard sums, summed over ``ranks``."""
+    local = optimizer.sketcher.weight_sq_norms()
+    if ranks.world_size <= 1:
+        return local
+    names = list(local)
+    t = torch.tensor([local[n] for n in names], dtype=torch.float64, device=ranks.root_device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return {n: float(v) for n, v in zip(names, t.tolist(), strict=True)}
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
@@ -53,9 +87,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.grad_scale = 1.0
         self.last_merge_s = 0.0
         self.max_relative_update = max_relative_update
-        # Set by a data-parallel strategy: all-reduce the sketches, and sum ‖W_i‖² over row shards.
+        # Set by wire_ranks under data parallelism: all-reduce the sketches, and sum ‖W_i‖² over row shards.
         self.before_propose: Callable[[LoGRAOptimizer], None] | None = None
         self.weight_sq_norms: Callable[[LoGRAOptimizer], dict[str, float]] | None = None
+
+    def wire_ranks(self, ranks: DataParallelRanks) -> None:
+        """Data parallelism (:class:`~logra_pl.methods.base.ReplicatedStateOptimizer`): before each proposal the
+        sketches are summed over ``ranks`` (:func:`reduce_sketches`) and ``‖W_i‖²`` over the row shards
+        (:func:`summed_weight_sq_norms`); each matrix merges at the first global row its rank holds."""
+        sketcher = self.sketcher
+        sketcher.row_offsets = {n: ranks.row_offset(m.module.weight) for n, m in sketcher.matrices.items()}
+        self.before_propose = functools.partial(reduce_sketches, ranks=ranks)
+        self.weight_sq_norms = functools.partial(summed_weight_sq_norms, ranks=ranks)
 
     @property
     def last_proposal(self) -> Proposal | None:
