@@ -32,8 +32,8 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from logra_pl._graveyard.losses import translate_config
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
+from logra_pl.config import translated
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import (
     ConfigError,
@@ -69,8 +69,9 @@ _YAML = get_loader("yaml")
 
 def load_config_text(text: str) -> Any:
     """A config (or a command-line value) as jsonargparse's YAML loader reads it, with the old ``model.loss`` /
-    ``model.baseline: {kind: ...}`` sections in their ``class_path`` form (``logra_pl/_graveyard/losses.py``)."""
-    return translate_config(_YAML(text))
+    ``model.baseline: {kind: ...}`` sections in their ``class_path`` form (the ``config`` translators of
+    :func:`logra_pl.config.translated`)."""
+    return translated("config", _YAML(text))
 
 
 set_loader(CONFIG_MODE, load_config_text, exceptions=(yaml.YAMLError,))

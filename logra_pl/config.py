@@ -11,9 +11,12 @@ config or a caller gives into the object::
     loss: {class_path: logra_pl.losses.PPOClip, init_args: {clip_eps: 0.1}}
 
 and in Python any object of the kind is used as it is. What a name resolves to is checked by the registry's own check
-(``check_loss`` and the like), so a wrong object fails with a message naming the setting, not deep in a run. Old
-spellings (the deprecated ``{kind: ...}`` sections) are not read here: ``logra_pl/_graveyard`` translates them where
-configs and checkpoints are read.
+(``check_loss`` and the like), so a wrong object fails with a message naming the setting, not deep in a run.
+
+Old spellings (the deprecated ``{kind: ...}`` sections, the short ``optimizer:`` form) are not known here either: the
+places where configs and checkpoints are read pass them through :func:`translated`, and whoever knows an old spelling
+adds its translator there (:func:`add_translator`: ``logra_pl/_graveyard`` does, from outside, when the package is
+imported). Without translators every value passes unchanged.
 """
 
 from __future__ import annotations
@@ -222,4 +225,33 @@ def resolve(
         value = construct(cls, value.get("init_args"), setting)
     if registry.check is not None:
         registry.check(value, setting)
+    return value
+
+
+# ------------------------------------------------------------------------------------------ older spellings
+# Where settings are read -> the translators of older spellings, in the order they were added.
+TRANSLATION_POINTS = ("config", "setting", "hparams", "checkpoint")
+_TRANSLATORS: dict[str, list[Callable[..., Any]]] = {point: [] for point in TRANSLATION_POINTS}
+
+
+def add_translator(point: str, translator: Callable[..., Any]) -> None:
+    """Translate older spellings at ``point`` (once per translator):
+
+    - ``"config"``: ``translator(config) -> config``, a whole parsed YAML config or command-line value (the CLI);
+    - ``"setting"``: ``translator(value, key) -> value``, one ``model.<key>`` setting as a resume compares it;
+    - ``"hparams"``: ``translator(hparams) -> hparams``, a checkpoint's saved module hyper-parameters
+      (``load_from_checkpoint``);
+    - ``"checkpoint"``: ``translator(checkpoint) -> checkpoint``, a loaded checkpoint before the module reads it.
+    """
+    if point not in _TRANSLATORS:
+        raise ValueError(f"unknown translation point {point!r}: use one of {', '.join(TRANSLATION_POINTS)}")
+    if translator not in _TRANSLATORS[point]:
+        _TRANSLATORS[point].append(translator)
+
+
+def translated(point: str, value: T, *args: Any) -> T:
+    """``value`` with the older spellings the translators at ``point`` know written the current way (unchanged when
+    none is attached)."""
+    for translator in _TRANSLATORS[point]:
+        value = translator(value, *args)
     return value

@@ -17,8 +17,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from logra_pl._graveyard import deprecated_names
-from logra_pl._graveyard.checkpoints import LegacyCheckpoints
 from logra_pl.callbacks.progress import replace_default_callbacks
 from logra_pl.envs.base import Environment, check_environment
 from logra_pl.errors import check_int
@@ -56,7 +54,7 @@ quiet_noise()
 __all__ = ["LoGRAPolicyModule", "RolloutSettings", "ScoringSettings", "StepContext", "item_task"]
 
 
-class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
+class LoGRAPolicyModule(pl.LightningModule):
     """RL post-training of a causal LM with LoGRA (or a baseline update method).
 
     Arguments:
@@ -345,6 +343,3 @@ class LoGRAPolicyModule(LegacyCheckpoints, pl.LightningModule):
         if self.reference_policy is not None:
             report.reference_policy = self.reference_policy.nbytes  # this rank's (its shard, when sharded)
         return report
-
-
-__getattr__ = deprecated_names(__name__)

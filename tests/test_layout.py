@@ -230,3 +230,57 @@ def test_the_strategy_names_no_update_method() -> None:
     named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     named |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert method_classes and not (named & method_classes), sorted(named & method_classes)
+
+
+# The wings from the bottom of the house to the top: a module may import from its own wing and from the wings below
+# it, never from one above (the loose top-level modules count as wings of their own). ``_graveyard`` stands outside
+# the order: it attaches itself to the live code from outside and may import any of it.
+WING_ORDER = (
+    ("errors", "config"),
+    ("runtime",),
+    ("models",),
+    ("data",),
+    ("sketch",),
+    ("losses",),
+    ("rewards",),
+    ("methods",),
+    ("runs",),
+    ("rollout",),
+    ("envs",),
+    ("train",),
+    ("callbacks",),
+    ("strategy",),
+    ("smoke", "module"),
+    ("cli",),
+)
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "<root>"
+
+
+def test_no_import_runs_from_a_lower_wing_to_a_higher_one() -> None:
+    """Every import between wings goes down the house (:data:`WING_ORDER`); a wing that is not in the order fails
+    too, so a new wing is placed on purpose."""
+    level = {wing: i for i, wings in enumerate(WING_ORDER) for wing in wings}
+    graph = import_graph(_sources(PACKAGE, ROOT))
+    wings = {_wing(m) for m in graph} - {"<root>", "_graveyard"}
+    assert not wings - set(level), f"wings missing from WING_ORDER: {sorted(wings - set(level))}"
+    upward = [
+        f"{module} -> {target} (line {line})"
+        for module, edges in graph.items()
+        if _wing(module) in level
+        for target, line in edges.items()
+        if _wing(target) in level and level[_wing(target)] > level[_wing(module)]
+    ]
+    assert not upward, "imports from a lower wing to a higher one: " + "; ".join(upward)
+    into_graveyard = [
+        f"{module} (line {edges[target]})"
+        for module, edges in graph.items()
+        if _wing(module) != "_graveyard"
+        for target in edges
+        if _wing(target) == "_graveyard"
+    ]
+    # The package's root imports it once, last, so that it attaches (as Lightning's does); nothing else names it.
+    assert [entry.split()[0] for entry in into_graveyard] == ["logra_pl"], f"imports of the graveyard: {into_graveyard}"

@@ -232,11 +232,19 @@ def test_notebook_resume_with_another_optimizer_gets_the_listed_error(tmp_path: 
     # Even with the hyper-parameters stripped (an older or hand-made checkpoint), the optimizer state tells.
     raw = torch.load(ckpt, weights_only=False)
     raw.pop("hyper_parameters")
+    assert raw["logra_pl"]["method"] == "logra_pl.methods.DenseAdamW"  # the class that wrote it
+    recorded = tmp_path / "recorded.ckpt"
+    torch.save(raw, recorded)
+    second = LoGRAPolicyModule(logra=LoGRAConfig(rank=16), **settings)
+    expected = "model.method: checkpoint 'logra_pl.methods.DenseAdamW', now 'logra_pl.methods.LoGRAMethod'"
+    with pytest.raises(ResumeMismatchError, match=re.escape(expected)):
+        rl_run(second, tmp_path, 2, ckpt_path=recorded)
+    raw["logra_pl"].pop("method")
     raw["logra_pl"].pop("optimizer")
     raw["logra_pl"].pop("settings")
     torch.save(raw, ckpt)
     second = LoGRAPolicyModule(logra=LoGRAConfig(rank=16), **settings)
-    with pytest.raises(ResumeMismatchError, match=re.escape("model.optimizer: checkpoint 'adamw', now 'logra'")):
+    with pytest.raises(ResumeMismatchError, match=re.escape("model.method: checkpoint 'adamw', now 'logra'")):
         rl_run(second, tmp_path, 2, ckpt_path=ckpt)
     third = LoGRAPolicyModule(optimizer="adamw", **{**settings, "policy": "tiny:small"})
     raw = torch.load(tmp_path / "adamw.ckpt", weights_only=False)

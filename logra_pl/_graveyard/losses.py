@@ -445,9 +445,9 @@ def translate_config(config: Any) -> Any:
 
 
 def translate_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """The old sections among a checkpoint's module hyper-parameters (``loss``, ``baseline``), translated: what
-    ``load_from_checkpoint`` is given in their place. A baseline's ``value`` is state; the checkpoint restores it."""
-    return {
+    """A checkpoint's module hyper-parameters with the old sections (``loss``, ``baseline``) translated: what
+    ``load_from_checkpoint`` is given. A baseline's ``value`` is state; the checkpoint restores it."""
+    return dict(hparams) | {
         kind: translate_section(hparams[kind], kind, f"model.{kind}")
         for kind in ("loss", "baseline")
         if is_old_section(hparams.get(kind))

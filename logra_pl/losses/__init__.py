@@ -17,7 +17,6 @@ an earlier layout (``LossSpec``, ``register_loss``, ``LossConfig(kind=...)``, ``
 and lives in ``logra_pl/_graveyard/losses.py``; its names still resolve here.
 """
 
-from logra_pl._graveyard import deprecated_names
 from logra_pl.losses.base import (
     Aggregation,
     Configured,
@@ -103,5 +102,3 @@ __all__ = [
     "shuffled_plan",
     "truncation_mask",
 ]
-
-__getattr__ = deprecated_names(__name__)

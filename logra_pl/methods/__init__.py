@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from logra_pl.config import resolve
+from logra_pl.config import class_path_of, import_dotted, resolve, translated
 from logra_pl.errors import ConfigError
 from logra_pl.methods import adamw, logra, lora, sgd  # noqa: F401  (the built-in methods register their short names)
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
@@ -34,6 +34,7 @@ __all__ = [
     "checkpoint_kind",
     "method_class",
     "resolve_method",
+    "same_method",
 ]
 
 
@@ -59,18 +60,27 @@ def resolve_method(method: str | UpdateMethod | None = None, optimizer: str = "l
 
 
 def method_class(kind: str) -> type[UpdateMethod] | None:
-    """The registered method class of a checkpoint's kind (:func:`checkpoint_kind`), or None."""
+    """The method class of a checkpoint's record (:func:`checkpoint_kind`): a class path, or a registered short name
+    (checkpoints that recorded only that); None when it names no importable method."""
     found = UpdateMethod.registry.names.get(kind)
-    return found if isinstance(found, type) else None
+    if found is None and "." in kind:
+        try:
+            found = import_dotted(kind, "the checkpoint's method")
+        except ConfigError:
+            return None
+    return found if isinstance(found, type) and issubclass(found, UpdateMethod) else None
 
 
 def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str | None:
-    """The method a checkpoint was written by: recorded by the module, or read off the optimizer state of
-    checkpoints that predate the record (``logra`` state vs torch's ``param_groups``)."""
-    state = checkpoint.get("logra_pl") or {}
-    if state.get("optimizer"):
-        return str(state["optimizer"])
-    states = checkpoint.get("optimizer_states") or []
-    if not states:
-        return None
-    return "logra" if "logra" in states[0] else ("adamw" if "param_groups" in states[0] else None)
+    """The method that wrote a checkpoint, as the module records it (``logra_pl.method``: its class path; older
+    checkpoints: ``logra_pl.optimizer``, a short name, which the ``checkpoint`` translators supply for those that
+    recorded neither); None when it says nothing."""
+    state = translated("checkpoint", checkpoint).get("logra_pl") or {}
+    kind = state.get("method") or state.get("optimizer")
+    return str(kind) if kind else None
+
+
+def same_method(kind: str, method: UpdateMethod) -> bool:
+    """Whether a checkpoint's recorded method (:func:`checkpoint_kind`) is ``method``'s: the same class path, or (a
+    checkpoint that recorded a short name) the same short name."""
+    return kind == (class_path_of(method) if "." in kind else method.name)

@@ -25,6 +25,7 @@ from logra_pl.config import register
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.methods.base import (
     AllReduceSum,
+    PlanSettings,
     PlanShapes,
     StepResult,
     UpdateMethod,
@@ -203,6 +204,12 @@ class DenseAdamW(ProposalAnswers, UpdateMethod):
     def from_sections(cls, sections: Mapping[str, Any]) -> DenseAdamW:
         """``model.optimizer: adamw`` with the ``model.adamw`` section."""
         return cls(sections.get("adamw"))
+
+    @classmethod
+    @override
+    def planned(cls, settings: PlanSettings) -> DenseAdamW:
+        """AdamW on the targets, or on every parameter with the plan's ``train_all``."""
+        return cls(AdamWConfig(train_all=settings.train_all))
 
     def trainable(self, policy: nn.Module, targets: Sequence[str]) -> list[nn.Parameter]:
         """The parameters AdamW trains (``requires_grad`` set on them, cleared on the rest)."""

@@ -11,15 +11,17 @@ what it is called; a step controller asks a method that makes proposals how its 
 
 A new method is one class (``docs/extending.md``: "add an update method"), chosen in YAML by
 ``model.method: {class_path: my_pkg.MyMethod, init_args: {...}}``; a built-in one also registers its short name
-(``@register("adamw")``, :mod:`logra_pl.config`) and is imported by ``logra_pl/methods/__init__.py``.
+(``@register("adamw")``, :mod:`logra_pl.config`) and is imported by ``logra_pl/methods/__init__.py``: that one word
+makes ``logra-pl plan`` list it (:meth:`UpdateMethod.planned`, its own options by :meth:`UpdateMethod.plan_options`).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -28,8 +30,8 @@ from torch import nn
 from logra_pl.config import Registry, class_path_of
 from logra_pl.errors import ConfigError
 from logra_pl.methods.guard import DivergenceGuard
-from logra_pl.rollout.base import GatheredState
 from logra_pl.sketch.memory import MemoryReport, memory_report
+from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.payload import Payload
 from logra_pl.sketch.probe import ProbeMode
 
@@ -74,6 +76,38 @@ class ReplicatedStateOptimizer(Protocol):
         ...
 
 
+class GatheredState(Mapping[str, torch.Tensor]):
+    """A state dict whose FSDP shards are all-gathered one tensor at a time, when read.
+
+    Reading a value is a collective under FSDP: every rank must read the same keys in the same order (engines'
+    ``load_weights`` iterate in key order on every rank). An engine that streams — :class:`RemoteEngine` sends
+    chunks as it reads them — then never holds more than one chunk of gathered weights, instead of the whole
+    model on every rank. :meth:`spec` gives a tensor's global shape and dtype without gathering it.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+        self._state = state
+        self.dtype = dtype  # floating tensors are cast to it after the gather (the engine's wire dtype)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        value = self._state[key]
+        value = full_tensor(value)
+        if self.dtype is not None and value.is_floating_point():
+            value = value.to(self.dtype)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        value = self._state[key]
+        cast = self.dtype is not None and value.is_floating_point()
+        return value.shape, self.dtype if cast else value.dtype
+
+
 @dataclass
 class StepResult:
     """What one update did.
@@ -113,6 +147,25 @@ class PlanShapes:
         rows = t.shape[0] if t.dim() > 0 else 1
         per_row = t[0].numel() if t.dim() > 0 else 1
         return math.ceil(rows / self.ranks) * per_row * (dtype or t.dtype).itemsize
+
+
+@dataclass
+class PlanSettings:
+    """What ``logra-pl plan`` asks every method to plan with (:meth:`UpdateMethod.planned`): the settings all methods
+    share, and each method's own options (those it added with :meth:`UpdateMethod.plan_options`).
+
+    Arguments:
+        rank: the low-rank methods' rank (LoGRA's sketch rank ``r``, LoRA's adapter rank).
+        targets: the matrices every method trains.
+        train_all: the dense methods train every parameter (embeddings, norms...), not only the targets.
+        options: the methods' own options by name (``logra_rule``, ``sgd_momentum``...); a method reads its own and
+            takes its default for one that is missing.
+    """
+
+    rank: int = 64
+    targets: tuple[str, ...] = ()
+    train_all: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def check_method(method: Any, setting: str = "model.method") -> None:
@@ -240,6 +293,18 @@ class UpdateMethod(ABC):
         """The per-rank training state this method, with its settings, would hold for a model of these shapes
         (``logra-pl plan``), by the kinds :meth:`memory` measures on a live run."""
         raise NotImplementedError(f"{type(self).__name__} has no memory plan")
+
+    @classmethod
+    def plan_options(cls, parser: argparse.ArgumentParser) -> None:
+        """Add this method's own options to ``logra-pl plan`` (``--<name>-...``, stored as ``<name>_...``), which
+        :meth:`planned` reads from :attr:`PlanSettings.options`. Default: none."""
+        return None
+
+    @classmethod
+    def planned(cls, settings: PlanSettings) -> UpdateMethod:
+        """The method as ``logra-pl plan`` counts it, from the plan's shared settings and this method's own options.
+        Default: the method with its defaults."""
+        return cls()
 
     # ------------------------------------------------------------------------------------------ exports
     @classmethod

@@ -7,6 +7,7 @@ Backward fills ``S = G Pᵀ`` per target matrix; ``optimizer.step()`` forms the 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -24,6 +25,7 @@ from logra_pl.errors import ConfigError
 from logra_pl.methods.base import (
     AllReduceSum,
     DataParallelRanks,
+    PlanSettings,
     PlanShapes,
     StepResult,
     UpdateMethod,
@@ -144,6 +146,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.sketcher.load_state_dict(state_dict["logra"])
 
 
+# The LoGRA rules `logra-pl plan` knows by name: the default (LoGRAConfig's own) and the paper's.
+PLAN_RULES = {"default": LoGRAConfig, "paper": LoGRAConfig.paper}
+
+
 @register("logra")
 class LoGRAMethod(UpdateMethod):
     """LoGRA: the paper's method.
@@ -169,6 +175,44 @@ class LoGRAMethod(UpdateMethod):
     def from_sections(cls, sections: Mapping[str, Any]) -> LoGRAMethod:
         """``model.optimizer: logra`` with the ``model.logra`` section."""
         return cls(sections.get("logra"))
+
+    @classmethod
+    @override
+    def plan_options(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--logra-rule",
+            default="default",
+            choices=sorted(PLAN_RULES),
+            help="LoGRA's rule: default (Adam in sketch space, two bf16 moments) or paper (RowAdam); default: default",
+        )
+        parser.add_argument(
+            "--logra-moments",
+            nargs="?",
+            const="float32",
+            choices=sorted(MOMENT_DTYPES),
+            help="with --logra-rule paper: a first moment (logra.beta1 > 0), stored as this dtype (default float32)",
+        )
+
+    @classmethod
+    @override
+    def planned(cls, settings: PlanSettings) -> LoGRAMethod:
+        """Options: ``logra_rule`` (``"default"``: Adam in sketch space, a first and a per-entry second moment,
+        ``d_out × r`` each per matrix, bf16; ``"paper"``: RowAdam, ``d_out`` row statistics only), ``logra_moments``
+        (the paper's rule with a first moment, ``logra.beta1 > 0``; a dtype name also sets its storage) and
+        ``moment_dtype`` (the moments' storage, ``logra.moment_dtype``; None: the rule's own)."""
+        options = settings.options
+        rule, moments = options.get("logra_rule") or "default", options.get("logra_moments")
+        dtype = options.get("moment_dtype") or (moments if isinstance(moments, str) else None)
+        if rule not in PLAN_RULES:
+            raise ValueError(f"unknown logra_rule {rule!r}: use one of {sorted(PLAN_RULES)}")
+        if dtype is not None and dtype not in MOMENT_DTYPES:
+            raise ValueError(f"unknown moment_dtype {dtype!r}: use one of {sorted(MOMENT_DTYPES)}")
+        knobs: dict[str, Any] = {"rank": settings.rank, "targets": tuple(settings.targets)}
+        if moments:
+            knobs["beta1"] = 0.9
+        if dtype is not None:
+            knobs["moment_dtype"] = dtype
+        return cls(PLAN_RULES[rule](**knobs))
 
     def with_targets(self, targets: Sequence[str]) -> LoGRAConfig:
         """The config with the module's targets (a differing, explicitly set ``logra.targets`` is refused)."""

@@ -25,7 +25,7 @@ from typing_extensions import override
 from logra_pl.config import register
 from logra_pl.errors import check_int, check_range
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
-from logra_pl.methods.base import PlanShapes, count_text
+from logra_pl.methods.base import PlanSettings, PlanShapes, count_text
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch.memory import MemoryReport
 from logra_pl.sketch.merge import full_tensor
@@ -182,6 +182,12 @@ class LoRAMethod(DenseAdamW):
     def from_sections(cls, sections: Mapping[str, Any]) -> LoRAMethod:
         """``model.optimizer: lora`` with the ``model.lora`` section, and ``model.adamw`` for the adapters."""
         return cls(sections.get("lora"), sections.get("adamw"))
+
+    @classmethod
+    @override
+    def planned(cls, settings: PlanSettings) -> LoRAMethod:
+        """Adapters of the plan's rank (alpha 2·rank) on the targets, AdamW on them."""
+        return cls(LoRAConfig(rank=settings.rank, alpha=2.0 * settings.rank))
 
     @override
     def prepare_policy(self, policy: nn.Module, targets: Sequence[str]) -> None:

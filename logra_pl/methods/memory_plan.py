@@ -1,4 +1,4 @@
-"""Plan training-state memory before running: per-rank bytes for dense AdamW vs LoGRA, from a config alone.
+"""Plan training-state memory before running: per-rank bytes of every update method, from a model's config alone.
 
 ``plan(config, ranks=4, rank_r=256)`` builds the model on the meta device (shapes only, no weights), selects the LoGRA
 target matrices and asks each update method (:meth:`~logra_pl.methods.UpdateMethod.plan_memory`) to count, per rank,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,18 +31,13 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from logra_pl.methods.adamw import AdamWConfig
-from logra_pl.methods.base import PlanShapes, UpdateMethod
-from logra_pl.methods.lora import LoRAConfig
-from logra_pl.methods.sgd import SGDConfig
+from logra_pl.methods import method_class
+from logra_pl.methods.base import PlanSettings, PlanShapes, UpdateMethod
 from logra_pl.models.load import load_config
-from logra_pl.sketch import DEFAULT_TARGETS, LoGRAConfig, select_targets
-from logra_pl.sketch.config import MOMENT_DTYPES
+from logra_pl.sketch import DEFAULT_TARGETS, select_targets
 from logra_pl.sketch.memory import MemoryReport
 
 GiB = 1024**3
-# The LoGRA rules `logra-pl plan` knows by name: the default (LoGRAConfig's own) and the paper's.
-LOGRA_RULES = {"default": LoGRAConfig, "paper": LoGRAConfig.paper}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -66,74 +61,84 @@ def plan(
     config: str | Path | PretrainedConfig | dict[str, Any],
     ranks: int = 1,
     rank_r: int = 64,
-    optimizers: Sequence[str] = ("adamw", "sgd", "lora", "logra"),
+    optimizers: Sequence[str | type[UpdateMethod]] | None = None,
     weight_dtype: str = "float32",
     targets: Sequence[str] = DEFAULT_TARGETS,
     train_all: bool = False,
-    logra_rule: str = "default",
-    logra_moments: bool = False,
-    moment_dtype: str | None = None,
     reference: str | None = None,
     reference_dtype: str | None = None,
-    sgd_momentum: bool = False,
+    **options: Any,
 ) -> dict[str, PlanRow]:
     """Predict per-rank training-state bytes for each update method (each method's own
-    :meth:`~logra_pl.methods.UpdateMethod.plan_memory`).
+    :meth:`~logra_pl.methods.UpdateMethod.plan_memory`, of the method its
+    :meth:`~logra_pl.methods.UpdateMethod.planned` builds).
 
     Arguments:
         config: the model (see :func:`~logra_pl.models.load.load_config`).
         ranks: data-parallel ranks the parameters (and dense optimizer state) are sharded over.
         rank_r: LoGRA sketch rank ``r``, and the LoRA adapters' rank.
-        optimizers: the short names of the methods to plan (``adamw``: the dense baseline, ``sgd``: dense SGD,
-            ``lora``: adapters on the targets, AdamW on them, ``logra``...).
+        optimizers: the methods to plan: short names (``adamw``: the dense baseline, ``sgd``: dense SGD, ``lora``:
+            adapters on the targets, AdamW on them, ``logra``...), dotted class paths or classes; None: every
+            registered method.
         weight_dtype: parameter dtype (``float32`` master weights by default; ``bfloat16`` for pure-bf16 runs).
         targets: matrices LoGRA sketches (and the dense baseline trains, unless ``train_all``).
-        train_all: the dense baseline trains every parameter (embeddings, norms...), not only the targets.
-        logra_rule: ``"default"``: LoGRA's default rule (Adam in sketch space: a first and a per-entry second moment,
-            ``d_out × r`` each per matrix, bf16); ``"paper"``: the paper's (RowAdam, ``d_out`` row statistics only).
-        logra_moments: the paper's rule with a sketch-space first moment (``logra.beta1 > 0``): ``d_out × r`` per
-            matrix (the default rule has one already).
-        moment_dtype: the moments' storage (``logra.moment_dtype``): ``"float32"`` (4 bytes per value) or
-            ``"bfloat16"`` (2); None: the rule's own (bf16 for the default rule, fp32 for the paper's).
+        train_all: the dense baselines train every parameter (embeddings, norms...), not only the targets.
         reference: a KL penalty's reference policy (``loss.reference_device``): ``"same"`` (sharded over ``ranks``
             like the weights) or ``"cpu"`` (whole, in host memory; ``ranks`` must be 1); None: no KL penalty.
         reference_dtype: its dtype (``loss.reference_dtype``); None: ``weight_dtype``.
-        sgd_momentum: dense SGD keeps a momentum buffer (``sgd.momentum > 0``): one more copy of its gradients.
+        options: the planned methods' own options (:meth:`~logra_pl.methods.UpdateMethod.plan_options`): LoGRA's
+            ``logra_rule``, ``logra_moments``, ``moment_dtype``; SGD's ``sgd_momentum``; an option no planned method
+            knows is refused.
     """
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    methods = UpdateMethod.registry.names
-    unknown = sorted(set(optimizers) - set(methods))
+    chosen = planned_methods(optimizers)
+    known = {action.dest for action in option_parser(chosen.values())._actions} - {"help"}
+    unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"unknown optimizers {unknown}: plan one or more of {', '.join(map(repr, methods))}")
-    if logra_rule not in LOGRA_RULES:
-        raise ValueError(f"unknown logra_rule {logra_rule!r}: use one of {sorted(LOGRA_RULES)}")
-    if moment_dtype is not None and moment_dtype not in MOMENT_DTYPES:
-        raise ValueError(f"unknown moment_dtype {moment_dtype!r}: use one of {sorted(MOMENT_DTYPES)}")
+        raise ValueError(f"unknown plan options {unknown} for {', '.join(chosen)}: the methods take {sorted(known)}")
     shapes, model = _shapes(config, ranks, weight_dtype, targets)
     for name, linear in shapes.matrices.items():
         if rank_r > linear.in_features:
             raise ValueError(f"rank {rank_r} exceeds d_in={linear.in_features} of {name!r}")
-    params = shapes.params
-    reference_bytes = _reference_bytes(model, params, shapes, reference, reference_dtype or weight_dtype)
-    # Each method as a run's sections would build it (model.logra, model.adamw, model.lora): its own settings.
-    logra: dict[str, Any] = {"rank": rank_r, "targets": tuple(targets)}
-    if logra_moments:
-        logra["beta1"] = 0.9
-    if moment_dtype is not None:
-        logra["moment_dtype"] = moment_dtype
-    sections = {
-        "logra": LOGRA_RULES[logra_rule](**logra),
-        "adamw": AdamWConfig(train_all=train_all),
-        "sgd": SGDConfig(momentum=0.9 if sgd_momentum else 0.0, train_all=train_all),
-        "lora": LoRAConfig(rank=rank_r, alpha=2.0 * rank_r),
-    }
+    reference_bytes = _reference_bytes(model, shapes.params, shapes, reference, reference_dtype or weight_dtype)
+    settings = PlanSettings(rank=rank_r, targets=tuple(targets), train_all=train_all, options=options)
     out: dict[str, PlanRow] = {}
-    for name in optimizers:
-        report = methods[name].from_sections(sections).plan_memory(shapes)
+    for name, method in chosen.items():
+        report = method.planned(settings).plan_memory(shapes)
         report.reference_policy = reference_bytes
         out[name] = PlanRow(name, ranks, report)
     return out
+
+
+def planned_methods(names: Sequence[str | type[UpdateMethod]] | None = None) -> dict[str, type[UpdateMethod]]:
+    """The method classes to plan, by the name their row gets: every registered method (its first short name) when
+    ``names`` is None; else each short name, dotted class path or class given."""
+    registered = UpdateMethod.registry.names
+    if names is None:
+        out: dict[str, type[UpdateMethod]] = {}
+        for name, cls in registered.items():
+            if isinstance(cls, type) and cls not in out.values():
+                out[name] = cls
+        return out
+    chosen = {}
+    for name in names:
+        cls = name if isinstance(name, type) else method_class(name)
+        if cls is None:
+            raise ValueError(
+                f"unknown method {name!r}: plan a registered one ({', '.join(map(repr, registered))}) or an "
+                "UpdateMethod subclass by its dotted class path"
+            )
+        chosen[name if isinstance(name, str) else cls.name] = cls
+    return chosen
+
+
+def option_parser(methods: Iterable[type[UpdateMethod]], parser: argparse.ArgumentParser | None = None) -> Any:
+    """``parser`` (or a new one) with the options of every method in ``methods``, each class once."""
+    parser = parser or argparse.ArgumentParser(add_help=False)
+    for cls in dict.fromkeys(methods):
+        cls.plan_options(parser)
+    return parser
 
 
 def plan_shapes(
@@ -239,27 +244,27 @@ def format_plan(rows: dict[str, PlanRow], title: str = "") -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``logra-pl plan``: print the predicted per-rank state of AdamW, SGD, LoRA and LoGRA (and optionally JSON)."""
+    """``logra-pl plan``: print the predicted per-rank state of every registered update method (or of those named by
+    ``--method``), each with its own options, and optionally write it as JSON."""
     parser = argparse.ArgumentParser(prog="logra-pl plan", description=__doc__.split("\n\n")[0])
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--method", action="append")
+    try:  # the methods first: their own options join the parser
+        chosen = planned_methods(early.parse_known_args(argv)[0].method)
+    except ValueError as err:
+        parser.error(str(err))
     parser.add_argument("--model", required=True, help="config.json, save_pretrained folder, hub id or tiny[:preset]")
+    parser.add_argument(
+        "--method",
+        action="append",
+        help="a method to plan: a short name or an UpdateMethod's dotted class path (repeat it); default: every "
+        f"registered one ({', '.join(planned_methods())})",
+    )
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (FSDP shards); default 1")
-    parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank r; default 64")
+    parser.add_argument("--rank", type=int, default=64, help="LoGRA sketch rank r (and LoRA's); default 64")
     parser.add_argument("--weight-dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
     parser.add_argument("--train-all", action="store_true", help="dense baselines train every parameter")
-    parser.add_argument("--sgd-momentum", action="store_true", help="dense SGD keeps a momentum buffer")
-    parser.add_argument(
-        "--logra-rule",
-        default="default",
-        choices=sorted(LOGRA_RULES),
-        help="LoGRA's rule: default (Adam in sketch space, two bf16 moments) or paper (RowAdam); default: default",
-    )
-    parser.add_argument(
-        "--logra-moments",
-        nargs="?",
-        const="float32",
-        choices=sorted(MOMENT_DTYPES),
-        help="with --logra-rule paper: a first moment (logra.beta1 > 0), stored as this dtype (default float32)",
-    )
+    option_parser(chosen.values(), parser.add_argument_group("the methods' own options"))  # type: ignore[arg-type]
     parser.add_argument(
         "--reference",
         choices=["same", "cpu"],
@@ -275,19 +280,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--logprob-chunk", type=int, help="model.logprob_chunk_tokens to compare with; default: none")
     parser.add_argument("--json", help="write the plan here too")
     args = parser.parse_args(argv)
-    rows = plan(
-        args.model,
-        args.ranks,
-        args.rank,
-        weight_dtype=args.weight_dtype,
-        train_all=args.train_all,
-        logra_rule=args.logra_rule,
-        logra_moments=args.logra_moments is not None,
-        moment_dtype=args.logra_moments,
-        reference=args.reference,
-        reference_dtype=args.reference_dtype,
-        sgd_momentum=args.sgd_momentum,
-    )
+    shared = {"model", "method", "ranks", "rank", "weight_dtype", "train_all", "reference", "reference_dtype"}
+    shared |= {"microbatch_tokens", "response_tokens", "logprob_chunk", "json"}
+    options = {k: v for k, v in vars(args).items() if k not in shared}
+    try:
+        rows = plan(
+            args.model,
+            args.ranks,
+            args.rank,
+            optimizers=list(chosen),
+            weight_dtype=args.weight_dtype,
+            train_all=args.train_all,
+            reference=args.reference,
+            reference_dtype=args.reference_dtype,
+            **options,
+        )
+    except ValueError as err:
+        parser.error(str(err))
     title = f"{args.model}: {args.ranks} rank(s), r={args.rank}, {args.weight_dtype} weights"
     if args.reference:
         title += f", KL reference on {args.reference} in {args.reference_dtype or args.weight_dtype}"

@@ -14,6 +14,7 @@ or ``{class_path: logra_pl.methods.sgd.DenseSGD, init_args: {sgd: {lr: 0.01}}}``
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from logra_pl.config import register
 from logra_pl.errors import check_range
 from logra_pl.methods.base import (
     AllReduceSum,
+    PlanSettings,
     PlanShapes,
     StepResult,
     UpdateMethod,
@@ -130,6 +132,18 @@ class DenseSGD(ProposalAnswers, UpdateMethod):
     def from_sections(cls, sections: Mapping[str, Any]) -> DenseSGD:
         """``model.optimizer: sgd``: its defaults (the module has no ``sgd`` section; ``model.method`` sets them)."""
         return cls(sections.get("sgd"))
+
+    @classmethod
+    @override
+    def plan_options(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--sgd-momentum", action="store_true", help="dense SGD keeps a momentum buffer")
+
+    @classmethod
+    @override
+    def planned(cls, settings: PlanSettings) -> DenseSGD:
+        """Option ``sgd_momentum``: a momentum buffer (``sgd.momentum`` 0.9), one more copy of the gradients."""
+        momentum = 0.9 if settings.options.get("sgd_momentum") else 0.0
+        return cls(SGDConfig(momentum=momentum, train_all=settings.train_all))
 
     def _trained(self, policy: nn.Module) -> list[nn.Parameter]:
         return [p for p in policy.parameters() if p.requires_grad]

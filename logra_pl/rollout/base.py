@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -16,7 +16,6 @@ import torch
 from logra_pl.config import Registry
 from logra_pl.errors import ConfigError, PolicyDivergedError
 from logra_pl.sketch.config import DEFAULT_TARGETS
-from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.payload import Payload
 
 FinishReason = Literal["stop", "length"]
@@ -245,38 +244,6 @@ def expand_prompts(
     if prompt_seeds is not None:
         seeds = [derived_seed(s, k) for s in prompt_seeds for k in range(sampling.n)]
     return rows, index, seeds
-
-
-class GatheredState(Mapping[str, torch.Tensor]):
-    """A state dict whose FSDP shards are all-gathered one tensor at a time, when read.
-
-    Reading a value is a collective under FSDP: every rank must read the same keys in the same order (engines'
-    ``load_weights`` iterate in key order on every rank). An engine that streams — :class:`RemoteEngine` sends
-    chunks as it reads them — then never holds more than one chunk of gathered weights, instead of the whole
-    model on every rank. :meth:`spec` gives a tensor's global shape and dtype without gathering it.
-    """
-
-    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
-        self._state = state
-        self.dtype = dtype  # floating tensors are cast to it after the gather (the engine's wire dtype)
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        value = self._state[key]
-        value = full_tensor(value)
-        if self.dtype is not None and value.is_floating_point():
-            value = value.to(self.dtype)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
-
-    def __len__(self) -> int:
-        return len(self._state)
-
-    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
-        value = self._state[key]
-        cast = self.dtype is not None and value.is_floating_point()
-        return value.shape, self.dtype if cast else value.dtype
 
 
 def cast_floats(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -126,7 +126,7 @@ class HFEngine:
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> SyncReport:
         """Copy the named tensors (``<module>.weight`` etc., wrapper prefixes ignored) into the engine's model.
 
-        ``tensors`` may gather each value when it is read (:class:`~logra_pl.rollout.base.GatheredState`): every
+        ``tensors`` may gather each value when it is read (:class:`~logra_pl.methods.base.GatheredState`): every
         value is read once, and the report counts the bytes of the values read.
         """
         start = time.perf_counter()

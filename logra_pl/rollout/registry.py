@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from logra_pl._graveyard import deprecated_names
 from logra_pl.config import class_path_of, resolve
 from logra_pl.rollout import hf, remote, vllm  # noqa: F401  (the shipped specs register their short names)
 from logra_pl.rollout.base import BuilderSpec, EngineRequest, EngineSpec, RolloutEngine, check_engine_spec
@@ -64,6 +63,3 @@ def engine_name(value: str | EngineSpec) -> str:
         return value.name
     cls = type(value)
     return next((name for name, target in EngineSpec.registry.names.items() if target is cls), class_path_of(cls))
-
-
-__getattr__ = deprecated_names(__name__)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from logra_pl.runtime.compat import distributed_checkpoint_metadata
-from logra_pl.config import class_path_of, import_dotted
+from logra_pl.config import class_path_of, import_dotted, translated
 from logra_pl.errors import CheckpointNotFoundError, LoGRAError, ResumeMismatchError
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,11 @@ def canonical(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 def _class_path_form(value: Any, kind: str) -> Any:
     """A loss or baseline setting as ``{class_path, init_args}``; what cannot be built is returned unchanged."""
-    from logra_pl._graveyard.losses import class_path_form
     from logra_pl.losses import build_baseline, build_loss
 
     if isinstance(value, Mapping) and "class_path" in value:
         return value
-    old = class_path_form(value, kind)
+    old = translated("setting", value, kind)  # an old spelling, written the current way by its translators
     if old is not value:
         return old
     try:

@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from logra_pl._graveyard import deprecated_names
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.rollout.base import SamplingConfig
 
@@ -196,6 +195,3 @@ class ScoringSettings:
             hint="the share of an update's responses without a reward at which the update fails",
         )
         check_int("scoring.max_failed_updates", self.max_failed_updates, 1)
-
-
-__getattr__ = deprecated_names(__name__)

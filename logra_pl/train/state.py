@@ -1,11 +1,11 @@
 """What a policy module keeps in a checkpoint beyond weights and optimizer state, and the checks a resume makes.
 
-``checkpoint["logra_pl"]`` holds the format, the update method's kind, the baseline, the verifier's counts (and its
-own state when it keeps one: ``verifier_state``), the failing updates in a row, the guard's rejection counts, the
-module's settings, the CLI's resolved config, each logger's run (its id: what a resume continues,
+``checkpoint["logra_pl"]`` holds the format, the update method's kind and class path, the baseline, the verifier's
+counts (and its own state when it keeps one: ``verifier_state``), the failing updates in a row, the guard's rejection
+counts, the module's settings, the CLI's resolved config, each logger's run (its id: what a resume continues,
 :mod:`logra_pl.runs.stores`) and — with a KL penalty — the reference policy's source and digest (not its weights: it
-is rebuilt on resume and must match, :mod:`logra_pl.train.reference`). A checkpoint written under structurally different
-settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
+is rebuilt on resume and must match, :mod:`logra_pl.train.reference`). A checkpoint written under structurally
+different settings (another method, LoGRA rank, loss, data…) is refused with the list of differences
 (:mod:`logra_pl.runs.resume`).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from logra_pl import methods
+from logra_pl.config import class_path_of
 from logra_pl.errors import ResumeMismatchError
 from logra_pl.runs import resume, stores
 from logra_pl.runtime import compat
@@ -26,6 +27,7 @@ def module_state(module: Any) -> dict[str, Any]:
     state = {
         "format": CHECKPOINT_FORMAT,
         "optimizer": module.method.name,
+        "method": class_path_of(module.method),  # the class that wrote it (a resume under another one is refused)
         "baseline": module.baseline.state_dict(),
         "verifier_errors": module.scorer.errors,
         "scoring": module.scorer.state_dict(),
@@ -52,8 +54,9 @@ def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
     trainer = compat.trainer_of(module)
     hint = getattr(trainer, "ckpt_path", None) if trainer is not None else None
     saved_kind = methods.checkpoint_kind(checkpoint)
-    if saved_kind is not None and saved_kind != module.method.name:
-        raise ResumeMismatchError(resume.mismatch_message([("model.optimizer", saved_kind, module.method.name)], hint))
+    if saved_kind is not None and not methods.same_method(saved_kind, module.method):
+        now = class_path_of(module.method) if "." in saved_kind else module.method.name
+        raise ResumeMismatchError(resume.mismatch_message([("model.method", saved_kind, now)], hint))
     saved = state.get("settings") or checkpoint.get("hyper_parameters")
     if saved is not None and not module.resume_checked:  # the CLI already compared (and printed the changes)
         resume.check_resume({"model": saved}, {"model": module.hparams}, hint)

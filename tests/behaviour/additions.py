@@ -58,6 +58,8 @@ ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options
     # issue 51: update_rule adam's per-entry second moment (none with the other rules)
     "second_moments": {},
     "second_age": 0,
+    # issue 52: the class path of the method that wrote the checkpoint (the records' runs use LoGRA or AdamW)
+    "method": frozenset({"logra_pl.methods.LoGRAMethod", "logra_pl.methods.DenseAdamW"}),
 }
 
 
@@ -89,7 +91,9 @@ def drop_additions(ref: dict[str, Any], mine: dict[str, Any]) -> None:
     mine["checkpoint"] = _without_additions(mine["checkpoint"], found)
     ref["checkpoint"] = _without_additions(ref["checkpoint"], {})  # a record made after the additions holds them
     for key, values in found.items():
-        assert all(v in (ADDED_KEYS[key], str(ADDED_KEYS[key])) for v in values), (
+        allowed = ADDED_KEYS[key]
+        allowed = allowed if isinstance(allowed, frozenset) else (allowed, str(allowed))
+        assert all(v in allowed for v in values), (
             key,
             values,
         )  # the new options at their defaults
