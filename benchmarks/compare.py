@@ -6,7 +6,7 @@
 
 Each run is its own fresh process (peaks do not mix), the order alternates between repeats (adamw, lora, logra,
 then logra, lora, adamw, ...), and all optimizers see the same prompts, sampling seeds, microbatching and rollout
-engine. LoRA (``optimizer="lora"``: peft adapters on the same target matrices LoGRA sketches, trained by the same
+engine. LoRA (``LoRAMethod``: peft adapters on the same target matrices LoGRA sketches, trained by the same
 AdamW settings as the dense baseline) runs at LoGRA's rank (``--rank``) with ``alpha`` = ``--lora-alpha``
 (default 2 × rank). Per run: training state by kind (``memory_report``: weights, gradients, optimizer state,
 adapters and the adapters' optimizer state, sketches, ...) and the planner's prediction of it, the process's
@@ -61,6 +61,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from logra_pl.callbacks import MemoryMonitor, PolicySync
     from logra_pl.data import ReasoningGymDataModule
+    from logra_pl.methods import DenseAdamW, LoGRAMethod, LoRAMethod
     from logra_pl.methods.adamw import AdamWConfig
     from logra_pl.methods.lora import LoRAConfig, lora_layers
     from logra_pl.methods.memory_plan import plan
@@ -69,12 +70,17 @@ def run_worker(args: argparse.Namespace) -> None:
 
     pl.seed_everything(0, verbose=False)
     policy = args.policy or f"tiny:{args.model_size}"
+    lora = LoRAConfig(rank=args.rank, alpha=args.lora_alpha if args.lora_alpha is not None else 2.0 * args.rank)
+    methods = {
+        "logra": lambda: LoGRAMethod(
+            LoGRAConfig(**{"update_ratio": 1e-3, **logra_section(args.logra_config), "rank": args.rank})
+        ),
+        "adamw": lambda: DenseAdamW(AdamWConfig(lr=1e-5)),
+        "lora": lambda: LoRAMethod(lora, AdamWConfig(lr=1e-5)),
+    }
     module = LoGRAPolicyModule(
         policy=policy,
-        optimizer=args.worker,
-        logra=LoGRAConfig(**{"update_ratio": 1e-3, **logra_section(args.logra_config), "rank": args.rank}),
-        adamw=AdamWConfig(lr=1e-5),
-        lora=LoRAConfig(rank=args.rank, alpha=args.lora_alpha if args.lora_alpha is not None else 2.0 * args.rank),
+        method=methods[args.worker](),
         rollout=RolloutSettings(
             max_new_tokens=args.max_new_tokens, max_batch=args.prompts, share_weights=not args.engine_copy
         ),
@@ -168,7 +174,8 @@ def logra_section(path: str | None) -> dict:
         return {}
     import yaml
 
-    section = ((yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}).get("logra") or {}
+    model = (yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}
+    section = (model.get("method") or {}).get("init_args", {}).get("logra") or model.get("logra") or {}
     return dict(section)
 
 

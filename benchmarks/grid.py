@@ -16,12 +16,37 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "configs/tiny_cpu.yaml"
+# The grids' settings keys were first written from configs in the short form of an update method (model.optimizer
+# with the model.logra / adamw / lora sections): the grids read the configs in that form, so a finished run keeps its
+# key, and write it into their runs' configs (the CLI translates it to model.method).
+SHORT_FORM_OF = {
+    "logra_pl.methods.LoGRAMethod": "logra",
+    "logra_pl.methods.DenseAdamW": "adamw",
+    "logra_pl.methods.LoRAMethod": "lora",
+}
+
+
+def short_method_form(model: Mapping[str, Any] | None, base: bool = False) -> dict[str, Any]:
+    """A config's ``model`` mapping with a built-in ``model.method`` (LoGRA, AdamW, LoRA) written in the short form
+    the grids' keys were made from, as the configs said it: the sections of ``init_args``; ``optimizer`` in the base
+    config (``base``) and in the overlays of another method, which also dropped the base's LoGRA section
+    (``logra: null``); an overlay of LoGRA's gave its section alone. Anything else is returned as it is."""
+    out = dict(model or {})
+    method = out.get("method")
+    if not isinstance(method, Mapping) or method.get("class_path") not in SHORT_FORM_OF:
+        return out
+    kind = SHORT_FORM_OF[method["class_path"]]
+    del out["method"]
+    head: dict[str, Any] = {"optimizer": kind} if base or kind != "logra" else {}
+    head |= {"logra": None} if kind != "logra" else {}
+    return out | head | dict(method.get("init_args") or {})
 SCALARS = (
     "train/reward_mean",
     "val/pass@1",

@@ -61,6 +61,7 @@ from grid import (
     read_scalars,
     rolling_mean,
     run_one,
+    short_method_form,
     summarize_run,
     training_state_bytes,
 )
@@ -158,7 +159,7 @@ class Method:
 
 
 def _overlay_model(path: str) -> dict[str, Any]:
-    return (yaml.safe_load((ROOT / path).read_text()) or {}).get("model") or {}
+    return short_method_form((yaml.safe_load((ROOT / path).read_text()) or {}).get("model"))
 
 
 def _methods() -> dict[str, Method]:
@@ -328,6 +329,7 @@ def run_config(model: str, setup: ModelSetup, method: Method, budget: float, see
       (``data.shuffle_seed``; the problems and the held-out set are the same for every seed).
     """
     cfg = yaml.safe_load((ROOT / BASE).read_text())
+    cfg["model"] = short_method_form(cfg["model"], base=True)  # the form the runs' keys were made from
     schedule = {"kind": "cosine", "delta_max": budget, "delta_min": budget / 4, "horizon": setup.updates}
     cfg["seed_everything"] = seed
     trainer = cfg["trainer"]

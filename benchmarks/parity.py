@@ -80,6 +80,7 @@ from grid import (
     recorded_args,
     rolling_mean,
     run_one,
+    short_method_form,
     summarize_run,
     training_state_bytes,
 )
@@ -280,7 +281,7 @@ def merged_logra(method: Method, lever: Mapping[str, Any] | None = None) -> dict
     """``model.logra`` of base + the method's overlays (mappings merge key by key, ``null`` drops) + ``lever``."""
     out: dict[str, Any] = {}
     for path in (BASE, *method.overlays):
-        model = _yaml(path).get("model") or {}
+        model = short_method_form(_yaml(path).get("model"), base=path == BASE)
         if "logra" in model:
             out = {} if model["logra"] is None else {**out, **model["logra"]}
     return {**out, **(lever or {})}
@@ -379,8 +380,10 @@ _RULE_KEYS_ADDED = ("moment_dtype", "lr", "lr_warmup_steps", "lr_decay_steps", "
 def _keyed_content(path: str) -> Any:
     """The parsed YAML file ``path`` as the settings key reads it (the base with the protocol's rule)."""
     config = yaml.safe_load((ROOT / path).read_text())
+    if isinstance(config, dict) and isinstance(config.get("model"), dict):  # as the keys were first written
+        config["model"] = short_method_form(config["model"], base=Path(path) == Path(BASE))
     if Path(path) == Path(BASE) and isinstance(config, dict):
-        rule = yaml.safe_load((ROOT / PROTOCOL_BASE_RULE).read_text())["model"]["logra"]
+        rule = short_method_form(yaml.safe_load((ROOT / PROTOCOL_BASE_RULE).read_text())["model"])["logra"]
         config["model"]["logra"] = {k: v for k, v in rule.items() if k not in _RULE_KEYS_ADDED}
     written = WRITTEN_OUT.get(Path(path).as_posix().removeprefix("./"), {})
     logra = (config.get("model") or {}).get("logra") if isinstance(config, dict) else None

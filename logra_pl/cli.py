@@ -99,6 +99,15 @@ class LoGRAArgumentParser(LightningArgumentParser):
         self.exit(2)
 
 
+def _current_flags(args: list[str] | None) -> list[str] | None:
+    """The command line with the flags of older spellings written the current way (the ``argv`` translators); None
+    (read ``sys.argv``, as LightningCLI does) when there are none."""
+    if args is not None:
+        return translated("argv", list(args))
+    argv = translated("argv", sys.argv[1:])
+    return None if argv == sys.argv[1:] else argv
+
+
 class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
     """LightningCLI for :class:`LoGRAPolicyModule` and any LightningDataModule (:class:`ReasoningGymDataModule` when
     ``data:`` names no ``class_path``).
@@ -117,7 +126,7 @@ class LoGRACLI(compat.CheckpointPathHook, LightningCLI):
             subclass_mode_data=True,  # any data module by class_path; reasoning-gym by default
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},
-            args=args,
+            args=_current_flags(args),
             run=run,
             auto_configure_optimizers=False,
         )
@@ -362,8 +371,9 @@ MAX_ERROR_LINES = 5
 def parse_error_lines(message: str, parser: Any = None) -> list[str]:
     """At most five lines for a jsonargparse error ``message`` raised by ``parser`` (the subcommand's parser).
 
-    - a key no class or group takes (``--model.logra.rnak``, ``--trainer.max_stpes``, a key in a YAML file): the key,
-      the nearest valid key at that level (``did you mean 'model.logra.rank'?``) and the valid keys there;
+    - a key no class or group takes (``--model.method.logra.rnak``, ``--trainer.max_stpes``, a key in a YAML file):
+      the key, the nearest valid key at that level (``did you mean 'model.method.logra.rank'?``) and the valid keys
+      there;
     - a file that does not exist (``--config nowhere.yaml``): the setting and the path;
     - a ``class_path`` that does not import: the path and the import error (``ModuleNotFoundError: ...``);
     - anything else: the setting and jsonargparse's reasons, without the union-type report around them.

@@ -230,7 +230,7 @@ def resolve(
 
 # ------------------------------------------------------------------------------------------ older spellings
 # Where settings are read -> the translators of older spellings, in the order they were added.
-TRANSLATION_POINTS = ("config", "setting", "hparams", "checkpoint")
+TRANSLATION_POINTS = ("config", "argv", "settings", "setting", "hparams", "checkpoint")
 _TRANSLATORS: dict[str, list[Callable[..., Any]]] = {point: [] for point in TRANSLATION_POINTS}
 
 
@@ -238,6 +238,9 @@ def add_translator(point: str, translator: Callable[..., Any]) -> None:
     """Translate older spellings at ``point`` (once per translator):
 
     - ``"config"``: ``translator(config) -> config``, a whole parsed YAML config or command-line value (the CLI);
+    - ``"argv"``: ``translator(args) -> args``, the CLI's command-line arguments before they are parsed;
+    - ``"settings"``: ``translator(settings) -> settings``, a run's plain nested settings as a resume compares them
+      (quietly: the run is not told about a checkpoint's spelling);
     - ``"setting"``: ``translator(value, key) -> value``, one ``model.<key>`` setting as a resume compares it;
     - ``"hparams"``: ``translator(hparams) -> hparams``, a checkpoint's saved module hyper-parameters
       (``load_from_checkpoint``);
@@ -255,3 +258,16 @@ def translated(point: str, value: T, *args: Any) -> T:
     for translator in _TRANSLATORS[point]:
         value = translator(value, *args)
     return value
+
+
+def as_settings(cls: type[T], value: T | Mapping[str, Any] | None, setting: str) -> T:
+    """A settings dataclass from what a caller gives: an instance as it is, a mapping of its fields (a config's
+    ``init_args`` read without jsonargparse, e.g. ``model.method`` given as a ``{class_path, init_args}`` dict in
+    Python), or None for its defaults. A key it does not have is a :class:`ConfigError` naming ``setting``."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return construct(cls, value, setting)
+    raise ConfigError(f"{setting}: expected {cls.__name__} or a mapping of its fields, got {type(value).__name__}")

@@ -1,11 +1,9 @@
 """``LoGRAPolicyModule``: one ``training_step`` is one rollout and its policy update(s) (algorithm.md §8).
 
-The Lightning hooks and the orchestration of a step, each part an object of its own wing: the sampler draws and scores
-the responses (:mod:`logra_pl.train.sampler`), the step is built from them (rewards → advantages → the trainer's
-pre-update log-probs: :mod:`logra_pl.train.step`), the backward runs microbatch by microbatch
-(:mod:`logra_pl.train.backward`), the update method takes the step (:mod:`logra_pl.methods`) and the engine link
-sends it to the engine (:mod:`logra_pl.train.engine_link`). Callbacks read the step's data from
-:attr:`LoGRAPolicyModule.step_context` and the module through :class:`~logra_pl.train.view.PolicyModuleView`.
+The Lightning hooks and the orchestration of a step, each part an object of its own wing: the sampler (``train/``)
+draws and scores responses, the step is built from them, the backward runs by microbatches, the update method
+(``methods/``) takes the update and the engine link sends it. Callbacks read :attr:`~LoGRAPolicyModule.step_context`
+and the module through :class:`~logra_pl.train.view.PolicyModuleView`.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from logra_pl.callbacks.progress import replace_default_callbacks
 from logra_pl.envs.base import Environment, check_environment
 from logra_pl.errors import check_int
 from logra_pl.losses import AdvantageBaseline, Loss, build_baseline, build_loss
-from logra_pl.methods import AdamWConfig, LoRAConfig, UpdateMethod, resolve_method
+from logra_pl.methods import UpdateMethod, resolve_method
 from logra_pl.methods.guard import DivergenceGuard, RejectionCount
 from logra_pl.rewards import BoundedVerifier, ReasoningGymVerifier, Verifier, check_verifier
 from logra_pl.rewards.failures import FailurePolicy
@@ -31,7 +29,6 @@ from logra_pl.runtime.checkpointing import enable_activation_checkpointing
 from logra_pl.runtime.console import quiet_noise
 from logra_pl.runtime.heap import release_free_heap
 from logra_pl.runtime.ranks import Ranks
-from logra_pl.sketch import LoGRAConfig
 from logra_pl.sketch.config import DEFAULT_TARGETS
 from logra_pl.sketch.memory import MemoryReport
 from logra_pl.train.backward import backward_over, update_totals
@@ -60,16 +57,12 @@ class LoGRAPolicyModule(pl.LightningModule):
     Arguments:
         policy: ``tiny[:preset]``, ``smollm2``, a ``.gguf`` file, a ``save_pretrained`` folder or a hub id.
         warm_start: optional supervised warm start (cached) before RL; eval questions are excluded.
-        method: the update method (:mod:`logra_pl.methods`) by ``class_path`` or short name; None: ``optimizer``.
-        targets: the matrices every method trains (last name parts of ``nn.Linear`` modules); None: attention + MLP.
-        optimizer: a method's short name (``logra``, ``adamw``, ``lora``...), built with its section below.
-        logra: LoGRA hyper-parameters (``optimizer="logra"``).
-        adamw: AdamW and its schedule (``optimizer="adamw"``, or on LoRA's adapters).
-        lora: adapter settings (``optimizer="lora"``).
-        loss: the surrogate, a :class:`~logra_pl.losses.Loss` by ``class_path`` or short name ``reinforce_tis | ppo |
-            gspo | cispo``, with the settings every loss shares (aggregation, ``mask_truncated``, KL penalty).
-        baseline: the advantage baseline (:class:`~logra_pl.losses.AdvantageBaseline`): ``running`` (algorithm.md
-            §8), or per-prompt ``group`` / ``rloo``, or any by ``class_path``.
+        method: the update method (:mod:`logra_pl.methods`): ``{class_path, init_args}`` (LoGRA's knobs under
+            ``init_args.logra``, AdamW's under ``adamw``...), a short name (``logra | adamw | lora | sgd``, with its
+            defaults) or an object; None: LoGRA with its defaults.
+        targets: the matrices every method trains (``nn.Linear`` name ends); None: the method's, or attention + MLP.
+        loss: the surrogate (:class:`~logra_pl.losses.Loss`) by class_path or ``reinforce_tis | ppo | gspo | cispo``.
+        baseline: the advantage baseline (:class:`~logra_pl.losses.AdvantageBaseline`): ``running | group | rloo``.
         rollout: sampling settings.
         microbatch_size: responses per forward/backward pass (at most).
         max_tokens_per_microbatch: token budget of one pass (rows × longest row); None: ``microbatch_size`` rows.
@@ -79,18 +72,14 @@ class LoGRAPolicyModule(pl.LightningModule):
         answer_format: how the default verifier reads answers (``auto``/``tags``/``plain``).
         dtype: parameter dtype of the policy (fp32 master weights by default).
         seed: seed of sampling (mixed with the update index).
-        engine: the rollout engine and its settings: a spec (``HFSettings``, ``VLLMSettings``, ``RemoteSettings`` for
-            ``logra-pl serve`` engines; YAML ``{class_path: ..., init_args: {...}}``), a short name ``hf | vllm |
-            remote`` (default settings), a registered name, or a spec class's or builder's dotted path.
+        engine: the rollout engine and its settings (``HFSettings``, ``VLLMSettings``, ``RemoteSettings`` for
+            ``logra-pl serve`` engines) by ``class_path``, or a short name ``hf | vllm | remote`` (its defaults).
         guard: the divergence guard: oversized or non-finite updates never reach the weights.
-        scoring: how the verifier runs: per-call time limit, worker processes, answer-length cap; what counts as
-            correct; when a failing verifier stops the run.
+        scoring: how the verifier runs (time limit, workers, answer cap), what is correct, when failures stop a run.
         verifier: the reward, any ``__call__(response, item) -> float`` (:class:`~logra_pl.rewards.Verifier`:
             optionally ``correct``, ``score_batch``); default ``ReasoningGymVerifier``.
         env: a multi-turn environment (:class:`~logra_pl.envs.Environment`, by ``class_path``): each prompt becomes
-            a conversation of at most ``env.max_turns`` replies (tool results, feedback in between), trained on the
-            policy's tokens only; the verifier scores the final reply unless ``env.verify_final`` is False. None:
-            one reply per prompt.
+            a conversation of at most ``env.max_turns`` replies, trained on the policy's tokens only; None: one reply.
     """
 
     def __init__(
@@ -99,10 +88,6 @@ class LoGRAPolicyModule(pl.LightningModule):
         warm_start: WarmStart | None = None,
         method: str | UpdateMethod | None = None,
         targets: list[str] | None = None,
-        optimizer: str = "logra",
-        logra: LoGRAConfig | None = None,
-        adamw: AdamWConfig | None = None,
-        lora: LoRAConfig | None = None,
         loss: str | Loss | None = None,
         baseline: str | AdvantageBaseline | None = None,
         rollout: RolloutSettings | None = None,
@@ -128,8 +113,8 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.policy_source, self.warm_start, self.dtype_name, self.seed = policy, warm_start, dtype, seed
-        self.method = resolve_method(method, optimizer, logra=logra, adamw=adamw, lora=lora)  # unknown: fails here
-        self.targets = tuple(targets or (logra.targets if logra is not None else DEFAULT_TARGETS))
+        self.method = resolve_method(method)  # an unknown one fails here
+        self.targets = tuple(targets or self.method.targets or DEFAULT_TARGETS)
         self.loss_config, self.baseline = build_loss(loss), build_baseline(baseline)
         self.rollout_settings = rollout or RolloutSettings()
         self.rollout_settings.check_baseline(self.baseline)
@@ -196,9 +181,9 @@ class LoGRAPolicyModule(pl.LightningModule):
         if self.reference_policy is None and self.loss_config.needs_reference_policy and fitting:
             rebuilt = self.resume_from is not None and self.warm_start is not None
             folder = rank_zero_first(trainer, lambda: source(None)) if rebuilt else self.policy_folder
-            shared = self.loss_config.shared
-            dtype, where = shared.reference_dtype or self.dtype_name, shared.reference_device
-            self.reference_policy = ReferencePolicy.load(folder, dtype, where, self.attn_implementation)
+            self.reference_policy = ReferencePolicy.of_loss(
+                self.loss_config, folder, self.dtype_name, self.attn_implementation
+            )
         mb, budget, chunk = self.microbatch_size, self.max_tokens_per_microbatch, self.hparams.logprob_chunk_tokens
         self.passes = TrainerPasses(self.policy, mb, budget, self.ranks, self.reference_policy, chunk)
 
@@ -237,16 +222,13 @@ class LoGRAPolicyModule(pl.LightningModule):
         t_rollout = time.perf_counter() - t0
         results = [self._update(ctx, part) for part in plan]
         step_s = time.perf_counter() - t0
-        metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer) | ctx.shaping
-        metrics["verifier/failure_rate"] = ctx.metrics.get("verifier/failure_rate", metrics["verifier/failure_rate"])
-        metrics |= {k: v for k, v in ctx.metrics.items() if k.startswith("env/")}  # multi-turn episodes' counts
+        metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
         if self.sampler.pipeline is not None:
             metrics |= self.sampler.pipeline.metrics()
         metrics["guard/rejected_updates"] = float(self.rejections.total)
         metrics |= self.method.metrics()
         metrics.update(getattr(self.trainer.strategy, "stats", {}))  # LoGRAStrategy: all-reduce bytes and time
         metrics["memory/persistent_state_bytes"] = float(self.state_memory().persistent)
-        metrics |= {f"train/{name}": num / den if den else 0.0 for name, (num, den) in ctx.loss_stats.items()}
         ctx.metrics.update(metrics)
         bs = len(ctx.rollout)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=bs)
@@ -270,9 +252,7 @@ class LoGRAPolicyModule(pl.LightningModule):
             ctx.payloads.append(result.payload)
         knob, ckpt = self.method.step_knob, self.ranks.last_checkpoint
         self.rejections.record(result.rejected, self.global_step, knob, ckpt, self.trainer.is_global_zero)
-        self.link.last_payload = result.payload
-        if self.link.owner is None:  # else a sync callback sends the step's changes (PolicySync)
-            self.link.sync(payload=result.payload)
+        self.link.updated(result.payload)  # the engine gets it now, or from a sync callback (PolicySync)
         return total, t1 - t0, time.perf_counter() - t1, result.update_norm
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -288,19 +268,14 @@ class LoGRAPolicyModule(pl.LightningModule):
     def on_train_end(self) -> None:
         """A repair after the last logged step (the final verification's probe) still reaches the loggers."""
         self.sampler.stop()
-        if self.link.can_go_stale and self.link.resyncs != self.link.logged_resyncs and self.trainer.is_global_zero:
-            for logger in self.trainer.loggers:
-                logger.log_metrics({"sync/engine_resyncs": float(self.link.resyncs)}, step=self.global_step)
-                logger.save()
+        self.link.flush_resyncs(self.trainer, self.global_step)
 
     # -------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """Sample ``val_responses`` per problem at the validation settings; accumulate reward and pass@j."""
         rollout, scores = self.sampler.validation_batch(batch, batch_idx, self.global_step)
         rewards, scored, correct = score_tensors(scores)
-        texts, shown = [], 4 * self.rollout_settings.val_responses
-        if batch_idx == 0:
-            texts = self.tokenizer.batch_decode(rollout.response_ids[:shown], skip_special_tokens=True)
+        texts = self.validation.panel_texts(rollout, self.tokenizer) if batch_idx == 0 else []
         self.validation.update(batch, rewards, texts, self.device, correct=correct, scored=scored)
         self.log("val/reward_mean", self.validation.reward, on_step=False, on_epoch=True, batch_size=len(rewards))
 

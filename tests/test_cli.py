@@ -116,8 +116,8 @@ def _parse_error(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
 
 
 def test_mistyped_key_names_the_nearest_valid_one(capsys: pytest.CaptureFixture[str]) -> None:
-    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.logra.rnak", "8", "--trainer.max_steps", "1")
-    assert "unknown option 'model.logra.rnak' (did you mean 'model.logra.rank'?)" in lines[0]
+    lines = _parse_error(capsys, f"--config={CONFIG}", "--model.method.logra.rnak", "8", "--trainer.max_steps", "1")
+    assert "unknown option 'model.method.logra.rnak' (did you mean 'model.method.logra.rank'?)" in lines[0]
     assert "LoGRAConfig" in lines[1] and "rank" in lines[1]
 
 
@@ -143,9 +143,9 @@ def test_the_old_kind_keys_name_every_loss_and_baseline(tmp_path: Path, capsys: 
 
 def test_mistyped_key_in_a_yaml_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     overlay = tmp_path / "typo.yaml"
-    overlay.write_text("trainer:\n  max_stpes: 4\nmodel:\n  lgora:\n    rank: 4\n")
+    overlay.write_text("trainer:\n  max_stpes: 4\nmodel:\n  metohd:\n    class_path: sgd\n")
     lines = _parse_error(capsys, f"--config={CONFIG}", f"--config={overlay}")
-    assert "did you mean 'trainer.max_steps'?" in lines[0] or "did you mean 'model.logra'?" in lines[0], lines
+    assert "did you mean 'trainer.max_steps'?" in lines[0] or "did you mean 'model.method'?" in lines[0], lines
 
 
 def test_class_path_that_does_not_import(capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,7 +163,7 @@ def test_full_report_on_request(capsys: pytest.CaptureFixture[str], monkeypatch:
     """LOGRA_PL_TRACEBACK=1 gives jsonargparse's own report (usage and the union-type text) back."""
     monkeypatch.setenv("LOGRA_PL_TRACEBACK", "1")
     with pytest.raises(SystemExit):
-        main(["fit", f"--config={CONFIG}", "--model.logra.rnak", "8"])
+        main(["fit", f"--config={CONFIG}", "--model.method.logra.rnak", "8"])
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "Option 'rnak' is not accepted" in err
 
@@ -177,7 +177,7 @@ def test_full_report_on_request(capsys: pytest.CaptureFixture[str], monkeypatch:
         ),
         ("Group 'trainer' does not accept option 'max_stpes'", "(did you mean 'trainer.max_steps'?)"),
         ("Subcommand 'fit' does not accept option 'modle.x'", "unknown option 'modle.x' (did you mean 'model'?)"),
-        ("unrecognized arguments: --model.lgora.rank=3", "(did you mean 'model.logra'?)"),  # swapped letters
+        ("unrecognized arguments: --model.metohd=sgd", "(did you mean 'model.method'?)"),  # swapped letters
         ("Parser key \"config\": File does not exist: '/x/nowhere.yaml'", "--config: no such file: /x/nowhere.yaml"),
         (
             "Parser key \"trainer.max_steps\":\n  Expected a <class 'int'>. Got value: x",

@@ -189,10 +189,14 @@ def test_resume_refuses_structural_changes_and_notes_the_others(
     ckpt = str(straight_run / "checkpoints" / "last.ckpt")
     base = ["fit", f"--config={CONFIG}", *FAST, f"--trainer.logger.init_args.save_dir={tmp_path}"]
     for flags, listed in [
-        (["--model.logra.rank=32"], "model.logra.rank: checkpoint 64, now 32"),
-        (["--model.optimizer=adamw"], "model.optimizer: checkpoint 'logra', now 'adamw'"),
+        (["--model.method.logra.rank=32"], "model.method.logra.rank: checkpoint 64, now 32"),
+        (["--model.logra.rank=32"], "model.method.logra.rank: checkpoint 64, now 32"),  # the old flag
         (
-            ["--model.logra.rank=32", "--model.loss=ppo"],
+            ["--model.method=logra_pl.methods.DenseAdamW"],
+            "model.method.class_path: checkpoint 'logra_pl.methods.LoGRAMethod', now 'logra_pl.methods.DenseAdamW'",
+        ),
+        (
+            ["--model.method.logra.rank=32", "--model.loss=ppo"],
             "model.loss.class_path: checkpoint 'logra_pl.losses.ReinforceTIS', now 'logra_pl.losses.PPOClip'",
         ),
         (["--data.seed=3"], "data.seed: checkpoint 0, now 3"),

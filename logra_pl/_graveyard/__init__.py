@@ -15,8 +15,10 @@ naming the release that removes it (:data:`REMOVED_IN`):
   :func:`install` puts first: it loads the live module as usual, then patches it; nothing of the new layout is
   imported before it is asked for.
 - the translators of old settings (:data:`TRANSLATORS`), added to the points where configs and checkpoints are read
-  (:func:`logra_pl.config.add_translator`): the old ``{kind: ...}`` loss and baseline sections, checkpoints that
-  predate the record of the method that wrote them.
+  (:func:`logra_pl.config.add_translator`): the old ``{kind: ...}`` loss and baseline sections, the short form of
+  an update method (``model.optimizer`` with the ``model.logra`` / ``adamw`` / ``lora`` / ``sgd`` sections: in
+  configs, command lines, checkpoints and ``LoGRAPolicyModule``'s keyword arguments), checkpoints that predate the
+  record of the method that wrote them.
 
 This module imports nothing of the package at import time but :mod:`logra_pl.config`; the folder's other modules
 import the live ones when an old spelling is met.
@@ -154,9 +156,15 @@ def _patch_checkpoint_loading(module: types.ModuleType) -> None:
     translate_on_load(module.LoGRAPolicyModule)
 
 
+def _patch_short_method_form(module: types.ModuleType) -> None:
+    from logra_pl._graveyard.methods import translate_on_init
+
+    translate_on_init(module.LoGRAPolicyModule)
+
+
 # Live module -> what this folder changes in it once it has run (besides the deprecated names' ``__getattr__``).
 PATCHES: dict[str, tuple[Callable[[types.ModuleType], None], ...]] = {
-    "logra_pl.module": (_patch_checkpoint_loading,),
+    "logra_pl.module": (_patch_checkpoint_loading, _patch_short_method_form),
 }
 
 
@@ -228,9 +236,17 @@ def _translator(module: str, name: str) -> Callable[..., Any]:
 
 # Translation point (logra_pl.config.add_translator) -> this folder's translators, in order.
 TRANSLATORS: dict[str, tuple[Callable[..., Any], ...]] = {
-    "config": (_translator("logra_pl._graveyard.losses", "translate_config"),),
+    "config": (
+        _translator("logra_pl._graveyard.losses", "translate_config"),
+        _translator("logra_pl._graveyard.methods", "translate_config"),
+    ),
+    "argv": (_translator("logra_pl._graveyard.methods", "translate_argv"),),
+    "settings": (_translator("logra_pl._graveyard.methods", "translate_quietly"),),
     "setting": (_translator("logra_pl._graveyard.losses", "class_path_form"),),
-    "hparams": (_translator("logra_pl._graveyard.losses", "translate_hparams"),),
+    "hparams": (
+        _translator("logra_pl._graveyard.losses", "translate_hparams"),
+        _translator("logra_pl._graveyard.methods", "translate_hparams"),
+    ),
     "checkpoint": (_translator("logra_pl._graveyard.checkpoints", "record_method"),),
 }
 

@@ -215,7 +215,7 @@ class SketchDiagnostics(pl.Callback):
     ``recon_cosine`` per layer and kind (``logra/recon_cosine_heatmap``). :attr:`last` holds the latest values (per
     matrix also ``logra/captured_energy/<layer>.<kind>``), :attr:`history` the means of every measurement.
 
-    LoGRA runs only (``model.optimizer: logra``): with ``adamw`` or ``lora`` it warns once and logs nothing. One
+    LoGRA runs only (a method that keeps sketches): with another method it warns once and logs nothing. One
     process only: under FSDP (``logra_fsdp``) or with several processes it raises a :class:`ConfigError` at
     setup, since each rank holds only row shards of the matrices and its own part of the batch.
 

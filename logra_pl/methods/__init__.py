@@ -1,12 +1,12 @@
 """Update methods: how a policy update becomes new weights (``model.method``), each method whole in one file.
 
 A method is an :class:`UpdateMethod` (``base.py``, the whole contract): its optimizer, the guarded update, what the
-engine receives, its memory (live and planned), its export and console line. The built-in ones register their short
-names: ``logra`` (:class:`LoGRAMethod`: sketches, merged factors), ``adamw`` (:class:`DenseAdamW`: the dense
-baseline), ``lora`` (:class:`LoRAMethod`: peft adapters). A config chooses one by ``class_path`` with its own init
-args, or by a short name (``model.method: adamw``, or the older ``model.optimizer: adamw`` with the ``model.logra`` /
-``model.adamw`` / ``model.lora`` sections, which :func:`resolve_method` turns into the same objects). Adding a built-in
-method is one file here and its name in the import line below.
+engine receives, its memory (live and planned), its plan for ``logra-pl plan``, its export and console line. The
+built-in ones register their short names: ``logra`` (:class:`LoGRAMethod`: sketches, merged factors), ``adamw``
+(:class:`DenseAdamW`: the dense baseline), ``lora`` (:class:`LoRAMethod`: peft adapters), ``sgd`` (:class:`DenseSGD`).
+A config chooses one as ``model.method: {class_path: logra_pl.methods.DenseAdamW, init_args: {adamw: {lr: ...}}}``
+(or by a short name, with its defaults). Adding a built-in method is one file here and its name in the import line
+below; a method of a user's own package is chosen by its ``class_path`` alone.
 """
 
 from __future__ import annotations
@@ -21,14 +21,17 @@ from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
 from logra_pl.methods.base import PlanShapes, StepResult, UpdateMethod
 from logra_pl.methods.logra import LoGRAMethod
 from logra_pl.methods.lora import LoRAConfig, LoRAMethod
+from logra_pl.methods.sgd import DenseSGD, SGDConfig
 
 __all__ = [
     "AdamWConfig",
     "DenseAdamW",
+    "DenseSGD",
     "LoGRAMethod",
     "LoRAConfig",
     "LoRAMethod",
     "PlanShapes",
+    "SGDConfig",
     "StepResult",
     "UpdateMethod",
     "checkpoint_kind",
@@ -38,25 +41,11 @@ __all__ = [
 ]
 
 
-def resolve_method(method: str | UpdateMethod | None = None, optimizer: str = "logra", **sections: Any) -> UpdateMethod:
-    """The update method of a module's settings (:func:`logra_pl.config.resolve`).
-
-    ``method`` wins when given: an :class:`UpdateMethod`, a short name, or a class's dotted path. Otherwise the short
-    form ``optimizer`` names it. A method named by a short name or a path is built from the module's ``sections``
-    (``logra=``, ``adamw=``, ``lora=``: :meth:`UpdateMethod.from_sections`).
-    """
-    if isinstance(method, UpdateMethod):
-        return method
-    names = UpdateMethod.registry.names
-    if optimizer not in names:
-        raise ConfigError(f"unknown optimizer {optimizer!r}: use {', '.join(map(repr, names))}")
-
-    def build(target: Any, name: str) -> Any:
-        if isinstance(target, type) and issubclass(target, UpdateMethod):
-            return target.from_sections(sections)
-        return target
-
-    return resolve(optimizer if method is None else method, UpdateMethod.registry, build=build)
+def resolve_method(method: str | Mapping[str, Any] | UpdateMethod | None = None) -> UpdateMethod:
+    """The update method of ``model.method`` (:func:`logra_pl.config.resolve`): an :class:`UpdateMethod` as it is; a
+    short name (``logra``, ``adamw``, ``lora``, ``sgd``) or a class's dotted path, built with its defaults; a
+    ``{class_path, init_args}`` mapping; None: ``logra`` with its defaults."""
+    return resolve("logra" if method is None else method, UpdateMethod.registry)
 
 
 def method_class(kind: str) -> type[UpdateMethod] | None:

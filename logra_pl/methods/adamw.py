@@ -12,7 +12,7 @@ vetoed or rejected step drops the gradients, so nothing changes. Step controller
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
-from logra_pl.config import register
+from logra_pl.config import as_settings, register
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.methods.base import (
     AllReduceSum,
@@ -194,16 +194,10 @@ class DenseAdamW(ProposalAnswers, UpdateMethod):
     makes_proposals = True
 
     def __init__(self, adamw: AdamWConfig | None = None) -> None:
-        self.adamw = adamw or AdamWConfig()
+        self.adamw = as_settings(AdamWConfig, adamw, "adamw")
         self.guard = DivergenceGuard()
         self.optimizer: ProposingAdamW | None = None
         self.last_relative_update = 0.0
-
-    @classmethod
-    @override
-    def from_sections(cls, sections: Mapping[str, Any]) -> DenseAdamW:
-        """``model.optimizer: adamw`` with the ``model.adamw`` section."""
-        return cls(sections.get("adamw"))
 
     @classmethod
     @override

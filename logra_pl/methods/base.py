@@ -18,6 +18,7 @@ makes ``logra-pl plan`` list it (:meth:`UpdateMethod.planned`, its own options b
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -212,11 +213,18 @@ class UpdateMethod(ABC):
         return None
 
     # ------------------------------------------------------------------------------------------ set up
-    @classmethod
-    def from_sections(cls, sections: Mapping[str, Any]) -> UpdateMethod:
-        """The method a short name means, built from the module's settings sections (``model.logra``,
-        ``model.adamw``, ``model.lora``: None where not given). Default: the method with its defaults."""
-        return cls()
+    def to_config(self) -> dict[str, Any]:
+        """``{class_path, init_args}``: what a config writes for this method (resume comparisons read it), each init
+        argument taken from the attribute of the same name (one the method does not keep is left out)."""
+        params = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        args = {p: getattr(self, p) for p in params if hasattr(self, p)}
+        return {"class_path": class_path_of(self), "init_args": args}
+
+    @property
+    def targets(self) -> tuple[str, ...] | None:
+        """The matrices this method's own settings name, which the module trains when ``model.targets`` names none;
+        None (the default): the module's default targets."""
+        return None
 
     def check_fits(self, source: str, targets: Sequence[str]) -> None:
         """Settings that depend on the model's shapes, checked from its config before any weights load."""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from logra_pl.config import register
+from logra_pl.config import as_settings, register
 from logra_pl.errors import ConfigError
 from logra_pl.methods.base import (
     AllReduceSum,
@@ -155,8 +155,9 @@ class LoGRAMethod(UpdateMethod):
     """LoGRA: the paper's method.
 
     Arguments:
-        config: every LoGRA knob (:class:`~logra_pl.sketch.LoGRAConfig`); its ``targets`` are set from the
-            module's ``targets``, which every method trains.
+        logra: every LoGRA knob (:class:`~logra_pl.sketch.LoGRAConfig`; kept as :attr:`config`); its ``targets``
+            are set from the module's ``targets``, which every method trains (a differing ``logra.targets`` is the
+            module's targets when it names none).
     """
 
     name = "logra"
@@ -164,17 +165,22 @@ class LoGRAMethod(UpdateMethod):
     makes_proposals = True
     keeps_sketches = True
 
-    def __init__(self, config: LoGRAConfig | None = None) -> None:
-        self.config = config or LoGRAConfig()
+    def __init__(self, logra: LoGRAConfig | None = None) -> None:
+        self.config = as_settings(LoGRAConfig, logra, "logra")
         self._sketcher: LoGRASketcher | None = None
         self.optimizer: LoGRAOptimizer | None = None
         self._gain = 0.0
 
-    @classmethod
+    @property
+    def logra(self) -> LoGRAConfig:
+        """The LoGRA knobs this method was built with (its init argument; :attr:`config`)."""
+        return self.config
+
+    @property
     @override
-    def from_sections(cls, sections: Mapping[str, Any]) -> LoGRAMethod:
-        """``model.optimizer: logra`` with the ``model.logra`` section."""
-        return cls(sections.get("logra"))
+    def targets(self) -> tuple[str, ...] | None:
+        mine = tuple(self.config.targets)
+        return None if mine == tuple(DEFAULT_TARGETS) else mine
 
     @classmethod
     @override

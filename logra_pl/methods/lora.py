@@ -1,4 +1,4 @@
-"""``LoRAMethod``: the LoRA baseline (paper §3.4.2) on peft — ``model.optimizer: lora``.
+"""``LoRAMethod``: the LoRA baseline (paper §3.4.2) on peft — ``model.method: logra_pl.methods.LoRAMethod``.
 
 Low-rank adapters ``ΔW = (α/r)·B A`` (``A``: r × d_in, Kaiming-initialised; ``B``: d_out × r, zeros) are injected
 with peft into the same target matrices LoGRA sketches (q, k, v, o, gate, up, down), the base weights are frozen,
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from logra_pl.config import register
+from logra_pl.config import as_settings, register
 from logra_pl.errors import check_int, check_range
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
 from logra_pl.methods.base import PlanSettings, PlanShapes, count_text
@@ -175,13 +175,7 @@ class LoRAMethod(DenseAdamW):
 
     def __init__(self, lora: LoRAConfig | None = None, adamw: AdamWConfig | None = None) -> None:
         super().__init__(adamw)
-        self.lora = lora or LoRAConfig()
-
-    @classmethod
-    @override
-    def from_sections(cls, sections: Mapping[str, Any]) -> LoRAMethod:
-        """``model.optimizer: lora`` with the ``model.lora`` section, and ``model.adamw`` for the adapters."""
-        return cls(sections.get("lora"), sections.get("adamw"))
+        self.lora = as_settings(LoRAConfig, lora, "lora")
 
     @classmethod
     @override

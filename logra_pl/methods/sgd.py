@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from logra_pl.config import register
+from logra_pl.config import as_settings, register
 from logra_pl.errors import check_range
 from logra_pl.methods.base import (
     AllReduceSum,
@@ -122,16 +122,10 @@ class DenseSGD(ProposalAnswers, UpdateMethod):
     makes_proposals = True
 
     def __init__(self, sgd: SGDConfig | None = None) -> None:
-        self.sgd = sgd or SGDConfig()
+        self.sgd = as_settings(SGDConfig, sgd, "sgd")
         self.guard = DivergenceGuard()
         self.optimizer: ProposingSGD | None = None
         self.last_relative_update = 0.0
-
-    @classmethod
-    @override
-    def from_sections(cls, sections: Mapping[str, Any]) -> DenseSGD:
-        """``model.optimizer: sgd``: its defaults (the module has no ``sgd`` section; ``model.method`` sets them)."""
-        return cls(sections.get("sgd"))
 
     @classmethod
     @override

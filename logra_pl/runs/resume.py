@@ -25,21 +25,21 @@ log = logging.getLogger(__name__)
 STRUCTURAL: tuple[str, ...] = (
     "model.policy",
     "model.warm_start",
-    "model.optimizer",
+    "model.method.class_path",  # the method, whichever form chose it (short name, object, old optimizer: canonical)
     "model.dtype",
     "model.loss.class_path",  # the loss, whichever form chose it (short name, object, old kind: see canonical)
-    "model.logra.targets",
-    "model.logra.rank",
-    "model.logra.distribution",
-    "model.logra.refresh",  # canonical() writes both from whichever spelling was given (old checkpoints: refresh)
-    "model.logra.refresh_every",
-    "model.logra.base_seed",
-    "model.logra.update_rule",
-    "model.logra.beta2",
-    "model.adamw.train_all",
-    "model.lora.rank",
-    "model.lora.alpha",
-    "model.lora.dropout",
+    "model.method.logra.targets",
+    "model.method.logra.rank",
+    "model.method.logra.distribution",
+    "model.method.logra.refresh",  # canonical() writes both spellings (old checkpoints: refresh)
+    "model.method.logra.refresh_every",
+    "model.method.logra.base_seed",
+    "model.method.logra.update_rule",
+    "model.method.logra.beta2",
+    "model.method.adamw.train_all",
+    "model.method.lora.rank",
+    "model.method.lora.alpha",
+    "model.method.lora.dropout",
     "data.class_path",
     "data.tasks",
     "data.train_size",
@@ -155,17 +155,33 @@ def canonical(settings: Mapping[str, Any]) -> dict[str, Any]:
       it, and whatever path of an earlier layout a checkpoint recorded);
     - LoGRA's ``refresh`` and ``refresh_every`` both written out.
     """
-    out = dict(settings)
+    out = translated("settings", dict(settings))  # older spellings (a checkpoint's), the current way
     model = out.get("model")
     if isinstance(model, Mapping):
         model = dict(model)
         for key in ("loss", "baseline"):
             if key in model:  # None is the module's default (ReinforceTIS, RunningBaseline)
                 model[key] = plain(_class_path_form(model[key], key))
-        if isinstance(model.get("logra"), Mapping):
-            model["logra"] = canonical_refresh(model["logra"])
+        model["method"] = method = plain(_method_form(model.get("method")))
+        logra = (method.get("init_args") or {}).get("logra") if isinstance(method, Mapping) else None
+        if isinstance(logra, Mapping):
+            method["init_args"]["logra"] = canonical_refresh(logra)
         out["model"] = model
     return _shortest_class_paths(out)
+
+
+def _method_form(value: Any) -> Any:
+    """``model.method`` as ``{class_path, init_args}``: a mapping as it is (a CLI's, every init arg written out), an
+    object by its :meth:`~logra_pl.methods.UpdateMethod.to_config`, a short name, a path or None as the method with
+    its defaults; what cannot be built is returned unchanged."""
+    from logra_pl.methods import resolve_method
+
+    if isinstance(value, Mapping) and "class_path" in value:
+        return value
+    try:
+        return resolve_method(value).to_config()
+    except (LoGRAError, TypeError, ValueError, AttributeError, ImportError):
+        return value
 
 
 def _class_path_form(value: Any, kind: str) -> Any:

@@ -131,6 +131,22 @@ class EngineLink:
             change = "full"  # the engine moved: resend everything
         self.changes(change, [payload])()
 
+    def updated(self, payload: Payload | None) -> None:
+        """An update was taken (``payload``: what it merged, for factor methods): remember it (a later full sync and
+        a sync callback read it) and, unless a sync callback owns the sending (:meth:`attach`), send it now."""
+        self.last_payload = payload
+        if self.owner is None:
+            self.sync(payload=payload)
+
+    def flush_resyncs(self, trainer: Any, step: int) -> None:
+        """Give the loggers a resync count they have not received (a repair after the last logged step, e.g. the
+        final verification's probe), from rank 0."""
+        if self.can_go_stale and self.resyncs != self.logged_resyncs and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"sync/engine_resyncs": float(self.resyncs)}, step=step)
+                logger.save()
+            self.logged_resyncs = self.resyncs
+
     def send(
         self, change: Change, payloads: Sequence[Payload], wire_dtype: torch.dtype | Literal["engine"] | None
     ) -> Future:

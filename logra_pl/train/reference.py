@@ -80,6 +80,15 @@ class ReferencePolicy:
         model, _ = load_policy(source, dtype=DTYPES[dtype_name], attn_implementation=attn_implementation)
         return cls(model, source, dtype_name, placement)
 
+    @classmethod
+    def of_loss(
+        cls, loss: Any, source: str, dtype_name: str, attn_implementation: str | None = None
+    ) -> ReferencePolicy:
+        """The reference a loss's KL penalty asks for: ``source`` in ``loss.shared.reference_dtype`` (None: the
+        policy's ``dtype_name``), placed where ``loss.shared.reference_device`` says."""
+        shared = loss.shared
+        return cls.load(source, shared.reference_dtype or dtype_name, shared.reference_device, attn_implementation)
+
     # ------------------------------------------------------------------------------------------- placement
     def place(self, device: torch.device) -> None:
         """Make the forward run on ``device`` (once): ``same`` moves the weights there; ``cpu`` keeps them in host

@@ -251,7 +251,8 @@ def step_metrics(
     scorer: Any,
 ) -> dict[str, float]:
     """The per-update scalars of one step: reward and advantages, response lengths, the policy's entropy, loss and
-    update size, times, verifier counts and reward components. ``results`` holds ``(loss, train_s, update_s,
+    update size, times, verifier counts, reward components and shaping, a multi-turn step's ``env/*`` counts, the
+    loss's statistics. ``results`` holds ``(loss, train_s, update_s,
     update_norm)`` per update. Reward and advantage means are over the scored responses (NaN reward mean when none
     scored); the ``verifier/*`` counts are run totals (``errors``, ``timeouts``, ``nan``, ``long_answers``),
     ``verifier/failure_rate`` this update's share of responses without a reward."""
@@ -280,7 +281,11 @@ def step_metrics(
     }
     if ctx.entropy is not None:
         metrics["train/entropy"] = mean_entropy(ctx)
-    return metrics | {f"reward/{name}": value for name, value in scorer.last_components.items()}
+    metrics |= {f"reward/{name}": value for name, value in scorer.last_components.items()} | ctx.shaping
+    # A multi-turn step counted its own failures and its episodes (env/*); the loss statistics as ratios.
+    metrics["verifier/failure_rate"] = ctx.metrics.get("verifier/failure_rate", metrics["verifier/failure_rate"])
+    metrics |= {k: v for k, v in ctx.metrics.items() if k.startswith("env/")}
+    return metrics | {f"train/{name}": num / den if den else 0.0 for name, (num, den) in ctx.loss_stats.items()}
 
 
 def mean_entropy(ctx: StepContext) -> float:

@@ -53,6 +53,10 @@ class ValidationMetrics(nn.Module):
             self.subsets = None
         self.shown = []
 
+    def panel_texts(self, rollout: Any, tokenizer: Any) -> list[str]:
+        """The decoded responses of a batch's first four problems (``rollout``: the batch's), for the panel."""
+        return tokenizer.batch_decode(rollout.response_ids[: 4 * self.samples], skip_special_tokens=True)
+
     def update(
         self,
         batch: Sequence[dict[str, Any]],

@@ -109,17 +109,23 @@ def test_lora_engines_receive_merged_matrices_under_plain_names(tiny_model_dir) 
 
 
 def test_short_names_dotted_paths_and_checkpoint_kinds() -> None:
-    assert type(resolve_method(None, "adamw")) is DenseAdamW
+    assert type(resolve_method("adamw")) is DenseAdamW
     assert type(resolve_method("lora")) is LoRAMethod and type(resolve_method(None)) is LoGRAMethod
+    built = resolve_method({"class_path": "logra_pl.methods.LoGRAMethod", "init_args": {"logra": {"rank": 8}}})
+    assert isinstance(built, LoGRAMethod) and built.config.rank == 8  # a mapping of the settings' fields
+    assert built.to_config()["init_args"]["logra"] is built.config
     assert type(resolve_method("logra_pl.methods.DenseAdamW")) is DenseAdamW
     mine = DenseAdamW()
     assert resolve_method(mine) is mine
     with pytest.raises(ConfigError, match=r"unknown model\.method 'nope': use one of 'adamw', 'logra', 'lora'"):
         resolve_method("nope")
-    with pytest.raises(ConfigError, match="unknown optimizer 'nope'"):
-        resolve_method(None, "nope")
+    with pytest.raises(ConfigError, match=r"logra: .*LoGRAConfig does not take 'rnak'"):
+        resolve_method({"class_path": "logra_pl.methods.LoGRAMethod", "init_args": {"logra": {"rnak": 8}}})
     with pytest.raises(ConfigError, match=r"model\.method logra_pl\.methods\.AdamWConfig is not an update method"):
         resolve_method("logra_pl.methods.AdamWConfig")
+    assert checkpoint_kind({"logra_pl": {"optimizer": "lora", "method": "logra_pl.methods.LoRAMethod"}}) == (
+        "logra_pl.methods.LoRAMethod"
+    )
     assert checkpoint_kind({"logra_pl": {"optimizer": "lora"}}) == "lora"
     assert checkpoint_kind({"optimizer_states": [{"logra": {}}]}) == "logra"  # before the kind was recorded
     assert checkpoint_kind({"optimizer_states": [{"param_groups": []}]}) == "adamw"

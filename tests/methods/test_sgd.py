@@ -153,7 +153,7 @@ def test_its_memory_is_planned_and_measured_alike(tiny_model_dir) -> None:
 def test_the_short_name_and_a_run_that_keeps_the_engine_equal(tmp_path, rl_run) -> None:
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 
-    assert type(resolve_method("sgd")) is DenseSGD and type(resolve_method(None, "sgd")) is DenseSGD
+    assert type(resolve_method("sgd")) is DenseSGD
     module = LoGRAPolicyModule(
         policy="tiny",
         method=DenseSGD(SGDConfig(lr=0.05)),
