@@ -33,11 +33,12 @@ from logra_pl.errors import ConfigError
 from logra_pl.methods.base import ReplicatedStateOptimizer
 from logra_pl.runtime import compat
 from logra_pl.runtime.checkpointing import checkpointed_layers, decoder_layers, enable_activation_checkpointing
+from logra_pl.runtime.dtypes import dtypes_of
 from logra_pl.sketch.memory import local_state_bytes
 
 __all__ = ["LoGRAStrategy", "decoder_layers", "row_offset"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = dtypes_of("float32", "bfloat16", "float16")
 
 
 def row_offset(weight: torch.Tensor) -> int:

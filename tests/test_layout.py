@@ -284,3 +284,18 @@ def test_no_import_runs_from_a_lower_wing_to_a_higher_one() -> None:
     ]
     # The package's root imports it once, last, so that it attaches (as Lightning's does); nothing else names it.
     assert [entry.split()[0] for entry in into_graveyard] == ["logra_pl"], f"imports of the graveyard: {into_graveyard}"
+
+
+def test_one_table_of_dtype_names() -> None:
+    """Dtype names map to ``torch`` dtypes in ``runtime/dtypes.py`` alone; every other setting takes a subset of it."""
+    home = PACKAGE / "runtime" / "dtypes.py"
+    tables = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        if path != home
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Dict)
+        and any(isinstance(k, ast.Constant) and k.value in ("bfloat16", "float16", "float32") for k in node.keys)
+        and any(isinstance(v, ast.Attribute) and v.attr in ("bfloat16", "float16", "float32") for v in node.values)
+    ]
+    assert not tables, f"dtype-name tables outside logra_pl/runtime/dtypes.py: {tables}"

@@ -26,13 +26,14 @@ from logra_pl.losses.functional import (
     length_weights,
     truncation_mask,
 )
+from logra_pl.runtime.dtypes import DTYPES
 
 Reference = Literal["rollout", "trainer"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ReferenceDevice = Literal["cpu", "same"]
 REFERENCE_DEVICES: tuple[str, ...] = ("cpu", "same")
-REFERENCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+REFERENCE_DTYPES: tuple[str, ...] = tuple(DTYPES)
 
 
 class Configured:

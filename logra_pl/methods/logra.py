@@ -34,7 +34,7 @@ from logra_pl.methods.base import (
 )
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, select_targets
-from logra_pl.sketch.config import DEFAULT_TARGETS, MOMENT_DTYPES, matrix_rank
+from logra_pl.sketch.config import DEFAULT_TARGETS, MOMENT_DTYPES, check_rank_fits, matrix_rank
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, logit_tangent
@@ -252,15 +252,8 @@ class LoGRAMethod(UpdateMethod):
         config = load_config(source)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        matrices = select_targets(skeleton, targets)
-        smallest = min(m.in_features for m in matrices.values())
-        if self.config.rank > smallest and not self.config.clip_rank:
-            name = next(n for n, m in matrices.items() if m.in_features == smallest)
-            raise ConfigError(
-                f"logra.rank={self.config.rank} exceeds d_in={smallest} of {name!r} in policy {source!r}: a sketch "
-                f"cannot have more columns than its matrix; use rank <= {smallest} (or logra.clip_rank: true, which "
-                "gives such matrices rank d_in)"
-            )
+        in_features = {n: m.in_features for n, m in select_targets(skeleton, targets).items()}
+        check_rank_fits(self.config.rank, in_features, self.config.clip_rank, f" in policy {source!r}")
 
     @override
     def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:

@@ -34,11 +34,13 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from logra_pl.methods import method_class
 from logra_pl.methods.base import PlanSettings, PlanShapes, UpdateMethod
 from logra_pl.models.load import load_config
+from logra_pl.runtime.dtypes import DTYPES
 from logra_pl.sketch import DEFAULT_TARGETS, select_targets
+from logra_pl.sketch.config import check_rank_fits
 from logra_pl.sketch.memory import MemoryReport
 
 GiB = 1024**3
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_DTYPES = DTYPES
 
 
 @dataclass
@@ -98,9 +100,7 @@ def plan(
     if unknown:
         raise ValueError(f"unknown plan options {unknown} for {', '.join(chosen)}: the methods take {sorted(known)}")
     shapes, model = _shapes(config, ranks, weight_dtype, targets)
-    for name, linear in shapes.matrices.items():
-        if rank_r > linear.in_features:
-            raise ValueError(f"rank {rank_r} exceeds d_in={linear.in_features} of {name!r}")
+    check_rank_fits(rank_r, {n: m.in_features for n, m in shapes.matrices.items()}, clip=False)
     reference_bytes = _reference_bytes(model, shapes.params, shapes, reference, reference_dtype or weight_dtype)
     settings = PlanSettings(rank=rank_r, targets=tuple(targets), train_all=train_all, options=options)
     out: dict[str, PlanRow] = {}

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from logra_pl.errors import ConfigError, check_int, check_range
+from logra_pl.runtime.dtypes import dtypes_of
 
 Normalize = Literal["none", "running", "fixed"]
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPES = (*dtypes_of("float32", "bfloat16", "float16"), "auto")
 
 
 def prompt_text(item: Mapping[str, Any]) -> str:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import logra_pl.rollout.hf
+import logra_pl.rollout.remote
+import logra_pl.rollout.vllm  # noqa: F401  (with the two above: the shipped specs register their short names)
 from logra_pl.config import class_path_of, resolve
-from logra_pl.rollout import hf, remote, vllm  # noqa: F401  (the shipped specs register their short names)
 from logra_pl.rollout.base import BuilderSpec, EngineRequest, EngineSpec, RolloutEngine, check_engine_spec
 
 

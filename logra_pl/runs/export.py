@@ -36,10 +36,11 @@ import torch
 
 from logra_pl.runtime import compat
 from logra_pl.errors import LoGRAError
+from logra_pl.runtime.dtypes import dtypes_of
 
 PROVENANCE_FILE = "logra_export.json"
 # Export dtypes of the CLI (a training dtype such as float64 is also accepted by the functions).
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = dtypes_of("float32", "bfloat16", "float16")
 # Lightning writes a distributed checkpoint as a folder: torch.distributed.checkpoint shards + this pickled file.
 _DCP_META_FILE = compat.DISTRIBUTED_METADATA
 _POLICY_PREFIX = "policy."

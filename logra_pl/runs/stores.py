@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from logra_pl.runs import store_formats
+import logra_pl.runs.store_formats as store_formats
 from logra_pl.runtime import compat
 
 log = logging.getLogger("logra_pl")

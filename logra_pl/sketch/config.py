@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from logra_pl.errors import ConfigError, check_int, check_range
+from logra_pl.runtime.dtypes import dtypes_of
 
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -21,9 +23,9 @@ MomentTransfer = Literal["project", "reset"]
 InputPreconditioner = Literal["none", "gram"]
 RatioScope = Literal["global", "matrix"]
 
-_FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FACTOR_DTYPES = dtypes_of("bfloat16", "float16", "float32")
 # How the sketch-space first moment may be stored (it is always computed in fp32); the planner reads it too.
-MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MOMENT_DTYPES = dtypes_of("float32", "bfloat16")
 
 # Keys that change what the saved LoGRA state means: a checkpoint written with one value cannot be resumed
 # under another (row statistics of another rank/target set, projections from another seed or distribution).
@@ -51,6 +53,20 @@ def matrix_rank(rank: int, d_in: int, clip: bool) -> int:
 
 class LoGRAConfigError(ConfigError):
     """A LoGRA setting or input that cannot work; the message names the value and how to fix it."""
+
+
+def check_rank_fits(rank: int, in_features: Mapping[str, int], clip: bool, where: str = "") -> None:
+    """Refuse a sketch rank above the ``d_in`` of a target matrix (``in_features``: ``d_in`` by matrix name) unless
+    ``clip`` (``logra.clip_rank``): a sketch cannot have more columns than its matrix. The one check of it, for the
+    live sketcher, the check before any weights load and the memory plan (``where``: e.g. the policy's name)."""
+    if clip or not in_features:
+        return
+    name, smallest = min(in_features.items(), key=lambda item: item[1])
+    if rank > smallest:
+        raise LoGRAConfigError(
+            f"logra.rank={rank} exceeds d_in={smallest} of {name!r}{where}: a sketch cannot have more columns than "
+            f"its matrix; use rank <= {smallest} (or logra.clip_rank: true, which gives such matrices rank d_in)"
+        )
 
 
 def check_distribution(distribution: object) -> None:

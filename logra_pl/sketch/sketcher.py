@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from logra_pl.sketch.accumulate import MatrixSketch
-from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
+from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError, check_rank_fits
 from logra_pl.sketch.groups import (
     MatrixGroup,
     group_matrices,
@@ -105,13 +105,7 @@ class LoGRASketcher:
         self._unit_gains: list[torch.Tensor] = []  # per group, ⟨S_i, U_i⟩ of the current proposal
         self.row_offsets: dict[str, int] = {}
         targets = select_targets(model, self.config.targets)
-        for name, linear in targets.items():
-            if self.config.rank > linear.in_features and not self.config.clip_rank:
-                raise LoGRAConfigError(
-                    f"rank {self.config.rank} exceeds d_in={linear.in_features} of {name!r}: use rank <= "
-                    f"{min(m.in_features for m in targets.values())} for this model (or logra.clip_rank: true, which "
-                    "gives such matrices rank d_in)"
-                )
+        check_rank_fits(self.config.rank, {n: m.in_features for n, m in targets.items()}, self.config.clip_rank)
         if freeze_rest:
             for p in model.parameters():
                 p.requires_grad_(False)

@@ -8,15 +8,14 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
-
 from logra_pl.models.load import load_policy, resolve_source
 from logra_pl.rollout.base import EngineRequest
+from logra_pl.runtime.dtypes import dtypes_of
 from logra_pl.train.warm_start import WarmStart, warm_start_policy
 
 log = logging.getLogger("logra_pl.module")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = dtypes_of("float32", "bfloat16", "float64")
 T = TypeVar("T")
 
 

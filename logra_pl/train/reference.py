@@ -31,10 +31,9 @@ import torch
 from torch import nn
 
 from logra_pl.errors import ResumeMismatchError
+from logra_pl.runtime.dtypes import DTYPES
 from logra_pl.sketch.memory import local_state_bytes
 from logra_pl.train.logprobs import PackedResponses, response_logprobs
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def weights_digest(model: nn.Module) -> str:

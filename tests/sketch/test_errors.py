@@ -25,7 +25,7 @@ def test_rank_not_positive_integer(rank) -> None:
 
 def test_rank_above_d_in(qwen2_factory) -> None:
     # hidden 128, intermediate 192: down_proj has d_in 192, the attention/gate/up projections 128.
-    with pytest.raises(LoGRAConfigError, match=r"rank 160 exceeds d_in=128 of 'model.layers.0.self_attn.q_proj'"):
+    with pytest.raises(LoGRAConfigError, match=r"logra.rank=160 exceeds d_in=128 of 'model.layers.0.self_attn.q_proj'"):
         LoGRASketcher(qwen2_factory(), LoGRAConfig(rank=160))
     LoGRASketcher(qwen2_factory(), LoGRAConfig(rank=160, targets=("down_proj",)))  # 160 <= 192 is fine
     with pytest.raises(LoGRAConfigError, match="exceeds the input dimension 10"):
