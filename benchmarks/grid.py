@@ -47,6 +47,8 @@ def short_method_form(model: Mapping[str, Any] | None, base: bool = False) -> di
     head: dict[str, Any] = {"optimizer": kind} if base or kind != "logra" else {}
     head |= {"logra": None} if kind != "logra" else {}
     return out | head | dict(method.get("init_args") or {})
+
+
 SCALARS = (
     "train/reward_mean",
     "val/pass@1",

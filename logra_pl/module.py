@@ -3,7 +3,7 @@
 The Lightning hooks and the orchestration of a step, each part an object of its own wing: the sampler (``train/``)
 draws and scores responses, the step is built from them, the backward runs by microbatches, the update method
 (``methods/``) takes the update and the engine link sends it. Callbacks read :attr:`~LoGRAPolicyModule.step_context`
-and the module through :class:`~logra_pl.train.view.PolicyModuleView`.
+and the module through :class:`~logra_pl.callbacks.contract.PolicyModuleView`.
 """
 
 from __future__ import annotations

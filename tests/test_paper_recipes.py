@@ -133,7 +133,19 @@ def _resolved(case: tuple[Path, ...]) -> dict[str, Any]:
     with pytest.raises(SystemExit) as done, contextlib.redirect_stdout(out):
         LoGRACLI(args=[*_args(case), "--print_config"], run=False)
     assert done.value.code in (0, None), f"{_id(case)}: --print_config exited with {done.value.code}"
-    return yaml.safe_load(out.getvalue())
+    cfg = yaml.safe_load(out.getvalue())
+    cfg["model"] = _by_section(cfg["model"])
+    return cfg
+
+
+KINDS = {"LoGRAMethod": "logra", "DenseAdamW": "adamw", "LoRAMethod": "lora"}
+
+
+def _by_section(model: dict[str, Any]) -> dict[str, Any]:
+    """The resolved ``model`` with its method's settings under their sections' names (``model.logra``, ``adamw``,
+    ``lora``) and the method's kind as ``optimizer``, so the paper's values read as in its tables."""
+    method = model.pop("method")
+    return model | {"optimizer": KINDS[method["class_path"].rpartition(".")[2]]} | (method.get("init_args") or {})
 
 
 def _callbacks(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -223,7 +235,8 @@ def test_fit_print_config_on_the_command_line() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     cfg = yaml.safe_load(done.stdout)
-    assert cfg["model"]["logra"]["rank"] == 4
+    assert cfg["model"]["method"]["class_path"] == "logra_pl.methods.LoGRAMethod"
+    assert cfg["model"]["method"]["init_args"]["logra"]["rank"] == 4
     assert cfg["trainer"]["strategy"]["class_path"] == "logra_pl.strategy.LoGRAStrategy"
 
 

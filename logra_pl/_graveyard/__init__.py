@@ -67,6 +67,7 @@ OLD_PATHS: dict[str, tuple[str, ...]] = {
     },
     "logra_pl.settings": ("logra_pl.train.settings", "logra_pl._graveyard.losses"),
     "logra_pl.module_state": ("logra_pl.train.state",),
+    "logra_pl.train.view": ("logra_pl.callbacks.contract",),
     "logra_pl.optim": ("logra_pl.methods.adamw", "logra_pl.methods.logra"),
     "logra_pl.lora": ("logra_pl.methods.lora",),
     "logra_pl.guard": ("logra_pl.methods.guard",),

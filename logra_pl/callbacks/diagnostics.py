@@ -22,11 +22,13 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import require_view
 from logra_pl.errors import ConfigError, check_int
 from logra_pl.losses import UpdateTotals
 from logra_pl.runtime import compat
 from logra_pl.sketch.diagnostics import SketchFidelity, sketch_fidelity
 from logra_pl.sketch.projection import make_projection
+from logra_pl.train.backward import microbatch_loss
 from logra_pl.train.logprobs import PackedResponses, response_logprobs
 
 PROBE_FORMAT = "logra-pl/sketch-diagnostics/v1"
@@ -145,10 +147,9 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
     packed = probe_packed(probe)
     rows = packed.input_ids.shape[0]
     lengths = packed.response_mask.sum(dim=1)
-    limit = getattr(getattr(pl_module, "rollout_settings", None), "max_new_tokens", packed.response_mask.shape[1])
+    limit = pl_module.rollout_settings.max_new_tokens
     totals = UpdateTotals(int(lengths.sum()), int((lengths > 0).sum()), int(limit))
-    num_tokens = max(totals.tokens, 1)
-    size = max(1, int(getattr(pl_module, "microbatch_size", rows)))
+    size = max(1, int(pl_module.microbatch_size))
     forward = trainer.precision_plugin.forward_context if trainer is not None else contextlib.nullcontext
     devices = [device] if device.type == "cuda" else []
     with (
@@ -164,11 +165,7 @@ def dense_gradients(trainer: Any, pl_module: Any, probe: dict[str, Any]) -> dict
                 logp = response_logprobs(pl_module.policy, mb, probe["temperature"])
                 reference = probe["logp_rollout"][part].to(device) if loss_fn.reference == "rollout" else logp.detach()
                 advantages = probe["advantages"][part].to(device)
-                row_weights = loss_fn.weights(mb.lengths)
-                scale = loss_fn.row_scale(mb.lengths, totals)
-                if scale is not None:
-                    row_weights = row_weights * scale.to(device=row_weights.device, dtype=row_weights.dtype)
-                loss = loss_fn(logp, reference, advantages, mb.response_mask, num_tokens, row_weights)
+                loss, _ = microbatch_loss(loss_fn, logp, reference, advantages, mb.response_mask, mb.lengths, totals)
             torch.autograd.backward(loss, inputs=list(weights.values()))
         grads = {n: w.grad for n, w in weights.items() if w.grad is not None}
     return grads
@@ -228,6 +225,9 @@ class SketchDiagnostics(pl.Callback):
         per_layer: also log ``logra/recon_cosine/<layer>.<kind>`` for every matrix.
     """
 
+    # What it reads of the policy contract (docs/extending.md), checked at setup.
+    READS = ("policy", "method", "step_context", "loss_config", "microbatch_size", "rollout_settings")
+
     def __init__(
         self,
         every_n_updates: int = 50,
@@ -280,8 +280,8 @@ class SketchDiagnostics(pl.Callback):
                 "of the matrices and part of the batch: remove it from trainer.callbacks, or measure on one process "
                 "with the default strategy"
             )
-        method = getattr(pl_module, "method", None)
-        if method is not None and not method.keeps_sketches:
+        method = require_view(pl_module, "SketchDiagnostics", self.READS).method
+        if not method.keeps_sketches:
             self._warn_not_logra(method)
 
     @override

@@ -14,8 +14,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import require_view
 from logra_pl.runs.export import as_dtype, remove_policy_folder, save_policy_folder
-from logra_pl.train.view import require_view
 
 _PERIODIC = re.compile(r"update-(\d+)")
 
@@ -37,6 +37,7 @@ class HFExport(pl.Callback):
     """
 
     READS = ("policy", "tokenizer", "method")  # what it reads of the policy contract (docs/extending.md)
+    READS_IF_PRESENT = ("policy_source", "dtype_name")  # recorded in the export's metadata when the module has them
 
     def __init__(
         self,

@@ -30,11 +30,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import require_view, view_of
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.rollout.base import SamplingConfig
 from logra_pl.runtime.ranks import all_reduce_sum
 from logra_pl.train.logprobs import pack_responses
-from logra_pl.train.view import require_view, view_of
 
 
 def kl_from_logprobs(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import require_view, view_of
 from logra_pl.callbacks.mismatch import RolloutMismatch
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.runtime import compat
 from logra_pl.runtime.ranks import all_reduce_sum
 from logra_pl.sketch.probe import ProbeMode, predicted_kl_terms, realized_kl_terms
-from logra_pl.train.view import require_view, view_of
 
 
 @dataclass

@@ -21,8 +21,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import view_of
 from logra_pl.sketch.memory import MemoryReport, memory_report
-from logra_pl.train.view import view_of
 
 STATE_KINDS = [f.name for f in fields(MemoryReport) if f.name != "dense_gradient_equivalent"]
 
@@ -89,6 +89,8 @@ class MemoryMonitor(pl.Callback):
         max_image_bars: updates shown in the image (the most recent ones).
     """
 
+    READS = ("policy", "method", "step_context")  # of the policy contract (any other module: its parameters)
+
     def __init__(self, image_every: int = 100, max_image_bars: int = 20) -> None:
         if image_every < 0:
             raise ValueError(f"image_every must be >= 0, got {image_every}")
@@ -152,7 +154,7 @@ class MemoryMonitor(pl.Callback):
         state_memory = getattr(pl_module, "state_memory", None)
         if callable(state_memory):
             return state_memory()
-        if view_of(pl_module) is not None:
+        if view_of(pl_module, self.READS) is not None:
             return pl_module.method.memory(pl_module.policy)
         return memory_report(pl_module, optimizer=_optimizer(pl_module))  # any module: its parameters and optimizer
 
@@ -168,7 +170,7 @@ class MemoryMonitor(pl.Callback):
         metrics["memory/state_bytes"] = float(report.total)
         self.last = metrics
         self.history.append({"update": float(trainer.global_step), **metrics})
-        view = view_of(pl_module)
+        view = view_of(pl_module, self.READS)
         ctx = view.step_context if view is not None else None
         bs = len(ctx.rollout) if ctx is not None else 1
         for key, value in metrics.items():

@@ -8,9 +8,9 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import require_view, view_of
 from logra_pl.errors import check_range
 from logra_pl.runtime.ranks import all_reduce_sum
-from logra_pl.train.view import require_view, view_of
 
 
 def observed_mismatch(

@@ -15,8 +15,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import view_of
 from logra_pl.runtime import compat
-from logra_pl.train.view import view_of
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # printed where Lightning prints its table
 
@@ -104,11 +104,13 @@ class RichUpdateProgressBar(RichProgressBar):
 class _TrainedCounts:
     """Mixin for Lightning's summaries: count what the optimizer trains, then say how (see the module doc)."""
 
+    READS = ("policy", "method", "targets")  # of the policy contract (any other module: Lightning's count)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not compat.summary_depth(self):
             return
         summary, rows = compat.layer_summary(self, trainer, pl_module)
-        view = view_of(pl_module)  # a policy module's method counts what it trains (LoGRA: no grad is set on them)
+        view = view_of(pl_module, self.READS)  # a policy module's method counts what it trains (LoGRA sets no grad)
         trained = summary.trainable_parameters
         if view is not None and view.policy is not None:
             trained = int(view.method.trained_parameter_count(view.policy))

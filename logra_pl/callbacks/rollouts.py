@@ -25,7 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from logra_pl.train.view import view_of
+from logra_pl.callbacks.contract import view_of
 
 
 class RolloutLog(pl.Callback):
@@ -36,6 +36,8 @@ class RolloutLog(pl.Callback):
         every_n_updates: log the rollouts of every N-th update (1: all).
         text: also store the decoded response text.
     """
+
+    READS = ("step_context", "tokenizer")  # what it reads of the policy contract (any other module: nothing logged)
 
     def __init__(self, dirpath: str | None = None, every_n_updates: int = 1, text: bool = True) -> None:
         if every_n_updates < 1:
@@ -57,7 +59,7 @@ class RolloutLog(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        view = view_of(pl_module)
+        view = view_of(pl_module, self.READS)
         ctx = view.step_context if view is not None else None
         if ctx is None or self.path is None:
             return

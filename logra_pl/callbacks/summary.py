@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from logra_pl.train.view import view_of
+from logra_pl.callbacks.contract import view_of
 
 
 def _mean(values: list[float]) -> float:
@@ -25,6 +25,8 @@ class RunSummary(pl.Callback):
     Arguments:
         window: updates averaged at the start and at the end of the run for the reward comparison.
     """
+
+    READS = ("step_context",)  # what it reads of the policy contract (any other module: no reward summary)
 
     def __init__(self, window: int = 10) -> None:
         self.window = window
@@ -42,7 +44,7 @@ class RunSummary(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        view = view_of(pl_module)
+        view = view_of(pl_module, self.READS)
         ctx = view.step_context if view is not None else None
         if ctx is not None and "train/reward_mean" in ctx.metrics:
             self.rewards.append(ctx.metrics["train/reward_mean"])

@@ -16,11 +16,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from logra_pl.callbacks.contract import require_view, view_of
 from logra_pl.rollout.base import SamplingConfig
 from logra_pl.runtime import compat
 from logra_pl.train.batching import padded_logprobs
 from logra_pl.train.logprobs import pack_responses
-from logra_pl.train.view import PolicyModuleView, require_view
 
 
 class PolicySync(pl.Callback):
@@ -44,6 +44,9 @@ class PolicySync(pl.Callback):
         wire_dtype: dtype of the tensors ``full`` mode sends: ``auto`` follows the engine (bf16 to a bf16 engine,
             as dense frameworks send; the trainer's dtype to a master copy), or ``float32``/``bfloat16``/``float16``.
     """
+
+    # What it reads of the policy contract (docs/extending.md), checked at setup.
+    READS = ("policy", "tokenizer", "method", "step_context", "rollout_settings", "link", "sampler", "passes")
 
     def __init__(
         self,
@@ -80,7 +83,7 @@ class PolicySync(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        require_view(pl_module, "PolicySync")
+        require_view(pl_module, "PolicySync", self.READS)
         if self.mode == "factors" and not pl_module.method.ships_factors:
             raise ValueError(
                 "PolicySync(mode='factors') ships LoGRA factor payloads, but the module's update method "
@@ -99,7 +102,7 @@ class PolicySync(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(pl_module, PolicyModuleView) and pl_module.link is not None:
+        if view_of(pl_module, self.READS) is not None and pl_module.link is not None:
             pl_module.link.attach(None)
 
     # ----------------------------------------------------------------------------------------------- sync

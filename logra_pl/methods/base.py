@@ -213,6 +213,16 @@ class UpdateMethod(ABC):
         return None
 
     # ------------------------------------------------------------------------------------------ set up
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """Pickled (a checkpoint's hyper-parameters, a deep copy) as the method its settings build, never with a run's
+        state (its optimizer, sketches, the policy they hold): when every init argument is kept as an attribute of
+        its name (:meth:`to_config`); otherwise as any object."""
+        config = self.to_config()
+        params = [p for p in inspect.signature(type(self).__init__).parameters if p not in ("self", "args", "kwargs")]
+        if set(config["init_args"]) != set(params):
+            return super().__reduce__()
+        return (_rebuilt_method, (type(self), config["init_args"]))
+
     def to_config(self) -> dict[str, Any]:
         """``{class_path, init_args}``: what a config writes for this method (resume comparisons read it), each init
         argument taken from the attribute of the same name (one the method does not keep is left out)."""
@@ -329,6 +339,11 @@ class UpdateMethod(ABC):
     @abstractmethod
     def report(self, policy: nn.Module, targets: Sequence[str]) -> str:
         """One line on what this method trains and the state it holds for it."""
+
+
+def _rebuilt_method(cls: type[UpdateMethod], init_args: Mapping[str, Any]) -> UpdateMethod:
+    """A method built again from its settings (what :meth:`UpdateMethod.__reduce__` pickles)."""
+    return cls(**init_args)
 
 
 def count_text(n: int) -> str:

@@ -35,6 +35,26 @@ def update_totals(
     return UpdateTotals(int(tokens), int(sequences), max_new_tokens)
 
 
+def microbatch_loss(
+    loss_fn: Loss,
+    logp: torch.Tensor,
+    reference: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    totals: UpdateTotals,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, row weights)`` of one microbatch as a part of its whole update, without a KL penalty: the loss's row
+    weights (``loss_fn.weights`` of the responses' ``lengths``) times its aggregation's scale for the rows' loss
+    tokens (``mask``) within the update's ``totals``, the token sum normalized by the update's token count. The one
+    place the per-microbatch loss is formed: the backward and the sketch diagnostics both call it."""
+    weights = loss_fn.weights(lengths)
+    scale = loss_fn.row_scale(mask.sum(dim=1), totals)
+    if scale is not None:
+        weights = weights * scale.to(device=weights.device, dtype=weights.dtype)
+    return loss_fn(logp, reference, advantages, mask, max(totals.tokens, 1), weights), weights
+
+
 def backward_over(
     score: Callable[[PackedResponses, float], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     ctx: StepContext,
@@ -78,11 +98,7 @@ def backward_over(
                 logp_seen[mb], entropy_seen[mb] = logp.detach().to(logp_seen), entropy.detach().to(entropy_seen)
         adv = ctx.advantages[mb].to(device)
         ref = logp.detach() if reference is None else reference[mb].to(device)
-        weights = loss_fn.weights(packed.lengths)
-        scale = loss_fn.row_scale(mask.sum(dim=1), totals)
-        if scale is not None:
-            weights = weights * scale.to(device=weights.device, dtype=weights.dtype)
-        loss = loss_fn(logp, ref, adv, mask, num_tokens, weights)
+        loss, weights = microbatch_loss(loss_fn, logp, ref, adv, mask, packed.lengths, totals)
         if penalised:
             ref_policy = ctx.logp_reference[mb].to(device)
             loss = loss + loss_fn.penalty(logp, ref_policy, mask, num_tokens, weights)

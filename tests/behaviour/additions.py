@@ -58,8 +58,8 @@ ADDED_KEYS: dict[str, object] = {  # issue 23: LoGRAConfig's update-rule options
     # issue 51: update_rule adam's per-entry second moment (none with the other rules)
     "second_moments": {},
     "second_age": 0,
-    # issue 52: the class path of the method that wrote the checkpoint (the records' runs use LoGRA or AdamW)
-    "method": frozenset({"logra_pl.methods.LoGRAMethod", "logra_pl.methods.DenseAdamW"}),
+    # issue 52: the class path of the method that wrote the checkpoint (the records' runs use the built-in ones)
+    "method": frozenset(f"logra_pl.methods.{c}" for c in ("LoGRAMethod", "DenseAdamW", "LoRAMethod", "DenseSGD")),
 }
 
 

@@ -1,4 +1,4 @@
-"""``PolicyModuleView``: what the callbacks read from a policy module — the whole contract.
+"""``PolicyModuleView``: what the callbacks read from a policy module — the whole contract, kept with the callbacks.
 
 :class:`~logra_pl.module.LoGRAPolicyModule` meets it; so can a LightningModule of your own, and then every callback
 of :mod:`logra_pl.callbacks` works with it. It is made of objects that each do their own job, not of methods on the
@@ -33,9 +33,13 @@ class PolicyModuleView(Protocol):
             ``attach``: a callback that sends each update itself), or None before ``configure_model``.
         sampler: the :class:`~logra_pl.train.sampler.Sampler` (``encode``, ``generate``), or None before it.
         passes: the :class:`~logra_pl.train.passes.TrainerPasses` (``logprobs``), or None before it.
+        loss_config: the :class:`~logra_pl.losses.Loss` of the updates (what a diagnostic recomputes a gradient of,
+            through :func:`~logra_pl.train.backward.microbatch_loss`).
+        microbatch_size: responses per forward/backward pass.
 
-    A callback that reads part of it says which (its ``READS``: ``PredictedKLControl`` reads ``policy``, ``method``
-    and ``step_context``), so a module of your own needs only what its callbacks read.
+    Every callback that reads part of it says which (its ``READS``: ``PredictedKLControl`` reads ``policy``,
+    ``method`` and ``step_context``; ``tests/callbacks/test_contract.py`` holds it) and checks it at setup, so a
+    module of your own needs only what its callbacks read.
     """
 
     policy: Any
@@ -49,9 +53,11 @@ class PolicyModuleView(Protocol):
     link: Any
     sampler: Any
     passes: Any
+    loss_config: Any
+    microbatch_size: int
 
 
-CONTRACT = 'logra_pl.train.view.PolicyModuleView (docs/extending.md, "Your own LightningModule")'
+CONTRACT = 'logra_pl.callbacks.contract.PolicyModuleView (docs/extending.md, "Your own LightningModule")'
 EVERYTHING: tuple[str, ...] = tuple(PolicyModuleView.__annotations__)
 
 
