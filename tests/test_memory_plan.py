@@ -77,7 +77,7 @@ def test_plan_shards_over_ranks_and_prints_the_7b_shape(tmp_path, capsys) -> Non
 def test_plan_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="model_type"):
         plan({"hidden_size": 8})
-    with pytest.raises(ValueError, match="logra.rank=512 exceeds d_in"):
+    with pytest.raises(ValueError, match=r"logra\.rank=512 exceeds d_in"):
         plan(PRESETS["tiny"].qwen2_config(512, 0, 1), rank_r=512)
     with pytest.raises(ValueError, match="unknown method 'nope': plan a registered one"):
         plan(QWEN25_7B, optimizers=["nope"])

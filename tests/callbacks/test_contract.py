@@ -81,9 +81,9 @@ def test_every_callback_declares_what_it_reads_of_the_contract() -> None:
                 continue
             read = set()
             for sub in ast.walk(node):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
-                    if sub.value.id in ("pl_module", "view") and sub.attr in contract:
-                        read.add(sub.attr)
+                named = isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                if named and sub.value.id in ("pl_module", "view") and sub.attr in contract:
+                    read.add(sub.attr)
                 if isinstance(sub, ast.Call) and getattr(sub.func, "id", None) == "getattr" and len(sub.args) >= 2:
                     owner, name = sub.args[0], sub.args[1]
                     if getattr(owner, "id", None) == "pl_module" and getattr(name, "value", None) in contract:
