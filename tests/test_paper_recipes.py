@@ -353,7 +353,14 @@ def test_lora_overlay() -> None:
     assert {k: v for k, v in callbacks.items() if k != "PolicySync"} == {
         k: v for k, v in _callbacks(base).items() if k in callbacks and k != "PolicySync"
     }
-    ignore = ("callbacks.", "model.optimizer", "model.lora", "model.adamw", "trainer.logger.init_args.name")
+    ignore = (
+        "callbacks.",
+        "model.optimizer",
+        "model.logra",
+        "model.lora",
+        "model.adamw",
+        "trainer.logger.init_args.name",
+    )
     a, b = _flat(base), _flat(stacked)
     same = {k for k in a.keys() | b.keys() if not k.startswith(ignore)}
     assert {k: a.get(k) for k in same} == {k: b.get(k) for k in same}
@@ -407,7 +414,8 @@ def test_one_gpu_command_changes_only_the_topology() -> None:
     with pytest.raises(SystemExit) as done, contextlib.redirect_stdout(out):
         LoGRACLI(args=[*_args((BASE,)), *args[2:], "--print_config"], run=False)
     assert done.value.code in (0, None)
-    one, paper = _flat(yaml.safe_load(out.getvalue())), _flat(_resolved((BASE,)))
+    printed = yaml.safe_load(out.getvalue())
+    one, paper = _flat({**printed, "model": _by_section(printed["model"])}), _flat(_resolved((BASE,)))
     changed = {k: one.get(k) for k in one.keys() | paper.keys() if one.get(k, "<absent>") != paper.get(k, "<absent>")}
     engine = {k.removeprefix("model.engine.init_args."): v for k, v in changed.items() if ".engine.init_args." in k}
     assert engine.pop("urls") is None and engine.pop("api_key_env") is None  # the served engines' keys are gone
