@@ -33,7 +33,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from logra_pl.callbacks.checkpoint import UpdateCheckpoint
-from logra_pl.config import translated
+from logra_pl.config import import_dotted, translated
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import (
     ConfigError,
@@ -445,8 +445,7 @@ def _protocol_mismatch(class_path: str, protocol: str) -> str:
     if failure is not None or protocol not in _PROTOCOLS:
         return f"{class_path} does not implement {protocol}" + (f" ({failure})" if failure else "")
     cls = _import(class_path)
-    module, _, name = _PROTOCOLS[protocol].rpartition(".")
-    proto = getattr(importlib.import_module(module), name)
+    proto = import_dotted(_PROTOCOLS[protocol], protocol)
     problems = []
     for member, fn in vars(proto).items():
         if not inspect.isfunction(fn) or (member.startswith("_") and member != "__call__"):
@@ -468,8 +467,7 @@ def _protocol_mismatch(class_path: str, protocol: str) -> str:
 
 
 def _import(class_path: str) -> Any:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return import_dotted(class_path, "class_path")
 
 
 def _reasons(message: str) -> list[str]:
@@ -554,8 +552,7 @@ def _class_options(class_path: str) -> list[str]:
     try:
         from jsonargparse import ArgumentParser
 
-        module, _, name = class_path.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
+        cls = _import(class_path)
         sub = ArgumentParser(exit_on_error=False)
         sub.add_class_arguments(cls, fail_untyped=False, sub_configs=True)
         keys = sub.get_defaults().keys()  # a jsonargparse Namespace: flat dotted keys

@@ -165,6 +165,30 @@ def construct(cls: type, init_args: Mapping[str, Any] | None, setting: str) -> A
     return cls(**init_args)
 
 
+def build_class_path(spec: Any, setting: str) -> Any:
+    """The object a ``{class_path, init_args}`` mapping describes, built the way jsonargparse builds one outside a
+    parsed config (a verifier combining verifiers, a logger entry): ``init_args`` values that are themselves such
+    mappings are built first, so they nest. Anything else is returned as it is. Every failure is a
+    :class:`ConfigError` that names ``setting``: unknown keys, a class path that does not import, arguments the class
+    does not take."""
+    if not (isinstance(spec, Mapping) and "class_path" in spec):
+        return spec
+    unknown = set(spec) - {"class_path", "init_args"}
+    if unknown:
+        raise ConfigError(f"{setting} has unknown keys {sorted(unknown)}: use class_path and init_args")
+    class_path, init_args = spec["class_path"], spec.get("init_args") or {}
+    if not isinstance(class_path, str) or "." not in class_path:
+        raise ConfigError(f"{setting} class_path must be a dotted 'module.Class' string, got {class_path!r}")
+    if not isinstance(init_args, Mapping):
+        raise ConfigError(f"{setting} init_args for {class_path} must be a mapping, got {init_args!r}")
+    cls = import_dotted(class_path, setting)
+    built = {key: build_class_path(value, f"{setting}.init_args.{key}") for key, value in init_args.items()}
+    try:
+        return construct(cls, built, setting) if inspect.isclass(cls) else cls(**built)
+    except TypeError as err:
+        raise ConfigError(f"{setting}: cannot build {class_path} with init_args {dict(init_args)!r}: {err}") from err
+
+
 def _default_build(target: Any, name: str) -> Any:
     """A class is built with its defaults; anything else is used as it is."""
     return target() if inspect.isclass(target) else target

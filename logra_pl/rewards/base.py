@@ -16,7 +16,6 @@ Reasoning-gym items also keep reasoning-gym's own entry keys (``question``, ``an
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -25,6 +24,7 @@ from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol, runtime_checkable
 
+from logra_pl.config import build_class_path
 from logra_pl.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -320,26 +320,7 @@ def build_verifier(spec: Any) -> Any:
         spec: a verifier object, or a dict in LightningCLI's ``class_path``/``init_args`` form. ``init_args`` values
             that are themselves such dicts are built first (so combinations nest).
     """
-    if not (isinstance(spec, Mapping) and "class_path" in spec):
-        return spec
-    unknown = set(spec) - {"class_path", "init_args"}
-    if unknown:
-        raise ConfigError(f"verifier spec has unknown keys {sorted(unknown)}: use class_path and init_args")
-    class_path, init_args = spec["class_path"], spec.get("init_args") or {}
-    if not isinstance(class_path, str) or "." not in class_path:
-        raise ConfigError(f"verifier class_path must be a dotted 'module.Class' string, got {class_path!r}")
-    if not isinstance(init_args, Mapping):
-        raise ConfigError(f"verifier init_args for {class_path} must be a mapping, got {init_args!r}")
-    module_name, _, attr = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"cannot import verifier class_path {class_path!r}: {err}") from err
-    kwargs = {key: build_verifier(value) for key, value in init_args.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as err:
-        raise ConfigError(f"cannot build verifier {class_path} with init_args {dict(init_args)!r}: {err}") from err
+    return build_class_path(spec, "verifier")
 
 
 def _same_item(a: Any, b: Any) -> bool:

@@ -47,6 +47,8 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 import logra_pl.runs.store_formats as store_formats
+from logra_pl.config import import_dotted
+from logra_pl.errors import ConfigError
 from logra_pl.runtime import compat
 
 log = logging.getLogger("logra_pl")
@@ -98,8 +100,7 @@ class RunStore:
         """Whether this store handles loggers of ``logger_type``."""
         if cls.logger_class is None:
             return False
-        module, _, name = cls.logger_class.rpartition(".")
-        return issubclass(logger_type, getattr(importlib.import_module(module), name))
+        return issubclass(logger_type, import_dotted(cls.logger_class, "a run store's logger_class"))
 
     @classmethod
     def family_roots(cls, init_args: Mapping[str, Any], default_root: Path) -> list[Path]:
@@ -369,10 +370,9 @@ def configured(entry: Any) -> tuple[type[RunStore], Mapping[str, Any]] | None:
     class_path = entry.get("class_path") if hasattr(entry, "get") else None
     if not class_path:
         return None
-    module, _, name = str(class_path).rpartition(".")
     try:
-        logger_type = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
+        logger_type = import_dotted(str(class_path), "trainer.logger")
+    except ConfigError:
         return None
     return store_class(logger_type), entry.get("init_args") or {}
 
