@@ -254,7 +254,7 @@ def resolve(
 
 # ------------------------------------------------------------------------------------------ older spellings
 # Where settings are read -> the translators of older spellings, in the order they were added.
-TRANSLATION_POINTS = ("config", "argv", "settings", "setting", "hparams", "checkpoint")
+TRANSLATION_POINTS = ("config", "argv", "settings", "setting", "hparams", "checkpoint", "plugin")
 _TRANSLATORS: dict[str, list[Callable[..., Any]]] = {point: [] for point in TRANSLATION_POINTS}
 
 
@@ -268,7 +268,9 @@ def add_translator(point: str, translator: Callable[..., Any]) -> None:
     - ``"setting"``: ``translator(value, key) -> value``, one ``model.<key>`` setting as a resume compares it;
     - ``"hparams"``: ``translator(hparams) -> hparams``, a checkpoint's saved module hyper-parameters
       (``load_from_checkpoint``);
-    - ``"checkpoint"``: ``translator(checkpoint) -> checkpoint``, a loaded checkpoint before the module reads it.
+    - ``"checkpoint"``: ``translator(checkpoint) -> checkpoint``, a loaded checkpoint before the module reads it;
+    - ``"plugin"``: ``translator(value, registry, setting) -> value``, what a setting names before :func:`resolve`
+      reads it (an object of an older kind, a name an older registry gave).
     """
     if point not in _TRANSLATORS:
         raise ValueError(f"unknown translation point {point!r}: use one of {', '.join(TRANSLATION_POINTS)}")

@@ -249,6 +249,7 @@ TRANSLATORS: dict[str, tuple[Callable[..., Any], ...]] = {
         _translator("logra_pl._graveyard.methods", "translate_hparams"),
     ),
     "checkpoint": (_translator("logra_pl._graveyard.checkpoints", "record_method"),),
+    "plugin": (_translator("logra_pl._graveyard.losses", "built_form"),),
 }
 
 

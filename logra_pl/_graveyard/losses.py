@@ -444,6 +444,24 @@ def translate_config(config: Any) -> Any:
     return config
 
 
+def built_form(value: Any, registry: Any, setting: str) -> Any:
+    """What a loss or baseline setting of an older kind means now: a settings object (``LossConfig``,
+    ``Baseline``: their ``build()``), a name or dotted path of the old loss registry (its ``LossSpec`` as a
+    :class:`SpecLoss`); anything else is returned as it is."""
+    if not isinstance(value, str | Mapping | Loss | AdvantageBaseline) and callable(getattr(value, "build", None)):
+        return value.build()
+    if isinstance(value, str):
+        target = registry.names.get(value)
+        if target is None and "." in value:
+            try:
+                target = import_dotted(value, setting)
+            except ConfigError:
+                return value
+        if isinstance(target, LossSpec):
+            return target.as_loss(value)
+    return value
+
+
 def translate_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's module hyper-parameters with the old sections (``loss``, ``baseline``) translated: what
     ``load_from_checkpoint`` is given. A baseline's ``value`` is state; the checkpoint restores it."""

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from logra_pl.config import Registry, class_path_of, init_parameters, resolve
+from logra_pl.config import Registry, class_path_of, init_parameters, resolve, translated
 from logra_pl.errors import ConfigError, check_choice, check_int, check_range
 from logra_pl.losses.functional import (
     AGGREGATIONS,
@@ -259,25 +259,13 @@ def check_loss(loss: Any, setting: str = "model.loss") -> None:
 Loss.registry = Registry("loss", "model.loss", "logra_pl.losses.PPOClip", check_loss)
 
 
-def _as_loss(target: Any, name: str) -> Any:
-    """What a name or dotted path gives, as a loss: a class built with its defaults; an object that turns into one
-    (``as_loss(name)``, as the deprecated registry's entries do); anything else as it is."""
-    if inspect.isclass(target):
-        return target()
-    as_loss = getattr(target, "as_loss", None)
-    return as_loss(name) if callable(as_loss) else target
-
-
 def build_loss(value: Any = None, setting: str = "model.loss") -> Loss:
     """The :class:`Loss` a config or a caller gives, checked (:func:`logra_pl.config.resolve`).
 
     Accepted: None (``reinforce_tis``), a loss object, a short name (``reinforce_tis``, ``ppo``, ``gspo``, ``cispo``),
-    a class name (``PPOClip``), a dotted path (to a class, built with its defaults, or an instance), a
-    ``{class_path, init_args}`` mapping, and a settings object that builds one (``build()``: the ``LossConfig`` that
-    old checkpoints pickle).
+    a class name (``PPOClip``), a dotted path (to a class, built with its defaults, or an instance), or a
+    ``{class_path, init_args}`` mapping; older kinds of value are read through the ``plugin`` translators
+    (:func:`logra_pl.config.translated`).
     """
-    if value is None:
-        value = "reinforce_tis"
-    elif not isinstance(value, str | Mapping | Loss) and callable(getattr(value, "build", None)):
-        value = value.build()
-    return resolve(value, Loss.registry, setting, _as_loss)
+    value = translated("plugin", "reinforce_tis" if value is None else value, Loss.registry, setting)
+    return resolve(value, Loss.registry, setting)

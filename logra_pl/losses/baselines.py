@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from logra_pl.config import Registry, class_path_of, register, resolve
+from logra_pl.config import Registry, class_path_of, register, resolve, translated
 from logra_pl.errors import ConfigError, check_choice, check_range
 from logra_pl.losses.base import Configured
 from logra_pl.losses.functional import group_baseline
@@ -184,10 +184,7 @@ class RLOOBaseline(AdvantageBaseline):
 def build_baseline(value: Any = None, setting: str = "model.baseline") -> AdvantageBaseline:
     """The baseline a config or a caller gives, checked (:func:`logra_pl.config.resolve`): None (``running``), an
     object, a short name (``running``, ``group``, ``rloo``), a class name or dotted path, a ``{class_path,
-    init_args}`` mapping, or a settings object that builds one (``build()``: the ``Baseline`` old checkpoints
-    pickle)."""
-    if value is None:
-        value = "running"
-    elif not isinstance(value, str | Mapping | AdvantageBaseline) and callable(getattr(value, "build", None)):
-        value = value.build()
+    init_args}`` mapping; older kinds of value are read through the ``plugin`` translators
+    (:func:`logra_pl.config.translated`)."""
+    value = translated("plugin", "running" if value is None else value, AdvantageBaseline.registry, setting)
     return resolve(value, AdvantageBaseline.registry, setting)
