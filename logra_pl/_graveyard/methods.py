@@ -144,4 +144,6 @@ def translate_on_init(module_class: type) -> None:
         init(self, *args, **kwargs)
 
     __init__.translates_old_settings = True  # type: ignore[attr-defined]
+    # Its signature stays the module's own (jsonargparse, Lightning's filter of saved hyper-parameters read it).
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]
     module_class.__init__ = __init__
