@@ -198,6 +198,11 @@ class LoGRAMethod(UpdateMethod):
             choices=sorted(MOMENT_DTYPES),
             help="with --logra-rule paper: a first moment (logra.beta1 > 0), stored as this dtype (default float32)",
         )
+        parser.add_argument(
+            "--moment-dtype",
+            choices=sorted(MOMENT_DTYPES),
+            help="storage of LoGRA's moments (logra.moment_dtype); default: the rule's own (default bf16, paper fp32)",
+        )
 
     @classmethod
     @override

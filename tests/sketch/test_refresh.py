@@ -149,14 +149,14 @@ def test_run_settings_compare_across_spellings() -> None:
     old = {"model": {"logra": {"rank": 64, "refresh": True}}}
     for now in ({"refresh_every": 1}, {"refresh": True}, {"refresh": True, "refresh_every": None}):
         check_resume(old, {"model": {"logra": {"rank": 64, **now}}})
-    with pytest.raises(ResumeMismatchError, match=r"model\.logra\.refresh_every: checkpoint 1, now 0"):
+    with pytest.raises(ResumeMismatchError, match=r"model\.method\.logra\.refresh_every: checkpoint 1, now 0"):
         check_resume(old, {"model": {"logra": {"rank": 64}}})
-    with pytest.raises(ResumeMismatchError, match=r"model\.logra\.refresh_every: checkpoint 1, now 10"):
+    with pytest.raises(ResumeMismatchError, match=r"model\.method\.logra\.refresh_every: checkpoint 1, now 10"):
         check_resume(old, {"model": {"logra": {"rank": 64, "refresh_every": 10}}})
     fixed = {"model": {"logra": {"rank": 64, "refresh": False}}}
     for now in ({}, {"refresh": None, "refresh_every": None}, {"refresh_every": 0}):
         check_resume(fixed, {"model": {"logra": {"rank": 64, **now}}})
-    with pytest.raises(ResumeMismatchError, match=r"model\.logra\.refresh_every: checkpoint 0, now 1"):
+    with pytest.raises(ResumeMismatchError, match=r"model\.method\.logra\.refresh_every: checkpoint 0, now 1"):
         check_resume(fixed, {"model": {"logra": {"rank": 64, "refresh_every": 1}}})
 
 
