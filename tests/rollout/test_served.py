@@ -237,17 +237,16 @@ def test_two_engines_share_prompts_and_receive_every_update(tmp_path_factory: py
 
 
 def test_lora_run_sends_merged_weights_to_a_served_engine(server: Server, rl_run, tmp_path: Path) -> None:
-    """``model.optimizer: lora`` against vLLM: the engine holds ``W + (α/r)·B A``, never the adapters."""
+    """LoRA (``LoRAMethod``) against vLLM: the engine holds ``W + (α/r)·B A``, never the adapters."""
     from logra_pl.callbacks import PolicySync
+    from logra_pl.methods import LoRAMethod
     from logra_pl.methods.adamw import AdamWConfig
     from logra_pl.methods.lora import LoRAConfig, merged_tensors
     from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 
     module = LoGRAPolicyModule(
         policy="tiny",
-        optimizer="lora",
-        lora=LoRAConfig(rank=8, alpha=16.0),
-        adamw=AdamWConfig(lr=1e-3, warmup_steps=0),
+        method=LoRAMethod(LoRAConfig(rank=8, alpha=16.0), AdamWConfig(lr=1e-3, warmup_steps=0)),
         engine=RemoteSettings(urls=[server.url], api_key_env=KEY_ENV),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,
