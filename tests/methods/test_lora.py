@@ -18,7 +18,7 @@ from logra_pl.models.load import load_policy
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import memory_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
