@@ -24,8 +24,8 @@ and optimizer state equal the uninterrupted run's bit for bit; its logged reward
 and every other deterministic scalar (all but ``time/*`` and ``memory/*``) equal the uninterrupted run's; its sampled
 responses and their rewards (``RolloutLog``) too; the KL calibration of every update, ``|kl/realized −
 kl/predicted_scaled| / kl/realized < 0.10`` (the bound of the CPU test of this setup,
-``tests/test_large_model_path.py::test_bf16_mixed_keeps_fp32_master_and_sketches``); ``MemoryMonitor``'s CUDA peaks
-(``memory/cuda_peak_allocated_bytes``, ``memory/cuda_peak_reserved_bytes``; on a CPU ``memory/peak_rss_bytes``)
+``tests/models/test_large_model_path.py::test_bf16_mixed_keeps_fp32_master_and_sketches``); ``MemoryMonitor``'s CUDA
+peaks (``memory/cuda_peak_allocated_bytes``, ``memory/cuda_peak_reserved_bytes``; on a CPU ``memory/peak_rss_bytes``)
 logged for every update; ``RolloutMismatch``'s ``mismatch/ema`` logged for every update. It prints seconds per update
 split into rollout / train (forwards and backwards) / optimizer step (``time/rollout_s``, ``time/train_s``,
 ``time/update_s``, medians over the uninterrupted run's updates after the first), the CUDA peaks and the KL
@@ -80,7 +80,7 @@ if str(ROOT) not in sys.path:  # the policy is built here with logra_pl, install
 GiB = 1024**3
 CHAIN_SUM = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 KL_BUDGET = 1e-4
-KL_BOUND = 0.10  # tests/test_large_model_path.py: bf16-mixed calibration bound on the CPU
+KL_BOUND = 0.10  # tests/models/test_large_model_path.py: bf16-mixed calibration bound on the CPU
 NONDETERMINISTIC = ("time/", "memory/")  # wall-clock seconds and process memory differ between any two runs
 
 

@@ -195,14 +195,14 @@ class LoGRAPolicyModule(pl.LightningModule):
     def on_train_start(self) -> None:
         """The engine samples from the trainer's weights (after any checkpoint restore); dynamic sampling and, with
         ``rollout.max_staleness`` ≥ 1, the asynchronous pipeline start where a checkpoint left them."""
-        self.link.sync(full=True, payload=self.link.last_payload)
+        self.link.sync_full()
         self.sampler.start(self.trainer, self._sampler_state)
         self._sampler_state = {}
 
     def on_validation_start(self) -> None:
         """The engine holds the current weights for validation; per-task pass@1 when problems mix tasks (RG-Hard)."""
         if self.link is not None and self.link.place():
-            self.link.sync(full=True, payload=self.link.last_payload)
+            self.link.sync_full()
         self.validation.start(getattr(self.trainer.datamodule, "eval_items", None) or [], self.device)
 
     def teardown(self, stage: str) -> None:
@@ -221,6 +221,7 @@ class LoGRAPolicyModule(pl.LightningModule):
         self.step_context = ctx = build_step(*args, single_pass=len(plan) == 1)  # 1 update: π_old from its forward
         t_rollout = time.perf_counter() - t0
         results = [self._update(ctx, part) for part in plan]
+        self.link.updated(ctx.payloads)  # the engine gets the step's changes before any callback looks at it
         step_s = time.perf_counter() - t0
         metrics = step_metrics(ctx, results, t_rollout, step_s, self.baseline, self.scorer)
         if self.sampler.pipeline is not None:
@@ -252,7 +253,6 @@ class LoGRAPolicyModule(pl.LightningModule):
             ctx.payloads.append(result.payload)
         knob, ckpt = self.method.step_knob, self.ranks.last_checkpoint
         self.rejections.record(result.rejected, self.global_step, knob, ckpt, self.trainer.is_global_zero)
-        self.link.updated(result.payload)  # the engine gets it now, or from a sync callback (PolicySync)
         return total, t1 - t0, time.perf_counter() - t1, result.update_norm
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -299,3 +299,50 @@ def test_one_table_of_dtype_names() -> None:
         and any(isinstance(v, ast.Attribute) and v.attr in ("bfloat16", "float16", "float32") for v in node.values)
     ]
     assert not tables, f"dtype-name tables outside logra_pl/runtime/dtypes.py: {tables}"
+
+
+def test_one_sender_of_engine_updates() -> None:
+    """Weights reach the engine through ``EngineLink.send`` alone, called from ``engine_link.py`` only: each step's
+    changes (``updated``) and full syncs (``sync_full``). ``PolicySync`` configures and measures, and sends nothing."""
+    callers = sorted(
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("send", "changes", "apply_payload", "load_weights")
+        and not path.is_relative_to(PACKAGE / "rollout")  # the engines themselves (a served engine's client)
+    )
+    assert callers and all(c.startswith("logra_pl/train/engine_link.py") for c in callers), callers
+
+
+# What stays at the top of tests/: the tests of the top-level modules (module.py, cli.py, smoke.py, config.py and
+# configs/) and of the house as a whole (docs, tutorials, layout, behaviour records, old checkpoints).
+TOP_LEVEL_TESTS = {
+    "conftest.py",
+    "test_behaviour.py",
+    "test_cli.py",
+    "test_configs.py",
+    "test_docs.py",
+    "test_extending.py",
+    "test_layout.py",
+    "test_legacy_checkpoints.py",
+    "test_module.py",
+    "test_paper_recipe_run.py",
+    "test_paper_recipes.py",
+    "test_smoke.py",
+    "test_tutorials.py",
+}
+
+
+def test_the_tests_mirror_the_wings() -> None:
+    """A test of a wing lies in ``tests/<wing>/``; only :data:`TOP_LEVEL_TESTS` stand at the top, and every folder of
+    tests is a wing of the package or a helper of the tests."""
+    tests = ROOT / "tests"
+    loose = {p.name for p in tests.glob("*.py")} - TOP_LEVEL_TESTS
+    assert not loose, f"tests loose at the top of tests/ (move each into its wing's folder): {sorted(loose)}"
+    wings = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    wings |= {p.stem for p in PACKAGE.glob("*.py")}  # a top-level module with tests of many files (strategy.py)
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    strays = folders - wings - {"helpers", "behaviour", "benchmarks"}
+    assert not strays, f"test folders that mirror no wing: {sorted(strays)}"

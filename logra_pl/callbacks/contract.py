@@ -28,9 +28,10 @@ class PolicyModuleView(Protocol):
         rollout_settings: the run's :class:`~logra_pl.train.settings.RolloutSettings`.
         policy_source: where the policy came from (``model.policy``).
         dtype_name: the policy's parameter dtype (``float32``...).
-        link: the :class:`~logra_pl.train.engine_link.EngineLink` (``engine``; ``sync``, ``send`` and ``submit``:
-            engine calls in order with every other, on the asynchronous worker when rollouts are sampled ahead;
-            ``attach``: a callback that sends each update itself), or None before ``configure_model``.
+        link: the :class:`~logra_pl.train.engine_link.EngineLink` (``engine``; ``sync_full`` and ``submit``: engine
+            calls in order with every other, on the asynchronous worker when rollouts are sampled ahead;
+            ``configure`` and ``shipped``: what each step sends, and its bytes and seconds), or None before
+            ``configure_model``.
         sampler: the :class:`~logra_pl.train.sampler.Sampler` (``encode``, ``generate``), or None before it.
         passes: the :class:`~logra_pl.train.passes.TrainerPasses` (``logprobs``), or None before it.
         loss_config: the :class:`~logra_pl.losses.Loss` of the updates (what a diagnostic recomputes a gradient of,

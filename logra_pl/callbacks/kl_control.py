@@ -76,8 +76,8 @@ def _full_precision(device: torch.device) -> torch.autocast:
     Under ``bf16-mixed`` the optimizer step (where the probe runs) is inside Lightning's autocast and the calibration
     forward (``on_train_batch_end``) is not. bf16 keeps 8 bits of mantissa: on a policy whose logits span a few units,
     as a trained one's do, the rounding swamps a 1e-4 update, and the realized KL of bf16 "before" against fp32 "after"
-    logits was 12-48% off α²·pred (≤ 1.9% in fp32; ``tests/test_large_model_path.py``). Under FSDP's ``param_dtype``
-    the gathered parameters stay bf16 for both forwards.
+    logits was 12-48% off α²·pred (≤ 1.9% in fp32; ``tests/models/test_large_model_path.py``). Under FSDP's
+    ``param_dtype`` the gathered parameters stay bf16 for both forwards.
     """
     return torch.autocast(device_type=device.type, enabled=False)
 

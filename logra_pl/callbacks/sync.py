@@ -5,6 +5,10 @@ engine rebuilds ``P`` and applies the same merge. ``full`` sends every changed t
 Sync bugs are silent (an engine that keeps old weights, a stale prefix cache still samples fluent text), so every
 ``verify_every`` updates the callback compares the engine's greedy log-probs with the trainer's on a fixed probe
 whose prompts are longer than one KV block; beyond ``tolerance`` it resyncs the full weights and says so.
+
+The module's engine link is the one sender of every update (right after the step, before any callback runs); this
+callback configures what it sends (:meth:`~logra_pl.train.engine_link.EngineLink.configure`), measures it and
+verifies it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from logra_pl.callbacks.contract import require_view, view_of
+from logra_pl.callbacks.contract import require_view
 from logra_pl.rollout.base import SamplingConfig
 from logra_pl.runtime import compat
 from logra_pl.train.batching import padded_logprobs
@@ -76,7 +80,6 @@ class PolicySync(pl.Callback):
             raise ValueError(f"unknown wire_dtype {wire_dtype!r}: use auto, float32, bfloat16 or float16")
         self.wire_dtype = wire_dtype
         self.probe: list[list[int]] | None = None
-        self._shipping: list[Any] = []  # futures of the updates sent and not yet logged
         self.full_resyncs = 0
         self.syncs = 0
         self.last_diff: float | None = None
@@ -95,17 +98,20 @@ class PolicySync(pl.Callback):
                 "weights; remove PolicySync or set share_weights to false"
             )
 
+    # ----------------------------------------------------------------------------------------------- sync
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """From the first update on, this callback sends each update to the engine (the module no longer does)."""
-        pl_module.link.attach(self)
+        """From the first update on, the link sends each update in this callback's mode and wire dtype, and keeps
+        what it sent for :meth:`on_train_batch_end` to measure."""
+        wire = "engine" if self.wire_dtype == "auto" else getattr(torch, self.wire_dtype)
+        pl_module.link.configure("factors" if self.mode == "factors" else "tensors", wire, measured=True)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if view_of(pl_module, self.READS) is not None and pl_module.link is not None:
-            pl_module.link.attach(None)
+        """The link goes back to its method's own defaults, unmeasured (a module may be fitted again without it)."""
+        if getattr(pl_module, "link", None) is not None:
+            pl_module.link.configure()
 
-    # ----------------------------------------------------------------------------------------------- sync
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -113,15 +119,12 @@ class PolicySync(pl.Callback):
         ctx, link = pl_module.step_context, pl_module.link
         if ctx is None or link is None:
             return
-        if self.probe is None:
+        if self.probe is None and self.verify_every:
             self.probe = self.build_probe(pl_module, ctx.items)
         engine = link.engine
-        # What the step changed, in order with every other engine call: now, or after the requests already on the
-        # asynchronous worker (the tensors are taken now: the worker applies them as training moves on).
-        change = "factors" if self.mode == "factors" else "tensors"
-        wire = "engine" if self.wire_dtype == "auto" else getattr(torch, self.wire_dtype)
-        self._shipping.append(link.send(change, list(ctx.payloads), wire))
-        sent, seconds = self._shipped()
+        # What the link sent of this step (at the step's end, in order with every other engine call: then, or after
+        # the requests already on the asynchronous worker); an asynchronous send counts once the worker applied it.
+        sent, seconds = link.shipped()
         self.syncs += 1
         checks: dict[str, float] = {}
         if self.verify_every and (self.syncs == 1 or self.syncs % self.verify_every == 0):
@@ -142,18 +145,6 @@ class PolicySync(pl.Callback):
                 logger.log_metrics(checks, step=trainer.global_step)
         ctx.metrics.update(metrics | checks)
 
-    def _shipped(self) -> tuple[float, float]:
-        """Bytes and seconds of the ships that have finished since the last call (all of them in a synchronous run;
-        in an asynchronous one, the updates the worker has applied by now)."""
-        done = [f for f in self._shipping if f.done()]
-        self._shipping = [f for f in self._shipping if not f.done()]
-        sent = seconds = 0.0
-        for future in done:
-            reports, took = future.result()
-            sent += sum(r.bytes for r in reports)
-            seconds += took
-        return sent, seconds
-
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The last update is verified too, whatever ``verify_every`` is: a run never ends on unchecked weights."""
@@ -172,7 +163,7 @@ class PolicySync(pl.Callback):
         out = {"sync/max_logprob_diff": diff}
         if diff > self.tolerance:
             if self.resync_on_mismatch:
-                pl_module.link.sync(full=True, payload=pl_module.link.last_payload)
+                pl_module.link.sync_full()
                 self.full_resyncs += 1
                 after = self.max_logprob_diff(pl_module)
                 rank_zero_warn(

@@ -2,7 +2,7 @@
 
 A resumed run must end with each step once in its logger's store (:mod:`logra_pl.runs.stores`). Neither backend
 offers all of it through its API, so two things here read or edit their files directly; each says why, and on
-which version it was checked (``tests/test_loggers.py`` runs both against the real packages):
+which version it was checked (``tests/runs/test_loggers.py`` runs both against the real packages):
 
 - **W&B** keeps an offline run (and, for recovery, an online one) as a *transaction log*: ``run-<id>.wandb`` in a
   ``<offline-run|run>-<time>-<id>`` folder of the ``wandb/`` directory, one folder per ``wandb.init``. wandb 0.31

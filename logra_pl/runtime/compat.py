@@ -2,7 +2,7 @@
 
 Lightning does not promise anything about names that start with ``_``; logra-pl needs a few of them (what each works
 around is said beside it). Code elsewhere calls the functions here instead of touching the names, so a Lightning
-upgrade is checked here alone: ``tests/test_compat.py`` asserts that every name listed in :data:`PRIVATE_NAMES`
+upgrade is checked here alone: ``tests/runtime/test_compat.py`` asserts that every name listed in :data:`PRIVATE_NAMES`
 still exists and that each function still does what it says. Checked on Lightning :data:`CHECKED_LIGHTNING`.
 
 Overrides of private Lightning methods cannot be functions: :class:`CheckpointPathHook` turns LightningCLI's one
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 CHECKED_LIGHTNING = "2.6.6"
 
 # (module, class or None for a module attribute, name): every private Lightning name this project relies on.
-# tests/test_compat.py imports each and checks it is there.
+# tests/runtime/test_compat.py imports each and checks it is there.
 PRIVATE_NAMES: tuple[tuple[str, str | None, str], ...] = (
     ("lightning.pytorch.cli", "LightningCLI", "_parse_ckpt_path"),
     ("lightning.pytorch.callbacks", "TQDMProgressBar", "_leave"),  # instance attribute (set in __init__)
@@ -311,7 +311,7 @@ def save_checkpoints(callback: Any, trainer: Any) -> None:
     callback._save_last_checkpoint(trainer, candidates)
 
 
-DISTRIBUTED_METADATA = "meta.pt"  # == lightning.fabric.utilities.load._METADATA_FILENAME (tests/test_compat.py)
+DISTRIBUTED_METADATA = "meta.pt"  # == lightning.fabric.utilities.load._METADATA_FILENAME (tests/runtime/test_compat.py)
 
 
 def distributed_checkpoint_metadata(folder: str | Path) -> Path:

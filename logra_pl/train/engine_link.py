@@ -5,9 +5,11 @@ other methods the changed tensors, and a full sync every tensor (at the start of
 device, or to repair). An engine that can go stale (a served one: a lost update, a restart) refuses to generate
 from other weights; the link then has every rank agree that a repair is due, resends the full weights and repeats
 the call, counting each repair (``sync/engine_resyncs``). What an update changed is built here alone
-(:meth:`EngineLink.changes`): the module sends it after each update, or a :class:`~logra_pl.callbacks.PolicySync`
-callback that took the per-update sync over (:meth:`EngineLink.attach`) sends the step's changes through
-:meth:`EngineLink.send`, timed and in order with every other engine call.
+(:meth:`EngineLink.changes`) and sent from here alone (:meth:`EngineLink.send`), timed and in order with every other
+engine call: each step's changes right after the step (:meth:`EngineLink.updated`), every tensor at the start of
+training, after the engine moved, and to repair (:meth:`EngineLink.sync_full`). A
+:class:`~logra_pl.callbacks.PolicySync` callback configures what a step sends and measures it
+(:meth:`EngineLink.configure`, :meth:`EngineLink.shipped`); it sends nothing itself.
 """
 
 from __future__ import annotations
@@ -54,16 +56,13 @@ class EngineLink:
         self.method = method
         self.policy = policy
         self.ranks = ranks or Ranks()
-        self.owner: object | None = None  # a callback that sends each update (PolicySync); None: the module
+        self.change: Change = "factors" if method.ships_factors else "tensors"  # what a step sends
+        self.wire_dtype: torch.dtype | Literal["engine"] | None = "engine"  # the dtype of the tensors it sends
+        self.sends: list[Future] | None = None  # the sends a measurer has not read yet; None: nobody measures
         self.resyncs = 0  # full resyncs of engines found stale (lost update, restart)
         self.logged_resyncs = 0  # the count the loggers last received
-        self.last_payload: Payload | None = None  # what the last update merged (factor methods)
         self.pipeline: RolloutPipeline | None = None  # asynchronous rollouts: every engine call on its worker
         self.before_change: Callable[[], None] | None = None  # run on the worker before each weight change
-
-    def attach(self, owner: object | None) -> None:
-        """``owner`` (a sync callback) sends each update to the engine from now on (None: the module again)."""
-        self.owner = owner
 
     def place(self) -> bool:
         """``engine.place``: whether the engine moved (then it needs the full weights); on the worker when there
@@ -118,25 +117,46 @@ class EngineLink:
             tensors = {k: v.detach().clone() for k, v in tensors.items()}
         return lambda: [engine.load_weights(tensors)]
 
-    def sync(self, full: bool = False, payload: Payload | None = None) -> None:
-        """Bring the engine to the trainer's weights: ``payload`` (factor methods), the changed tensors, or all."""
-        engine = self.engine
-        if engine.shares_weights:
-            return  # the engine generates with the trainer's weights: always current
-        change: Change = "full" if full else ("factors" if self.method.ships_factors else "tensors")
-        if self.pipeline is not None:  # after the requests before it; the tensors are taken now, on this thread
-            self.submit(self.changes(change, [payload]), changes_weights=True)
-            return
-        if engine.place(self.ranks.device):
-            change = "full"  # the engine moved: resend everything
-        self.changes(change, [payload])()
+    def configure(
+        self,
+        change: Change | None = None,
+        wire_dtype: torch.dtype | Literal["engine"] | None = "engine",
+        measured: bool = False,
+    ) -> None:
+        """What each step sends from now on: ``change`` (``"factors"`` or ``"tensors"``; None: the method's own),
+        its tensors cast to ``wire_dtype``; ``measured``: keep each send for :meth:`shipped` (a sync callback
+        configures this; called without arguments, the method's defaults, unmeasured)."""
+        if change not in (None, "factors", "tensors"):
+            raise ValueError(f"a step sends 'factors' or 'tensors', not {change!r}")
+        self.change = change or ("factors" if self.method.ships_factors else "tensors")
+        self.wire_dtype = wire_dtype
+        self.sends = [] if measured else None
 
-    def updated(self, payload: Payload | None) -> None:
-        """An update was taken (``payload``: what it merged, for factor methods): remember it (a later full sync and
-        a sync callback read it) and, unless a sync callback owns the sending (:meth:`attach`), send it now."""
-        self.last_payload = payload
-        if self.owner is None:
-            self.sync(payload=payload)
+    def updated(self, payloads: Sequence[Payload | None]) -> None:
+        """A step was taken (``payloads``: what each of its updates merged, factor methods; None where one merged
+        nothing): send its changes to the engine, before anything reads the engine again."""
+        future = self.send(self.change, payloads, self.wire_dtype)
+        if self.sends is not None:
+            self.sends.append(future)
+
+    def shipped(self) -> tuple[float, float]:
+        """Bytes and seconds of the sends finished since the last call (every one in a synchronous run; in an
+        asynchronous one, those the worker has applied by now); nothing when no measurer asked (:meth:`configure`)."""
+        if self.sends is None:
+            return 0.0, 0.0
+        done = [f for f in self.sends if f.done()]
+        self.sends = [f for f in self.sends if not f.done()]
+        sent = seconds = 0.0
+        for future in done:
+            reports, took = future.result()
+            sent += sum(r.bytes for r in reports)
+            seconds += took
+        return sent, seconds
+
+    def sync_full(self) -> None:
+        """Bring the engine to the trainer's weights by sending every tensor (after the calls before it, when there is
+        an asynchronous worker; its tensors are taken now, on this thread)."""
+        self.send("full")
 
     def flush_resyncs(self, trainer: Any, step: int) -> None:
         """Give the loggers a resync count they have not received (a repair after the last logged step, e.g. the
@@ -148,10 +168,20 @@ class EngineLink:
             self.logged_resyncs = self.resyncs
 
     def send(
-        self, change: Change, payloads: Sequence[Payload], wire_dtype: torch.dtype | Literal["engine"] | None
+        self,
+        change: Change,
+        payloads: Sequence[Payload | None] = (),
+        wire_dtype: torch.dtype | Literal["engine"] | None = "engine",
     ) -> Future:
-        """Send a step's changes in order with every other engine call (now, or after the requests already on the
-        asynchronous worker): a Future of ``(sync reports, seconds)``."""
+        """Send ``change`` (:meth:`changes`) in order with every other engine call: now, or after the requests
+        already on the asynchronous worker. A Future of ``(sync reports, seconds)``; an engine that samples with the
+        trainer's own weights gets nothing, and one that moved device (a synchronous run) gets every tensor."""
+        if self.engine.shares_weights:
+            done: Future = Future()
+            done.set_result(([], 0.0))
+            return done
+        if self.pipeline is None and self.engine.place(self.ranks.device):
+            change = "full"  # the engine moved: resend everything
         return self.submit(_timed, self.changes(change, payloads, wire_dtype), changes_weights=True)
 
     def generate(
@@ -185,7 +215,7 @@ class EngineLink:
         if self.ranks.any(not engine.check_current()):
             first = engine.never_synced  # a first sync, not a repair
             stale = ", ".join(engine.stale_engines()) or "an engine"
-            self.sync(full=True)
+            self.sync_full()
             if not first:
                 self.resyncs += 1
                 if self.ranks.is_zero:

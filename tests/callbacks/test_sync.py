@@ -10,6 +10,7 @@ import torch
 
 from logra_pl.callbacks import PolicySync
 from logra_pl.data import ReasoningGymDataModule
+from logra_pl.methods import DenseAdamW, LoGRAMethod
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig, select_targets
 
@@ -51,7 +52,7 @@ def test_policy_sync_modes_keep_engine_equal(tmp_path, mode: str) -> None:
     sync = PolicySync(mode=mode, verify_every=1, tolerance=1e-5, probe_lengths=[20, 140], probe_new_tokens=3)
     metrics = Metrics()
     _fit(module, sync, 3, tmp_path, [metrics])
-    assert module.link.owner is None  # released at teardown
+    assert module.link.sends is None  # the link back on the method's defaults after teardown
     for (name, a), b in zip(module.policy.state_dict().items(), module.engine.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert [len(p) for p in sync.probe] == [20, 140]
@@ -210,3 +211,48 @@ def test_hadamard_refreshed_every_3_updates_keeps_engine_equal(tmp_path) -> None
     assert [s[2] for s in seen] == [projection_seed(0, index, name) for index in (0, 0, 0, 3, 3)]
     assert module.method.sketcher.matrices[name].d_in == 384
     assert sync.full_resyncs == 0 and all(row["sync/max_logprob_diff"] <= 1e-5 for row in metrics.rows)
+
+
+@pytest.mark.parametrize("method", ["logra", "adamw"])
+def test_a_run_without_policy_sync_still_sends_every_step(tmp_path, method: str) -> None:
+    """No ``PolicySync``: the link sends each step in its method's own form (factors for LoGRA, the changed tensors
+    for AdamW), unmeasured, and the engine's copy ends on the trainer's weights bit for bit."""
+    built = LoGRAMethod(LoGRAConfig(rank=16, update_ratio=1e-2)) if method == "logra" else DenseAdamW()
+    module = LoGRAPolicyModule(policy="tiny", method=built, rollout=RolloutSettings(max_new_tokens=4))
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    data = ReasoningGymDataModule(
+        {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
+    )
+    trainer.fit(module, datamodule=data)
+    assert module.link.change == ("factors" if method == "logra" else "tensors") and module.link.sends is None
+    for (name, a), b in zip(module.policy.state_dict().items(), module.engine.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert not any(key.startswith("sync/") for key in trainer.callback_metrics)
+
+
+def test_policy_sync_configures_the_link_and_gives_it_back(tmp_path) -> None:
+    """``PolicySync`` sends nothing itself: it sets what the link sends (mode, wire dtype), reads what was sent, and
+    at teardown leaves the link on its method's defaults."""
+    module = LoGRAPolicyModule(
+        policy="tiny", logra=LoGRAConfig(rank=16, update_ratio=1e-2), rollout=RolloutSettings(max_new_tokens=4)
+    )
+    seen = []
+
+    class Look(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen.append((pl_module.link.change, pl_module.link.wire_dtype, pl_module.link.sends is not None))
+
+    _fit(module, PolicySync(mode="full", wire_dtype="bfloat16", verify_every=0), 2, tmp_path, [Look()])
+    assert seen == [("tensors", torch.bfloat16, True)] * 2
+    assert (module.link.change, module.link.wire_dtype, module.link.sends) == ("factors", "engine", None)
+    with pytest.raises(ValueError, match="'factors' or 'tensors'"):
+        module.link.configure("full")

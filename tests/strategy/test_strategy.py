@@ -221,7 +221,7 @@ def menu_runs(runs) -> dict:
     """Sequence-mean aggregation and a KL penalty (reference kept with the policy) on 1 and 2 ranks, with a token
     budget per microbatch that makes one rank pad (tests the reference's padded forwards). (The random
     tiny policy of these runs rarely ends a response with EOS, so mask_truncated would mask almost everything; its
-    normalisers' rank invariance is tested in-process: tests/test_loss_menu.py.) They are runs of the module's
+    normalisers' rank invariance is tested in-process: tests/losses/test_loss_menu.py.) They are runs of the module's
     fixture, where the one-rank runs go two at a time."""
     return {"one": runs["menu_one"], "two": runs["menu_two"]}
 

@@ -33,7 +33,9 @@ def test_logra_payload_and_dense_tensors_keep_a_real_engine_equal(tiny_model_dir
             result = method.step(StepThrough(opt), sched, lambda t: t)
             assert result.rejected is None and result.update_norm > 0
             assert (result.payload is not None) == method.ships_factors
-            link.sync(payload=result.payload)
+            change = "factors" if method.ships_factors else "tensors"
+            reports, seconds = link.send(change, [result.payload]).result()
+            assert len(reports) == 1 and reports[0].bytes > 0 and seconds >= 0
         mine, theirs = policy.state_dict(), engine.model.state_dict()
         assert all(torch.equal(mine[k], theirs[k]) for k in mine), type(method).__name__
         changed = [k for k in mine if not torch.equal(mine[k], load_policy(str(tiny_model_dir))[0].state_dict()[k])]

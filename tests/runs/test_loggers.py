@@ -26,7 +26,7 @@ import yaml
 
 from logra_pl.runs import store_formats, stores
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
 STEPS = 5  # logged at steps 0..4
 # A checkpoint at update 3 (the resumed run logs from step 3); the kill comes after update 5, when the stopped run

@@ -20,7 +20,7 @@ from logra_pl.errors import CheckpointNotFoundError, ResumeMismatchError
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
 # Validation only at update 100: every checkpoint below comes from the update-count trigger.
 FAST = [

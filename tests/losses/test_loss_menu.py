@@ -28,7 +28,7 @@ from logra_pl.train.backward import backward_over, update_totals
 from logra_pl.train.logprobs import pack_responses, response_logprobs, response_logprobs_and_entropy, token_entropy
 from logra_pl.train.step import assemble_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 

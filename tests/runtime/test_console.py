@@ -20,7 +20,7 @@ from logra_pl.cli import LoGRACLI
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
 
-CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
 
 
 @pytest.mark.parametrize(

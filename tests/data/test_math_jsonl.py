@@ -10,7 +10,7 @@ from logra_pl.cli import LoGRACLI
 from logra_pl.data import HFPromptDataModule
 from logra_pl.rewards import MathVerifier
 
-CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml")
 
 
 def test_jsonl_math_problems_train_with_math_verify_and_report_pass_at_4(tmp_path: Path) -> None:

@@ -540,7 +540,7 @@ def test_the_cli_reads_old_sections_that_name_their_kind_and_refuses_the_others(
     from logra_pl.cli import LoGRACLI
 
     monkeypatch.setattr("sys.argv", ["logra-pl"])
-    base = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    base = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
     config = yaml.safe_load(base.read_text())
     config["model"]["loss"] = {"kind": "ppo", "clip_eps": 0.3}  # the old section form, as configs wrote it
     config["model"]["baseline"] = {"kind": "rloo", "momentum": 0.5}

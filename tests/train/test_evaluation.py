@@ -95,7 +95,7 @@ def test_math500_eval_config_on_a_local_file(tmp_path: Path) -> None:
     ]  # fmt: skip
     local = tmp_path / "math500.jsonl"
     local.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = Path(__file__).resolve().parents[1] / "configs" / "eval" / "math500.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "eval" / "math500.yaml"
     cli = LoGRACLI(
         args=[
             "validate",

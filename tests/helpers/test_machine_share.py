@@ -24,7 +24,7 @@ for _ in range({turns}):
         with log.open("a") as f:
             f.write(f"{{time.monotonic():.4f}} out {name}\\n")
 """
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).resolve().parents[1])  # tests/, where helpers/ lies
 
 
 def _start(folder: Path, log: Path, name: str, exclusive: bool, turns: int = 1, hold_s: float = 1.0):

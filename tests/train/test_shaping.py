@@ -21,7 +21,7 @@ from logra_pl.train.settings import RolloutSettings
 from logra_pl.train.shaping import Drawn, RefillStream, dynamic_batch, group_rows, mixed_groups, overlong_penalty
 from tests.conftest import chain_sum_data, quick_trainer
 from tests.helpers.verifiers import HalfUniform
-from tests.test_resume import _cli, _scalars
+from tests.runs.test_resume import _cli, _scalars
 
 
 # ---------------------------------------------------------------------------------------------- overlong penalty
