@@ -11,6 +11,7 @@ replayed graph is never back-propagated, so the accumulation runs once per micro
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -97,19 +98,25 @@ class MatrixSketch:
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
         x = args[0]
         # fp32 even under autocast (bf16-mixed training): the sketch is exact for the bf16 activations it sees.
-        with traced("logra.sketch.project"), torch.autocast(device_type=x.device.type, enabled=False):
+        with traced("logra.sketch.project"), _no_autocast(x.device):
             z = torch.matmul(x.detach().reshape(-1, self.d_in).to(torch.float32), self.projection.T)
         return SketchGrad.apply(output, z, self.anchor, self)
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
         """``S += dYᵀ Z`` in fp32 (and, with a Gram buffer, ``Γ += Z_mᵀ Z_m`` over the rows with a gradient)."""
         dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
-        with traced("logra.sketch.accumulate"), torch.autocast(device_type=dy.device.type, enabled=False):
+        with traced("logra.sketch.accumulate"), _no_autocast(dy.device):
             self.sketch.addmm_(dy.T, z)
             if self.gram is not None:
                 live = z[dy.ne(0).any(dim=1)]  # padding after a row's last token gets no gradient: left out
                 self.gram.addmm_(live.T, live)
                 self.gram_tokens.add_(live.shape[0])
+
+
+def _no_autocast(device: torch.device) -> AbstractContextManager[object]:
+    """Autocast off on ``device`` (the sketch's matmuls run in fp32); nothing to turn off on ``meta``, where the
+    cost count (``benchmarks/update_cost.py``) runs the hooks on shapes alone."""
+    return nullcontext() if device.type == "meta" else torch.autocast(device_type=device.type, enabled=False)
 
 
 class SketchGrad(torch.autograd.Function):

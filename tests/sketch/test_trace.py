@@ -47,3 +47,35 @@ def test_no_range_is_opened_while_nothing_records() -> None:
     with profile(activities=[ProfilerActivity.CPU]):
         assert not isinstance(traced("logra.sketch.project"), nullcontext)
     assert isinstance(traced("logra.sketch.project"), nullcontext)
+
+
+def test_a_cost_count_hears_the_ranges_without_a_profiler(tiny_model_dir) -> None:
+    """``listening()``: every range opened by the sketch core is on ``open_ranges()`` while it runs (what
+    ``benchmarks/update_cost.py`` charges calls to), nested ones innermost last; nothing is kept outside it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from logra_pl.sketch import trace
+
+    seen: Counter[tuple[str, ...]] = Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen[trace.open_ranges()] += 1
+            return func(*args, **(kwargs or {}))
+
+    model, _ = load_policy(tiny_model_dir, dtype=torch.float32)
+    sketcher = LoGRASketcher(model, LoGRAConfig(rank=4, update_ratio=1e-3))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert trace.open_ranges() == ()
+    with Record(), trace.listening():
+        model(input_ids=ids, labels=ids).loss.backward()
+        with traced("outer"):
+            assert trace.open_ranges() == ("outer",)
+            sketcher.propose()
+    assert trace.open_ranges() == ()  # listening ended: the stack is gone
+    assert {r for r in seen if r} == {
+        ("logra.sketch.project",),
+        ("logra.sketch.accumulate",),
+        ("outer", "logra.propose"),
+    }
+    assert seen[()] > 0  # the layers' own calls belong to no range
