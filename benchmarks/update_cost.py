@@ -1,7 +1,7 @@
 """What LoGRA adds to one RL update, counted on the ``meta`` device at GPU shapes, against dense AdamW's update.
 
     python benchmarks/update_cost.py [--shapes 0.5b,1.5b] [--tokens 2048] [--rank 256] [--probe-tokens 256]
-        [--no-checkpointing] [--ops 6] [--json out.json]
+        [--no-checkpointing] [--sketch-operands float32,bfloat16] [--ops 6] [--json out.json]
 
 No arithmetic runs: the models are built on the ``meta`` device (shapes and dtypes only, no memory), and a
 ``TorchDispatchMode`` sees every operator call of
@@ -175,13 +175,13 @@ def training_phase(model: torch.nn.Module, tokens: int, checkpointing: bool, mod
 
 
 def logra_costs(
-    shape: str, tokens: int, rank: int, checkpointing: bool, probe_tokens: int
+    shape: str, tokens: int, rank: int, checkpointing: bool, probe_tokens: int, operands: str = "float32"
 ) -> tuple[dict[str, Part], Counter]:
     """LoGRA's parts: training phase (bf16 layers, frozen targets, sketch hooks), propose, apply, the KL probe."""
     from logra_pl.sketch import LoGRAConfig, LoGRASketcher
     from logra_pl.sketch.probe import logit_tangent
 
-    config = LoGRAConfig(rank=rank, update_ratio=1e-3)
+    config = LoGRAConfig(rank=rank, update_ratio=1e-3, sketch_operands=operands)
     mode = CostCount()
     model = qwen(shape, torch.bfloat16)
     model.model.embed_tokens.weight.requires_grad_(False)
@@ -332,6 +332,9 @@ def main() -> None:
     parser.add_argument("--probe-tokens", type=int, default=256, help="tokens of the KL probe's contexts")
     parser.add_argument("--ops", type=int, default=6, help="print each part's N most called operators (0: none)")
     parser.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
+    parser.add_argument(
+        "--sketch-operands", default="float32", help="LoGRA rows for these logra.sketch_operands (comma-separated)"
+    )
     parser.add_argument("--no-host", action="store_true", help="skip the host-side timing on this CPU")
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args()
@@ -340,10 +343,15 @@ def main() -> None:
         if shape not in SHAPES:
             parser.error(f"unknown shape {shape!r}: choose from {', '.join(SHAPES)}")
         checkpointing = not args.no_checkpointing
-        for method, (parts, ops) in (
-            ("LoGRA", logra_costs(shape, args.tokens, args.rank, checkpointing, args.probe_tokens)),
-            ("AdamW", adamw_costs(shape, args.tokens, checkpointing, args.probe_tokens)),
-        ):
+        counted = [
+            (
+                "LoGRA" if operands == "float32" else f"LoGRA ({operands} operands)",
+                logra_costs(shape, args.tokens, args.rank, checkpointing, args.probe_tokens, operands),
+            )
+            for operands in args.sketch_operands.split(",")
+        ]
+        counted.append(("AdamW", adamw_costs(shape, args.tokens, checkpointing, args.probe_tokens)))
+        for method, (parts, ops) in counted:
             if args.ops:
                 for name in sorted(parts):
                     top = sorted(((n, o, d) for (p, o, d), n in ops.items() if p == name), reverse=True)[: args.ops]

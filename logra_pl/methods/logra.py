@@ -340,7 +340,8 @@ class LoGRAMethod(UpdateMethod):
     @override
     def plan_memory(self, shapes: PlanShapes) -> MemoryReport:
         """Per matrix: a ``d_out × r`` fp32 sketch, an ``r × d_in`` fp32 projection and ``d_out`` fp32 row
-        statistics, whole on every rank (each rank sketches the full matrix; the sketches are all-reduced), with
+        statistics (and its ``r × d_in`` bf16 signs with ``logra.sketch_operands: bfloat16``), whole on every rank
+        (each rank sketches the full matrix; the sketches are all-reduced), with
         ``logra.beta1 > 0`` a ``d_out × r`` first moment in ``logra.moment_dtype``, and with ``update_rule: adam`` a
         ``d_out × r`` second moment in the same dtype; no gradients, no optimizer state."""
         report = MemoryReport(weights=shapes.weights)
@@ -352,6 +353,8 @@ class LoGRAMethod(UpdateMethod):
             if cfg.input_precondition == "gram":  # the update's r × r Gram and its token count
                 report.sketches += r * r * 4 + 4
             report.projections += r * linear.in_features * 4
+            if cfg.sketch_operands == "bfloat16":  # P's signs in bf16 beside it, the sketch matmuls' operand
+                report.projections += r * linear.in_features * 2
             report.row_statistics += linear.out_features * 4
             if cfg.beta1 > 0:
                 report.sketch_moments += linear.out_features * r * moment

@@ -32,6 +32,10 @@ class MatrixSketch:
         gram: an ``(r, r)`` fp32 buffer (and ``gram_tokens``, a 1-element one) into which backward also accumulates
             ``Γ += Z_mᵀ Z_m`` over the rows ``m`` whose output gradient is non-zero, and their count
             (``logra.input_precondition: gram``); None: not kept.
+        operands: the dtype of the two matmuls' operands (``logra.sketch_operands``): ``torch.float32``, or
+            ``torch.bfloat16`` — ``X`` and ``dY`` in bf16, ``P`` as its signs times one scale, ``Z`` as two bf16
+            terms, every product accumulated in fp32 (:func:`mixed_mm`). Applies once the sketcher installs a
+            stacked projection with its signs (:meth:`set_stacked_projection`).
 
     Holds the current projection ``P`` (r × d_in, fp32; installed by the sketcher), its seed, and the sketch
     buffer ``S`` (d_out × r, fp32).
@@ -45,6 +49,7 @@ class MatrixSketch:
         sketch: torch.Tensor | None = None,
         gram: torch.Tensor | None = None,
         gram_tokens: torch.Tensor | None = None,
+        operands: torch.dtype = torch.float32,
     ) -> None:
         self.name = name
         self.module = module
@@ -59,6 +64,9 @@ class MatrixSketch:
             )
         self.sketch = sketch
         self.gram, self.gram_tokens = gram, gram_tokens
+        self.operands = operands
+        self.signs: torch.Tensor | None = None  # bf16 sign(P) (r × d_in) with bf16 operands, else None
+        self.scale: torch.Tensor | None = None  # |P|'s one non-zero magnitude (0-d fp32), with the signs
         self._projection: torch.Tensor | None = torch.empty(0, device=sketch.device)
         self._projection_row: tuple[torch.Tensor, int] | None = None  # (stack, row) until first read
         self.seed = -1
@@ -79,6 +87,7 @@ class MatrixSketch:
     @projection.setter
     def projection(self, value: torch.Tensor) -> None:
         self._projection, self._projection_row = value, None
+        self.signs = self.scale = None  # the fp32 path until signs come with a stacked projection
 
     def set_projection(self, projection: torch.Tensor, seed: int) -> None:
         """Install ``P`` (on the sketch's device) and its seed for the coming update: how a matrix sketched on its own,
@@ -86,31 +95,70 @@ class MatrixSketch:
         self.projection = projection if projection.device == self.sketch.device else projection.to(self.sketch.device)
         self.seed = seed
 
-    def set_stacked_projection(self, stack: torch.Tensor, row: int, seed: int) -> None:
+    def set_stacked_projection(
+        self,
+        stack: torch.Tensor,
+        row: int,
+        seed: int,
+        signs: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+    ) -> None:
         """Install row ``row`` of a ``(k, r, d_in)`` stack (on the sketch's device) as ``P``, and its seed; the row
-        is viewed when ``P`` is first read (the sketcher installs whole groups at once)."""
+        is viewed when ``P`` is first read (the sketcher installs whole groups at once). ``signs`` (``(k, r, d_in)``
+        bf16) and ``scales`` (``(k,)``): ``P = scale·signs`` for bf16 operands."""
         self._projection, self._projection_row = None, (stack, row)
         self.seed = seed
+        bf16 = self.operands == torch.bfloat16 and signs is not None and scales is not None
+        self.signs = signs[row] if bf16 else None
+        self.scale = scales[row] if bf16 else None
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
         """Forward hook: save ``Z = X Pᵀ`` and route the output through :class:`SketchGrad`."""
         if not torch.is_grad_enabled():
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
-        x = args[0]
-        # fp32 even under autocast (bf16-mixed training): the sketch is exact for the bf16 activations it sees.
+        x = args[0].detach().reshape(-1, self.d_in)
         with traced("logra.sketch.project"), _no_autocast(x.device):
-            z = torch.matmul(x.detach().reshape(-1, self.d_in).to(torch.float32), self.projection.T)
+            if self.signs is not None:  # bf16 X times P's signs, fp32 sums, then P's one scale
+                z = mixed_mm(x.to(torch.bfloat16), self.signs.T).mul_(self.scale)
+            else:  # fp32 even under autocast (bf16-mixed training): exact for the bf16 activations it sees
+                z = torch.matmul(x.to(torch.float32), self.projection.T)
         return SketchGrad.apply(output, z, self.anchor, self)
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
-        """``S += dYᵀ Z`` in fp32 (and, with a Gram buffer, ``Γ += Z_mᵀ Z_m`` over the rows with a gradient)."""
+        """``S += dYᵀ Z`` in fp32 (and, with a Gram buffer, ``Γ += Z_mᵀ Z_m`` over the rows with a gradient); with
+        bf16 operands, ``dY`` in bf16 times ``Z``'s two bf16 terms, each product summed in fp32."""
+        if self.signs is not None:
+            with traced("logra.sketch.accumulate"), _no_autocast(grad_output.device):
+                dy16 = grad_output.reshape(-1, self.d_out).to(torch.bfloat16)
+                high = z.to(torch.bfloat16)
+                low = torch.sub(z, high).to(torch.bfloat16)  # fp32 z − bf16 high, promoted: exact in fp32
+                self.sketch.add_(mixed_mm(dy16.T, high)).add_(mixed_mm(dy16.T, low))
+                self._add_gram(dy16, z)
+            return
         dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
         with traced("logra.sketch.accumulate"), _no_autocast(dy.device):
             self.sketch.addmm_(dy.T, z)
-            if self.gram is not None:
-                live = z[dy.ne(0).any(dim=1)]  # padding after a row's last token gets no gradient: left out
-                self.gram.addmm_(live.T, live)
-                self.gram_tokens.add_(live.shape[0])
+            self._add_gram(dy, z)
+
+    def _add_gram(self, dy: torch.Tensor, z: torch.Tensor) -> None:
+        """``Γ += Z_mᵀ Z_m`` over the rows ``m`` with a non-zero output gradient, and their count (if kept)."""
+        if self.gram is not None:
+            live = z[dy.ne(0).any(dim=1)]  # padding after a row's last token gets no gradient: left out
+            self.gram.addmm_(live.T, live)
+            self.gram_tokens.add_(live.shape[0])
+
+
+# ``torch.mm(a, b, out_dtype=float32)`` for bf16 operands: CUDA (and the meta device) have it.
+_MIXED_MM_DEVICES = ("cuda", "meta") if hasattr(torch.ops.aten.mm, "dtype") else ()
+
+
+def mixed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 operands as an fp32 result with fp32 accumulation: on a GPU the tensor cores' bf16 GEMM
+    with an fp32 output (``torch.mm(..., out_dtype=torch.float32)``); elsewhere the same products — exact in fp32,
+    as a product of two bf16 values has at most 16 significant bits — summed by an fp32 GEMM."""
+    if a.device.type in _MIXED_MM_DEVICES:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.to(torch.float32), b.to(torch.float32))
 
 
 def _no_autocast(device: torch.device) -> AbstractContextManager[object]:

@@ -26,6 +26,8 @@ RatioScope = Literal["global", "matrix"]
 _FACTOR_DTYPES = dtypes_of("bfloat16", "float16", "float32")
 # How the sketch-space first moment may be stored (it is always computed in fp32); the planner reads it too.
 MOMENT_DTYPES = dtypes_of("float32", "bfloat16")
+# The operands of the sketch's matmuls (accumulated and kept in fp32 either way).
+SKETCH_OPERAND_DTYPES = dtypes_of("float32", "bfloat16")
 
 # Keys that change what the saved LoGRA state means: a checkpoint written with one value cannot be resumed
 # under another (row statistics of another rank/target set, projections from another seed or distribution).
@@ -164,6 +166,15 @@ class LoGRAConfig:
             is ``lr_min_ratio·lr`` from the end of the warmup on (one step down, dense AdamW's reading of 0).
         lr_min_ratio: final ``lr`` as a fraction of ``lr``; ``1`` (default) with no warmup: a constant ``lr``.
         factor_dtype: dtype the factors ``U·α`` are rounded to before merging and shipping.
+        sketch_operands: the operands of the sketch's two matmuls (``Z = X Pᵀ`` in the forward hook, ``S += dYᵀ Z``
+            in the backward; algorithm.md §3), always accumulated and kept in fp32. ``"float32"`` (default): ``X`` and
+            ``dY`` as they come, upcast. ``"bfloat16"``: the bf16 tensor cores' path — ``X`` and ``dY`` in bf16 (what
+            a layer under ``bf16-mixed`` multiplies and returns: exact there), ``P`` as its signs times one scale
+            (exact: ``rademacher`` and ``hadamard`` entries are ``0`` or ``±c``), ``Z`` carried into the backward as
+            two bf16 terms (``Z ≈ Z_hi + Z_lo``, within ``2⁻¹⁶`` of ``Z``): ``S`` within ``~2⁻¹⁵`` of the fp32
+            sketch of the same bf16 inputs. On a GPU the products run on tensor cores with fp32 results
+            (``torch.mm(..., out_dtype=float32)``); elsewhere the same products in fp32. Keeps ``r × d_in`` bf16 signs
+            per matrix beside ``P`` (counted as projections). Not structural.
         merge_chunk_rows: rows merged per chunk, bounding the temporary float64 ``rows × d_in`` delta. ``None``
             (default): as many rows as fit 64 MiB on a GPU, 4 MiB on a CPU
             (:func:`~logra_pl.sketch.merge.merge_chunk_rows`). The merged weights are the same bits either way.
@@ -199,6 +210,7 @@ class LoGRAConfig:
     lr_decay_steps: int = 0
     lr_min_ratio: float = 1.0
     factor_dtype: str = "bfloat16"
+    sketch_operands: str = "float32"
     merge_chunk_rows: int | None = None
     dense_params: tuple[str, ...] = ()
     dense_lr: float = 1e-5
@@ -214,6 +226,15 @@ class LoGRAConfig:
         if not isinstance(self.clip_rank, bool):
             raise LoGRAConfigError(f"logra.clip_rank must be true or false, got {self.clip_rank!r}")
         check_distribution(self.distribution)
+        if self.sketch_operands not in SKETCH_OPERAND_DTYPES:
+            raise LoGRAConfigError(
+                f"unknown logra.sketch_operands {self.sketch_operands!r}: use one of {sorted(SKETCH_OPERAND_DTYPES)}"
+            )
+        if self.sketch_operands == "bfloat16" and self.distribution == "gaussian":
+            raise LoGRAConfigError(
+                "logra.sketch_operands: bfloat16 multiplies by P's signs, exact only for projections whose entries "
+                "are 0 or ±c: use distribution rademacher or hadamard, or sketch_operands float32"
+            )
         self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
         self.refresh = self.refresh_every != 0
         if self.update_rule not in UPDATE_RULES:
@@ -286,6 +307,11 @@ class LoGRAConfig:
         return _FACTOR_DTYPES[self.factor_dtype]
 
     @property
+    def sketch_operand_torch_dtype(self) -> torch.dtype:
+        """The torch dtype of the sketch matmuls' operands (:attr:`sketch_operands`)."""
+        return SKETCH_OPERAND_DTYPES[self.sketch_operands]
+
+    @property
     def moment_torch_dtype(self) -> torch.dtype:
         """The torch dtype the sketch-space first moment is stored in."""
         return MOMENT_DTYPES[self.moment_dtype]
@@ -304,6 +330,8 @@ class LoGRAConfig:
             del out["clip_rank"]
         if self.input_precondition == "none":  # likewise
             del out["input_precondition"], out["gram_damping"]
+        if self.sketch_operands == "float32":  # likewise
+            del out["sketch_operands"]
         out["targets"] = list(self.targets)
         out["dense_params"] = list(self.dense_params)
         out["dense_betas"] = list(self.dense_betas)

@@ -121,7 +121,8 @@ def memory_report(
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
         grams = [t for m in sketcher.matrices.values() for t in (m.gram, m.gram_tokens) if t is not None]
         report.sketches += _storage_bytes(grams, seen)  # input_precondition: gram's per-update Grams
-        report.projections = _storage_bytes((m.projection for m in sketcher.matrices.values()), seen)
+        signs = [m.signs for m in sketcher.matrices.values() if m.signs is not None]  # bf16 sketch operands
+        report.projections = _storage_bytes([*(m.projection for m in sketcher.matrices.values()), *signs], seen)
         report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)
         moments = [*getattr(sketcher, "moments", {}).values(), *getattr(sketcher, "second_moments", {}).values()]
         report.sketch_moments = _storage_bytes(moments, seen)

@@ -124,7 +124,8 @@ class LoGRASketcher:
         for group in self.groups:
             for i, (name, linear) in enumerate(zip(group.names, group.linears, strict=True)):
                 gram = (group.grams[i], group.gram_tokens[i : i + 1]) if group.grams is not None else (None, None)
-                built[name] = MatrixSketch(name, linear, group.rank, group.sketch[i], *gram)
+                operands = self.config.sketch_operand_torch_dtype
+                built[name] = MatrixSketch(name, linear, group.rank, group.sketch[i], *gram, operands=operands)
         self.matrices: dict[str, MatrixSketch] = {}
         for name, linear in targets.items():
             linear.weight.requires_grad_(False)
@@ -214,8 +215,11 @@ class LoGRASketcher:
                     kept[carried] = 0
                 changed = True
             group.projection = new
+            if self.config.sketch_operands == "bfloat16":  # P = scale·signs: rademacher and hadamard (config)
+                group.signs, group.scales = new.sign().to(torch.bfloat16), new.abs().amax(dim=(1, 2))
+                fresh = list(range(group.size))  # every row's signs view the new stack
             for i in fresh:
-                matrices[i].set_stacked_projection(new, i, seeds[i])
+                matrices[i].set_stacked_projection(new, i, seeds[i], group.signs, group.scales)
         if changed and self.config.momentum_transfer == "reset":
             self.moment_age = self.second_age = 0
 
