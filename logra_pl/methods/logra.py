@@ -34,7 +34,13 @@ from logra_pl.methods.base import (
 )
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, select_targets
-from logra_pl.sketch.config import DEFAULT_TARGETS, MOMENT_DTYPES, check_rank_fits, matrix_rank
+from logra_pl.sketch.config import (
+    DEFAULT_TARGETS,
+    MOMENT_DTYPES,
+    SKETCH_OPERAND_DTYPES,
+    check_rank_fits,
+    matrix_rank,
+)
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, logit_tangent
@@ -203,14 +209,20 @@ class LoGRAMethod(UpdateMethod):
             choices=sorted(MOMENT_DTYPES),
             help="storage of LoGRA's moments (logra.moment_dtype); default: the rule's own (default bf16, paper fp32)",
         )
+        parser.add_argument(
+            "--sketch-operands",
+            choices=sorted(SKETCH_OPERAND_DTYPES),
+            help="the sketch matmuls' operands (logra.sketch_operands; bfloat16 keeps P's signs too); default float32",
+        )
 
     @classmethod
     @override
     def planned(cls, settings: PlanSettings) -> LoGRAMethod:
         """Options: ``logra_rule`` (``"default"``: Adam in sketch space, a first and a per-entry second moment,
         ``d_out × r`` each per matrix, bf16; ``"paper"``: RowAdam, ``d_out`` row statistics only), ``logra_moments``
-        (the paper's rule with a first moment, ``logra.beta1 > 0``; a dtype name also sets its storage) and
-        ``moment_dtype`` (the moments' storage, ``logra.moment_dtype``; None: the rule's own)."""
+        (the paper's rule with a first moment, ``logra.beta1 > 0``; a dtype name also sets its storage),
+        ``moment_dtype`` (the moments' storage, ``logra.moment_dtype``; None: the rule's own) and ``sketch_operands``
+        (``logra.sketch_operands``; None: float32)."""
         options = settings.options
         rule, moments = options.get("logra_rule") or "default", options.get("logra_moments")
         dtype = options.get("moment_dtype") or (moments if isinstance(moments, str) else None)
@@ -223,6 +235,8 @@ class LoGRAMethod(UpdateMethod):
             knobs["beta1"] = 0.9
         if dtype is not None:
             knobs["moment_dtype"] = dtype
+        if options.get("sketch_operands"):
+            knobs["sketch_operands"] = options["sketch_operands"]
         return cls(PLAN_RULES[rule](**knobs))
 
     def with_targets(self, targets: Sequence[str]) -> LoGRAConfig:

@@ -48,3 +48,16 @@ def test_an_update_of_a_small_shape_is_counted_for_both_methods(monkeypatch) -> 
     assert adamw["AdamW step"].flops == {} and adamw["AdamW step"].bytes > 0
     # AdamW computes the weight gradients LoGRA skips: more bf16 FLOPs in its layers.
     assert adamw["model (AdamW: weight gradients)"].flops["bf16"] > logra["model (LoGRA: frozen targets)"].flops["bf16"]
+
+
+def test_bf16_operands_take_the_tensor_core_path_on_the_gpus_stand_in(monkeypatch) -> None:
+    """``sketch_operands: bfloat16`` on ``meta`` (where ``torch.mm(..., out_dtype=float32)`` exists, as on CUDA):
+    the projection's and the accumulation's FLOPs are bf16 products — the GPU branch of ``mixed_mm`` is the one
+    that runs — with the accumulation's two terms doubling its FLOPs."""
+    monkeypatch.setitem(update_cost.SHAPES, "small", (64, 128, 2, 4, 2, 256, True))
+    fp32, _ = update_cost.logra_costs("small", tokens=16, rank=8, checkpointing=False, probe_tokens=8)
+    bf16, _ = update_cost.logra_costs(
+        "small", tokens=16, rank=8, checkpointing=False, probe_tokens=8, operands="bfloat16"
+    )
+    assert bf16["logra.sketch.project"].flops == {"bf16": fp32["logra.sketch.project"].flops["fp32"]}
+    assert bf16["logra.sketch.accumulate"].flops == {"bf16": 2 * fp32["logra.sketch.accumulate"].flops["fp32"]}

@@ -120,3 +120,17 @@ def test_the_vocabulary_sized_activations_of_a_microbatch_are_printed_beside_the
     )
     assert f"with logprob_chunk_tokens 512: {acts['chunked'] / 2**30:.3f} GiB" in out
     assert json.loads((tmp_path / "p.json").read_text())["activations"] == acts
+
+
+@pytest.mark.parametrize("operands", ["float32", "bfloat16"])
+def test_bf16_sketch_operands_are_planned_as_the_sketcher_holds_them(operands: str) -> None:
+    """``logra.sketch_operands: bfloat16`` keeps P's bf16 signs beside P: the planner's projection bytes equal the
+    measured ones, 1.5× the fp32 operands' (the weights' share, r·d_in·2 bytes per matrix, written out here)."""
+    spec = PRESETS["medium"]
+    config = spec.qwen2_config(spec.vocab_size, 0, 1)
+    model = AutoModelForCausalLM.from_config(config)
+    sketcher = LoGRASketcher(model, LoGRAConfig(rank=16, sketch_operands=operands))
+    measured = memory_report(model, sketcher=sketcher).projections
+    planned = plan(config, rank_r=16, optimizers=["logra"], sketch_operands=operands)["logra"].report.projections
+    fp32 = sum(16 * m.in_features * 4 for m in select_targets(model, DEFAULT_TARGETS).values())
+    assert measured == planned == (fp32 if operands == "float32" else fp32 * 3 // 2)
