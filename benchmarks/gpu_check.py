@@ -15,8 +15,10 @@ The optimizers:
 - ``adamw``: dense ``torch.optim.AdamW`` (lr 1e-6, betas 0.9/0.95, eps 1e-8, wd 0) on the 7 target matrices
   (q, k, v, o, gate, up, down of every layer), everything else frozen — the same weights LoGRA trains;
 - ``lora``: peft LoRA r=256, alpha=512, dropout 0 on the same 7 matrices, AdamW on the adapters;
-- ``logra``: ``LoGRASketcher`` with ``LoGRAConfig(rank=256)`` (refreshed Rademacher projections, RowAdam),
-  frozen base weights, ``propose()`` + ``apply()`` after the backward.
+- ``logra``: ``LoGRASketcher`` with ``LoGRAConfig(rank=256)`` (LoGRA's default rule; the first H200 runs, before
+  it, used the paper's: refreshed Rademacher projections, RowAdam), frozen base weights, ``propose()`` +
+  ``apply()`` after the backward; ``--sketch-operands bfloat16`` runs the sketch's matmuls on bf16 operands
+  (``logra.sketch_operands``).
 
 Run it on a GPU machine (about 1 minute on one H200, measured; docs/benchmarks.md "On a GPU" has the numbers)::
 
@@ -138,6 +140,7 @@ class Settings:
     autocast: bool = True
     seed: int = 0
     logprob_chunk: int | None = None  # tokens per chunk of the chunked log-probs; None: the full log-softmax
+    sketch_operands: str = "float32"  # logra.sketch_operands: the sketch matmuls' operands (bfloat16: tensor cores)
     profile: str | None = None  # folder for one extra, untimed update's profile per configuration; None: no profile
 
     @property
@@ -250,13 +253,14 @@ class LoRA(Method):
 
 
 class LoGRA(Method):
-    """``LoGRASketcher`` (rank, refreshed Rademacher, RowAdam), frozen base weights; propose + apply per update."""
+    """``LoGRASketcher`` (LoGRA's default rule at ``rank``, with ``sketch_operands``), frozen base weights;
+    propose + apply per update."""
 
     name = "logra"
 
     def __init__(self, model: nn.Module, settings: Settings) -> None:
         super().__init__(model)
-        self.sketcher = LoGRASketcher(model, LoGRAConfig(rank=settings.rank))
+        self.sketcher = LoGRASketcher(model, LoGRAConfig(rank=settings.rank, sketch_operands=settings.sketch_operands))
 
     def step(self) -> None:
         proposal = self.sketcher.propose()
@@ -566,6 +570,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["default", "foreach", "fused", "for-loop"],
         help="torch AdamW implementation (default: torch's choice, foreach on CUDA)",
     )
+    parser.add_argument(
+        "--sketch-operands",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="LoGRA's logra.sketch_operands (bfloat16: the sketch matmuls on tensor cores); default float32",
+    )
     parser.add_argument("--no-autocast", action="store_true", help="fp32 compute instead of bf16 autocast")
     parser.add_argument(
         "--logprob-chunk",
@@ -611,6 +621,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         autocast=not args.no_autocast,
         logprob_chunk=args.logprob_chunk,
         profile=args.profile,
+        sketch_operands=args.sketch_operands,
     )
 
 

@@ -152,6 +152,15 @@ SCENARIOS = (
         "logra_fsdp", ("--model.optimizer=logra", "--trainer.strategy=logra_fsdp"), "LoGRA under logra_fsdp, 1 rank"
     ),
 )
+# Run only when named with --only: LoGRA with the sketch's matmuls on bf16 operands (logra.sketch_operands), the
+# tensor cores' path, against the default's fp32 ones.
+OPTIONAL_SCENARIOS = (
+    Scenario(
+        "logra_bf16ops",
+        ("--model.optimizer=logra", "--model.logra.sketch_operands=bfloat16"),
+        "LoGRA, the sketch's matmuls on bf16 operands, one process",
+    ),
+)
 
 
 @dataclass
@@ -662,17 +671,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, str | None]:
         "--jobs", type=int, default=None, help="kill/resume chains at once (default 3; on the CPU at most its cores)"
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per child process (default 600)")
-    parser.add_argument("--only", default=None, help="comma-separated scenarios (default all: logra,adamw,logra_fsdp)")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated scenarios (default logra,adamw,logra_fsdp; also logra_bf16ops)"
+    )
     args = parser.parse_args(argv)
     shape = SHAPES["tiny" if args.cpu else args.size]
     out = Path(args.out or (ROOT / "runs" / ("gpu_e2e_cpu" if args.cpu else "gpu_e2e"))).resolve()
     chosen = SCENARIOS
     if args.only:
         names = args.only.split(",")
-        unknown = sorted(set(names) - {s.name for s in SCENARIOS})
+        known = SCENARIOS + OPTIONAL_SCENARIOS
+        unknown = sorted(set(names) - {s.name for s in known})
         if unknown:
-            parser.error(f"unknown scenario(s) {unknown}: choose from {[s.name for s in SCENARIOS]}")
-        chosen = tuple(s for s in SCENARIOS if s.name in names)
+            parser.error(f"unknown scenario(s) {unknown}: choose from {[s.name for s in known]}")
+        chosen = tuple(s for s in known if s.name in names)
     # On the CPU every child runs one thread (main), so chains at once use the cores the machine has.
     jobs = args.jobs or (min(3, os.cpu_count() or 1) if args.cpu else 3)
     settings = Settings(args.cpu, shape, out, attn=args.attn, jobs=jobs, timeout=args.timeout, scenarios=chosen)

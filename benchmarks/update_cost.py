@@ -131,8 +131,13 @@ class CostCount(TorchDispatchMode):
             formula = flop_registry.get(getattr(torch.ops.aten, name[:-1]))
         flops = 0.0
         if formula is not None:  # the registry's formulas take the call's own arguments and result
-            flops = float(formula(*args, **kwargs, out_val=out))
-        dtype = SHORT.get(first.dtype, "fp32") if first is not None else "fp32"
+            # The formulas take neither the result buffer nor an out_dtype (mm.dtype passes it positionally).
+            given = {k: v for k, v in kwargs.items() if k not in ("out", "out_dtype")}
+            operands = [a for a in args if not isinstance(a, torch.dtype)]
+            flops = float(formula(*operands, **given, out_val=out))
+        # A product's dtype is its operands' (addmm's first argument is the sum it adds to): the last tensor given.
+        operand = next((a for a in reversed(args) if isinstance(a, torch.Tensor)), first) if flops else first
+        dtype = SHORT.get(operand.dtype, "fp32") if operand is not None else "fp32"
         free = name in FREE or not on_device
         self.ops[(part_name, name, dtype)] += 1
         part.add(flops, dtype, 0.0 if free else _nbytes(inputs) + _nbytes(outputs), 0 if free else 1, sync)
@@ -185,11 +190,13 @@ def logra_costs(
     mode = CostCount()
     model = qwen(shape, torch.bfloat16)
     model.model.embed_tokens.weight.requires_grad_(False)
-    LoGRASketcher(model, config)  # frozen targets, hooks that sketch
+    with CostCount():  # not counted; answers its host reads (the bf16 operands' scales) on meta
+        LoGRASketcher(model, config)  # frozen targets, hooks that sketch
     training_phase(model, tokens, checkpointing, mode, "model (LoGRA: frozen targets)")
     del model
     master = qwen(shape, torch.float32)
-    sketcher = LoGRASketcher(master, config)
+    with CostCount():
+        sketcher = LoGRASketcher(master, config)
     mode.phase = "step (other)"
     with mode, trace.listening():
         proposal = sketcher.propose()

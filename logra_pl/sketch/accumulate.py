@@ -66,7 +66,7 @@ class MatrixSketch:
         self.gram, self.gram_tokens = gram, gram_tokens
         self.operands = operands
         self.signs: torch.Tensor | None = None  # bf16 sign(P) (r × d_in) with bf16 operands, else None
-        self.scale: torch.Tensor | None = None  # |P|'s one non-zero magnitude (0-d fp32), with the signs
+        self.scale: float | None = None  # |P|'s one non-zero magnitude, with the signs (read once per new P)
         self._projection: torch.Tensor | None = torch.empty(0, device=sketch.device)
         self._projection_row: tuple[torch.Tensor, int] | None = None  # (stack, row) until first read
         self.seed = -1
@@ -101,11 +101,11 @@ class MatrixSketch:
         row: int,
         seed: int,
         signs: torch.Tensor | None = None,
-        scales: torch.Tensor | None = None,
+        scales: list[float] | None = None,
     ) -> None:
         """Install row ``row`` of a ``(k, r, d_in)`` stack (on the sketch's device) as ``P``, and its seed; the row
         is viewed when ``P`` is first read (the sketcher installs whole groups at once). ``signs`` (``(k, r, d_in)``
-        bf16) and ``scales`` (``(k,)``): ``P = scale·signs`` for bf16 operands."""
+        bf16) and ``scales`` (``k`` floats): ``P = scale·signs`` for bf16 operands."""
         self._projection, self._projection_row = None, (stack, row)
         self.seed = seed
         bf16 = self.operands == torch.bfloat16 and signs is not None and scales is not None
@@ -118,38 +118,41 @@ class MatrixSketch:
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
         x = args[0].detach().reshape(-1, self.d_in)
         with traced("logra.sketch.project"), _no_autocast(x.device):
-            if self.signs is not None:  # bf16 X times P's signs, fp32 sums, then P's one scale
-                z = mixed_mm(x.to(torch.bfloat16), self.signs.T).mul_(self.scale)
+            if self.signs is not None:  # bf16 X times P's signs, fp32 sums; P's scale is applied in the backward
+                z = mixed_mm(x.to(torch.bfloat16), self.signs.T)
             else:  # fp32 even under autocast (bf16-mixed training): exact for the bf16 activations it sees
                 z = torch.matmul(x.to(torch.float32), self.projection.T)
         return SketchGrad.apply(output, z, self.anchor, self)
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
         """``S += dYᵀ Z`` in fp32 (and, with a Gram buffer, ``Γ += Z_mᵀ Z_m`` over the rows with a gradient); with
-        bf16 operands, ``dY`` in bf16 times ``Z``'s two bf16 terms, each product summed in fp32."""
+        bf16 operands, ``Z`` is ``X sign(P)ᵀ`` and ``S += c·(dYᵀ Z_hi + dYᵀ Z_lo)``: ``dY`` in bf16 times ``Z``'s two
+        bf16 terms, each product summed in fp32, ``P``'s scale ``c`` folded into the sums."""
         if self.signs is not None:
+            assert self.scale is not None
             with traced("logra.sketch.accumulate"), _no_autocast(grad_output.device):
                 dy16 = grad_output.reshape(-1, self.d_out).to(torch.bfloat16)
                 high = z.to(torch.bfloat16)
                 low = torch.sub(z, high).to(torch.bfloat16)  # fp32 z − bf16 high, promoted: exact in fp32
-                self.sketch.add_(mixed_mm(dy16.T, high)).add_(mixed_mm(dy16.T, low))
-                self._add_gram(dy16, z)
+                mixed_addmm_(self.sketch, dy16.T, high, self.scale)
+                mixed_addmm_(self.sketch, dy16.T, low, self.scale)
+                self._add_gram(dy16, z, self.scale**2)
             return
         dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
         with traced("logra.sketch.accumulate"), _no_autocast(dy.device):
             self.sketch.addmm_(dy.T, z)
             self._add_gram(dy, z)
 
-    def _add_gram(self, dy: torch.Tensor, z: torch.Tensor) -> None:
-        """``Γ += Z_mᵀ Z_m`` over the rows ``m`` with a non-zero output gradient, and their count (if kept)."""
+    def _add_gram(self, dy: torch.Tensor, z: torch.Tensor, scale: float = 1.0) -> None:
+        """``Γ += scale·Z_mᵀ Z_m`` over the rows ``m`` with a non-zero output gradient, and their count (if kept)."""
         if self.gram is not None:
             live = z[dy.ne(0).any(dim=1)]  # padding after a row's last token gets no gradient: left out
-            self.gram.addmm_(live.T, live)
+            self.gram.addmm_(live.T, live, alpha=scale)
             self.gram_tokens.add_(live.shape[0])
 
 
-# ``torch.mm(a, b, out_dtype=float32)`` for bf16 operands: CUDA (and the meta device) have it.
-_MIXED_MM_DEVICES = ("cuda", "meta") if hasattr(torch.ops.aten.mm, "dtype") else ()
+# ``torch.mm``/``torch.addmm`` with ``out_dtype=float32`` for bf16 operands: CUDA (and the meta device) have them.
+_MIXED_MM_DEVICES = ("cuda", "meta") if hasattr(torch.ops.aten.addmm, "dtype_out") else ()
 
 
 def mixed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -159,6 +162,15 @@ def mixed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.device.type in _MIXED_MM_DEVICES:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.to(torch.float32), b.to(torch.float32))
+
+
+def mixed_addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``out += alpha·(a @ b)`` in place for bf16 ``a``, ``b`` and an fp32 ``out``, summed in fp32: one GEMM on a GPU
+    (``torch.addmm(..., out_dtype=float32, out=out)``), the same products in fp32 elsewhere."""
+    if a.device.type in _MIXED_MM_DEVICES:
+        torch.addmm(out, a, b, alpha=alpha, out_dtype=torch.float32, out=out)
+    else:
+        out.addmm_(a.to(torch.float32), b.to(torch.float32), alpha=alpha)
 
 
 def _no_autocast(device: torch.device) -> AbstractContextManager[object]:

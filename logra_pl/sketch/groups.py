@@ -56,7 +56,7 @@ class MatrixGroup:
         projection: ``(k, r, d_in)`` fp32 projections of the current update (empty until the first is drawn;
             replaced, not overwritten, when a new basis is drawn, so a proposal keeps the ``P`` it was made with).
         signs: ``(k, r, d_in)`` bf16 ``sign(P)`` with ``logra.sketch_operands: bfloat16``, else ``None``.
-        scales: ``(k,)`` fp32 ``max |P|`` per matrix (``P = scale·signs``), with the signs, else ``None``.
+        scales: ``max |P|`` of each matrix (``P = scale·signs``), with the signs, else ``None``.
     """
 
     names: list[str]
@@ -70,7 +70,7 @@ class MatrixGroup:
     grams: torch.Tensor | None = None
     gram_tokens: torch.Tensor | None = None
     signs: torch.Tensor | None = None
-    scales: torch.Tensor | None = None
+    scales: list[float] | None = None
 
     @property
     def size(self) -> int:

@@ -216,7 +216,8 @@ class LoGRASketcher:
                 changed = True
             group.projection = new
             if self.config.sketch_operands == "bfloat16":  # P = scale·signs: rademacher and hadamard (config)
-                group.signs, group.scales = new.sign().to(torch.bfloat16), new.abs().amax(dim=(1, 2))
+                group.signs = new.sign().to(torch.bfloat16)
+                group.scales = new.abs().amax(dim=(1, 2)).tolist()  # one read per new basis (fixed: once a run)
                 fresh = list(range(group.size))  # every row's signs view the new stack
             for i in fresh:
                 matrices[i].set_stacked_projection(new, i, seeds[i], group.signs, group.scales)
