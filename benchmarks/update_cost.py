@@ -59,8 +59,8 @@ FREE = {
     "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "as_strided", "detach", "alias",
     "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "_reshape_alias",
     "lift_fresh", "empty", "empty_like", "empty_strided", "unflatten", "flatten", "narrow", "view_as", "movedim",
-    "is_same_size", "_has_same_storage_numel", "_record_function_enter_new", "_record_function_exit", "_fw_primal",
-    "_make_dual", "_unpack_dual", "set_", "resolve_conj", "resolve_neg", "_conj", "conj", "clone_meta",
+    "is_same_size", "_has_same_storage_numel", "new_empty", "_record_function_enter_new", "_record_function_exit",
+    "_fw_primal", "_make_dual", "_unpack_dual", "set_", "resolve_conj", "resolve_neg", "_conj", "conj", "clone_meta",
 }  # fmt: skip
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 

@@ -6,7 +6,9 @@ through :class:`SketchGrad`, an identity autograd function that saves only ``Z``
 microbatches, ``S = (Σ dYᵀ X) Pᵀ = G Pᵀ`` exactly.
 
 Activation checkpointing (non-reentrant) replays the forward, and with it this hook, to rebuild ``Z``; the
-replayed graph is never back-propagated, so the accumulation runs once per microbatch.
+replayed graph is never back-propagated, so the accumulation runs once per microbatch. In the first pass of a layer
+checkpointed by :func:`~logra_pl.runtime.checkpointing.enable_activation_checkpointing` the hook saves a placeholder
+of ``Z``'s shape: that pass's saved tensors are dropped unread, so ``Z`` is computed once per microbatch, in the replay.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from logra_pl.runtime.checkpointing import replayed_later
 from logra_pl.sketch.trace import traced
 
 
@@ -117,6 +120,10 @@ class MatrixSketch:
         if not torch.is_grad_enabled():
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
         x = args[0].detach().reshape(-1, self.d_in)
+        if replayed_later():  # a checkpointed layer's first pass: the backward reads the Z its replay computes
+            return SketchGrad.apply(
+                output, x.new_empty((x.shape[0], self.rank), dtype=torch.float32), self.anchor, self
+            )
         with traced("logra.sketch.project"), _no_autocast(x.device):
             if self.signs is not None:  # bf16 X times P's signs, fp32 sums; P's scale is applied in the backward
                 z = mixed_mm(x.to(torch.bfloat16), self.signs.T)

@@ -188,3 +188,39 @@ def test_bf16_operands_need_a_projection_of_signs() -> None:
         LoGRAConfig(sketch_operands="int8")
     assert "sketch_operands" not in LoGRAConfig().to_dict()
     assert LoGRAConfig(sketch_operands="bfloat16").to_dict()["sketch_operands"] == "bfloat16"
+
+
+def test_a_checkpointed_layer_projects_once_per_microbatch(qwen2_factory) -> None:
+    """Under ``enable_activation_checkpointing`` the first pass's saved tensors are dropped and recomputed in the
+    backward: the hook projects in the replay only (one ``Z = X Pᵀ`` per matrix and microbatch, counted), and the
+    sketches equal, bit for bit, those of the same microbatches without checkpointing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from logra_pl.runtime.checkpointing import enable_activation_checkpointing
+    from logra_pl.sketch import trace
+
+    class CountProjections(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.products = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "logra.sketch.project" in trace.open_ranges() and func.overloadpacket.__name__ == "mm":
+                self.products += 1
+            return func(*args, **(kwargs or {}))
+
+    sketches, counts = {}, {}
+    for checkpointing in (False, True):
+        model = qwen2_factory(seed=0)
+        batches = _microbatches(model.config.vocab_size)
+        if checkpointing:
+            assert enable_activation_checkpointing(model) == model.config.num_hidden_layers
+        sketcher = LoGRASketcher(model, LoGRAConfig(rank=4))
+        count = CountProjections()
+        with count, trace.listening():
+            for ids in batches:
+                model(input_ids=ids, labels=ids).loss.backward()
+        sketches[checkpointing] = {n: m.sketch.clone() for n, m in sketcher.matrices.items()}
+        counts[checkpointing] = count.products
+    assert counts[True] == counts[False] == len(batches) * len(sketches[False])
+    assert all(torch.equal(sketches[True][n], sketches[False][n]) for n in sketches[False])
