@@ -115,10 +115,28 @@ def vm_kib(key: str) -> int:
     raise KeyError(key)
 
 
+def qwen2_config(dims: tuple[int, int, int, int, int, int, bool], **extra: Any) -> Any:
+    """The ``Qwen2Config`` of ``(hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)`` (fp32)."""
+    from transformers import Qwen2Config
+
+    hidden, inter, layers, heads, kv, vocab, tied = dims
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        tie_word_embeddings=tied,
+        dtype="float32",
+        **extra,
+    )
+
+
 # --------------------------------------------------------------------------------------------------- workers
 def build(shape: str, device: str, rank: int, distribution: str, path: str) -> tuple[Any, Any, Any]:
     """``(model, sketcher, fill)``: ``fill()`` puts one update's sketches in place (a backward pass, or random)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
     from logra_pl.sketch import LoGRAConfig, LoGRASketcher
     from logra_pl.sketch.reference import PerMatrixSketcher
@@ -136,19 +154,8 @@ def build(shape: str, device: str, rank: int, distribution: str, path: str) -> t
             model(input_ids=ids, labels=ids).loss.backward()
 
         return model, sketcher, fill
-    hidden, inter, layers, heads, kv, vocab, tied = BIG_SHAPES[shape]
-    qwen = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        tie_word_embeddings=tied,
-        dtype="float32",
-    )
     with torch.device(device):
-        model = Qwen2ForCausalLM(qwen)
+        model = Qwen2ForCausalLM(qwen2_config(BIG_SHAPES[shape]))
     sketcher = cls(model, config)
     gen = torch.Generator(device=device) if device != "meta" else None
 

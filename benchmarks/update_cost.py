@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from sketch_step import qwen2_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -146,20 +147,9 @@ class CostCount(TorchDispatchMode):
 
 def qwen(shape: str, dtype: torch.dtype) -> torch.nn.Module:
     """A Qwen2 of ``shape`` on the meta device."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    hidden, inter, layers, heads, kv, vocab, tied = SHAPES[shape]
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        tie_word_embeddings=tied,
-        attn_implementation="sdpa",
-        dtype="float32",
-    )
+    config = qwen2_config(SHAPES[shape], attn_implementation="sdpa")
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config).to(dtype)
     model.requires_grad_(False)

@@ -13,6 +13,7 @@ from logra_pl.data import ReasoningGymDataModule
 from logra_pl.methods import DenseAdamW, LoGRAMethod
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig, select_targets
+from tests.conftest import chain_sum_data, quick_trainer
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 
@@ -219,19 +220,8 @@ def test_a_run_without_policy_sync_still_sends_every_step(tmp_path, method: str)
     for AdamW), unmeasured, and the engine's copy ends on the trainer's weights bit for bit."""
     built = LoGRAMethod(LoGRAConfig(rank=16, update_ratio=1e-2)) if method == "logra" else DenseAdamW()
     module = LoGRAPolicyModule(policy="tiny", method=built, rollout=RolloutSettings(max_new_tokens=4))
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
-    data = ReasoningGymDataModule(
-        {"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8, eval_batch_size=8
-    )
+    trainer = quick_trainer(tmp_path, 2)
+    data = chain_sum_data(train_size=64, eval_size=8)
     trainer.fit(module, datamodule=data)
     assert module.link.change == ("factors" if method == "logra" else "tensors") and module.link.sends is None
     for (name, a), b in zip(module.policy.state_dict().items(), module.engine.model.state_dict().values(), strict=True):
