@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from logra_pl.runtime import compat
 from logra_pl.errors import LoGRAError
+from logra_pl.runtime import compat
 from logra_pl.runtime.dtypes import dtypes_of
 
 PROVENANCE_FILE = "logra_export.json"

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from logra_pl.runtime.compat import distributed_checkpoint_metadata
 from logra_pl.config import class_path_of, import_dotted, translated
 from logra_pl.errors import CheckpointNotFoundError, LoGRAError, ResumeMismatchError
+from logra_pl.runtime.compat import distributed_checkpoint_metadata
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,6 @@ process, so a ``kill -9`` loses what was logged in the last interval. The CLI se
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections.abc import Mapping
