@@ -56,13 +56,14 @@ class EngineLink:
         self.method = method
         self.policy = policy
         self.ranks = ranks or Ranks()
-        self.change: Change = "factors" if method.ships_factors else "tensors"  # what a step sends
-        self.wire_dtype: torch.dtype | Literal["engine"] | None = "engine"  # the dtype of the tensors it sends
-        self.sends: list[Future] | None = None  # the sends a measurer has not read yet; None: nobody measures
+        self.change: Change  # what a step sends
+        self.wire_dtype: torch.dtype | Literal["engine"] | None  # the dtype of the tensors it sends
+        self.sends: list[Future] | None  # the sends a measurer has not read yet; None: nobody measures
         self.resyncs = 0  # full resyncs of engines found stale (lost update, restart)
         self.logged_resyncs = 0  # the count the loggers last received
         self.pipeline: RolloutPipeline | None = None  # asynchronous rollouts: every engine call on its worker
         self.before_change: Callable[[], None] | None = None  # run on the worker before each weight change
+        self.configure()  # the method's own form, unmeasured
 
     def place(self) -> bool:
         """``engine.place``: whether the engine moved (then it needs the full weights); on the worker when there
