@@ -47,7 +47,7 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +151,19 @@ class Method:
         name: folder and table name.
         label: how tables and plots name it.
         model: the ``model`` settings that choose it (merged over the base config's).
+        control: PredictedKLControl settings of its own over the protocol's (the line search: a step control that
+            only ever shrinks α, so a method given it takes at most the KL the others do).
     """
 
     name: str
     label: str
     model: dict[str, Any]
+    control: dict[str, Any] = field(default_factory=dict)
+
+
+# PredictedKLControl's line search as the grid's line-search methods set it: a step whose KL on the probe is above
+# twice the budget is rescaled (up to three times) toward the budget, then skipped.
+LINE_SEARCH = {"max_overshoot": 2.0, "max_backtracks": 3}
 
 
 def _overlay_model(path: str) -> dict[str, Any]:
@@ -168,8 +176,8 @@ def _methods() -> dict[str, Method]:
     adamw = dict(_overlay_model("configs/overlays/adamw.yaml")["adamw"])
     lora = _overlay_model("configs/ablations/lora.yaml")
 
-    def logra(name: str, label: str, base: dict[str, Any], **changes: Any) -> Method:
-        return Method(name, label, {"optimizer": "logra", "logra": {**base, **changes}})
+    def logra(name: str, label: str, base: dict[str, Any], control: dict[str, Any] | None = None, **changes: Any):
+        return Method(name, label, {"optimizer": "logra", "logra": {**base, **changes}}, control or {})
 
     def dense_adamw(name: str, label: str, **changes: Any) -> Method:
         return Method(name, label, {"optimizer": "adamw", "logra": None, "adamw": {**adamw, **changes}})
@@ -227,6 +235,16 @@ def _methods() -> dict[str, Method]:
             input_precondition="gram",
             refresh=False,
         ),
+        # The line search (docs/benchmarks.md): the step's KL measured on the probe before it is merged, α rescaled
+        # while it is above twice the budget — bounds the single updates that realized up to 809x their prediction.
+        logra(
+            "logra_adam_fixed_ls",
+            "LoGRA, sketch-space Adam, fixed, line search",
+            sketch_adam,
+            LINE_SEARCH,
+            refresh_every=0,
+        ),
+        logra("logra_levers_ls", "LoGRA, levers, line search (r = 64)", levers, LINE_SEARCH),
     )
     return {m.name: m for m in (*baselines, *decomposition, *candidates)}
 
@@ -347,6 +365,7 @@ def run_config(model: str, setup: ModelSetup, method: Method, budget: float, see
                 "probe_responses": 2,
                 "probe": "jvp",
                 "calibrate": True,
+                **method.control,
             },
         },
     ]

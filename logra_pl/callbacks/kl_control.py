@@ -82,6 +82,13 @@ def _full_precision(device: torch.device) -> torch.autocast:
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+def _mean_over_ranks(trainer: Any, terms: torch.Tensor, device: torch.device) -> float:
+    """The mean of per-position KL ``terms`` over every rank's positions (0 when no rank has any)."""
+    total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
+    total = all_reduce_sum(trainer, total, device)  # on the device: NCCL has no CPU tensors
+    return float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
+
+
 def _rank_world(trainer: Any) -> tuple[int, int]:
     if trainer is None:
         return 0, 1
@@ -124,6 +131,15 @@ class PredictedKLControl(pl.Callback):
             gain. With ``schedule.kind="none"`` (no control, α = 1) and ``calibrate``, the probe still runs so that
             the uncontrolled run's predicted and realized KL are logged — KL measurement for any method, weights as
             without the callback (without ``calibrate``, ``none`` costs nothing).
+        max_overshoot: the line search (None: off). Before the step is applied, the KL it really takes on the probe
+            positions is measured from the logits of the moved policy (:meth:`UpdateMethod.logits_at
+            <logra_pl.methods.UpdateMethod.logits_at>`, one forward, weights untouched); while it exceeds
+            ``max_overshoot`` × the effective budget, α is rescaled to ``α·sqrt(budget / realized)`` (the α at
+            which a locally quadratic KL would meet the budget) and measured again. The quadratic prediction holds
+            near α = 0 only: an α that a flat probe inflates can take a step whose KL is hundreds of times its
+            budget, and the line search bounds it. The search only ever shrinks α.
+        max_backtracks: rescalings the line search tries; a step still above the bound after them is skipped
+            (weights untouched, counted in ``kl/skipped_updates``).
     """
 
     READS = ("policy", "method", "step_context")  # what it reads of the policy contract (docs/extending.md)
@@ -137,8 +153,13 @@ class PredictedKLControl(pl.Callback):
         probe: ProbeMode = "jvp",
         fd_step: float = 1e-3,
         calibrate: bool = False,
+        max_overshoot: float | None = None,
+        max_backtracks: int = 3,
     ) -> None:
         check_range("alpha_max", alpha_max, 0.0, low_open=True)
+        if max_overshoot is not None:
+            check_range("max_overshoot", max_overshoot, 1.0)
+        check_int("max_backtracks", max_backtracks, 0)
         check_int("probe_responses", probe_responses, 1)
         check_int("max_probe_tokens", max_probe_tokens, 1)
         check_choice("probe", probe, ("jvp", "fd"))
@@ -150,6 +171,8 @@ class PredictedKLControl(pl.Callback):
         self.probe = probe
         self.fd_step = fd_step
         self.calibrate = calibrate
+        self.max_overshoot = max_overshoot
+        self.max_backtracks = max_backtracks
         self.updates = 0
         self.skipped = 0
         self.history: list[dict[str, float]] = []
@@ -192,11 +215,41 @@ class PredictedKLControl(pl.Callback):
         vocab = logits.shape[-1]
         z = logits.reshape(-1, vocab)[flat]
         t = tangent.reshape(-1, vocab)[flat]
-        terms = predicted_kl_terms(z, t, ctx.temperature)
-        total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
-        total = all_reduce_sum(pl_module.trainer, total, pl_module.device)  # on the device: NCCL has no CPU tensors
-        pred = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
+        pred = _mean_over_ranks(pl_module.trainer, predicted_kl_terms(z, t, ctx.temperature), pl_module.device)
         return pred, {"inputs": inputs, "flat": flat, "logits": z.detach(), "temperature": ctx.temperature}
+
+    def realized_at(self, pl_module: Any, proposal: Any, probe: dict[str, Any], alpha: float) -> float:
+        """Mean KL per probed position (averaged over ranks) between the policy now and the policy ``proposal``
+        at ``alpha`` would make, from full distributions; the weights are left as they are."""
+        method = pl_module.method
+        try:
+            with _full_precision(pl_module.device):
+                moved = method.logits_at(pl_module.policy, proposal, probe["inputs"], alpha)
+        except NotImplementedError as err:
+            raise ConfigError(
+                f"PredictedKLControl(max_overshoot=...) measures each step before it is applied, and the update "
+                f"method {type(method).__name__} cannot say what its step would do ({err}); implement "
+                "UpdateMethod.logits_at, or leave max_overshoot unset"
+            ) from err
+        after = moved.reshape(-1, moved.shape[-1])[probe["flat"]]
+        terms = realized_kl_terms(probe["logits"], after, probe["temperature"])
+        return _mean_over_ranks(pl_module.trainer, terms, pl_module.device)
+
+    def line_search(
+        self, pl_module: Any, proposal: Any, probe: dict[str, Any], alpha: float, budget: float
+    ) -> tuple[float | None, int, float]:
+        """``(α, backtracks, realized)``: the largest tried α whose realized KL on the probe is within
+        ``max_overshoot·budget``, starting from ``alpha`` and rescaling by ``sqrt(budget / realized)``; α is None
+        when none of ``1 + max_backtracks`` tries is (or a realized KL is not finite)."""
+        assert self.max_overshoot is not None
+        limit = self.max_overshoot * budget
+        realized = self.realized_at(pl_module, proposal, probe, alpha)
+        backtracks = 0
+        while math.isfinite(realized) and realized > limit and backtracks < self.max_backtracks:
+            alpha *= math.sqrt(budget / realized)
+            backtracks += 1
+            realized = self.realized_at(pl_module, proposal, probe, alpha)
+        return (alpha if math.isfinite(realized) and realized <= limit else None), backtracks, realized
 
     # ------------------------------------------------------------------------------------------- hooks
     @override
@@ -245,14 +298,33 @@ class PredictedKLControl(pl.Callback):
             self._pending = None
             ctx.update_kls.append(0.0)  # skipped: the weights did not move
             return
-        alpha = step_multiplier(pred, effective, self.alpha_max)
+        alpha: float | None = step_multiplier(pred, effective, self.alpha_max)
+        measured = None
+        if self.max_overshoot is not None and pred > 0:
+            alpha, backtracks, measured = self.line_search(pl_module, proposal, probe, alpha, effective)
+            log.update({"kl/backtracks": float(backtracks), "kl/line_search_realized": measured})
+            if alpha is None:
+                self.skipped += 1
+                reason = (
+                    f"the step's KL on the probe stayed at {measured:.3g} > {self.max_overshoot:g} × budget "
+                    f"{effective:.3g} after {backtracks} backtracks: update skipped by PredictedKLControl"
+                )
+                proposal.skip(reason)
+                rank_zero_warn(f"update {self.updates}: {reason}; weights untouched")
+                log["kl/skipped_updates"] = float(self.skipped)
+                pl_module.log_dict(log, on_step=True, batch_size=bs)
+                self._pending = None
+                ctx.update_kls.append(0.0)
+                return
         proposal.alpha = alpha
         log.update(
             {"kl/alpha": alpha, "kl/predicted_scaled": alpha * alpha * pred, "kl/skipped_updates": float(self.skipped)}
         )
         pl_module.log_dict(log, on_step=True, batch_size=bs)
-        ctx.update_kls.append(alpha * alpha * pred)
+        ctx.update_kls.append(alpha * alpha * pred if measured is None else measured)
         self._record(proposal, probe, pred, alpha, effective)
+        if measured is not None:
+            self.history[-1].update(backtracks=float(backtracks), line_search_realized=measured)
 
     def _measure_uncontrolled(self, pl_module: Any, proposal: Any, ctx: Any) -> None:
         """``kind="none"`` with ``calibrate``: probe the proposal at its nominal size (α stays 1) and queue the
@@ -288,10 +360,9 @@ class PredictedKLControl(pl.Callback):
         with torch.no_grad(), _full_precision(pl_module.device):
             after = pl_module.policy(**pending["inputs"], use_cache=False).logits
         after = after.reshape(-1, after.shape[-1])[pending["flat"]]
-        terms = realized_kl_terms(pending["logits"], after, pending["temperature"])
-        total = torch.tensor([float(terms.sum()), float(terms.numel())], dtype=torch.float64)
-        total = all_reduce_sum(trainer, total, pl_module.device)
-        realized = float(total[0] / total[1]) if float(total[1]) > 0 else 0.0
+        realized = _mean_over_ranks(
+            trainer, realized_kl_terms(pending["logits"], after, pending["temperature"]), pl_module.device
+        )
         pl_module.log("kl/realized", realized, on_step=True, batch_size=1)
         gain = view.method.last_gain
         if gain is not None and realized > 0:  # the direction's worth: first-order gain per unit of policy change

@@ -188,7 +188,8 @@ class UpdateMethod(ABC):
         makes_proposals: ``optimizer.proposal`` exists during ``on_before_optimizer_step``, for step controllers
             to scale (``proposal.alpha``: the update applied is ``α`` times the proposal) or veto
             (``proposal.skip(reason)``: nothing applied); the divergence guard judges the update after them. Such a
-            method also answers :meth:`logit_tangent`, :attr:`applied_updates` and :meth:`applied`.
+            method also answers :meth:`logit_tangent`, :attr:`applied_updates` and :meth:`applied` (and
+            :meth:`logits_at`, for a controller's line search).
         keeps_sketches: gradients reach the update as LoGRA sketches (:attr:`sketcher` is set once the optimizer is
             built), which sketch diagnostics measure.
         step_knob: the setting to lower when the divergence guard keeps rejecting updates.
@@ -290,6 +291,14 @@ class UpdateMethod(ABC):
         of change along ``proposal`` at ``α = 0``, by forward-mode AD (``mode="jvp"``) or a central difference of
         step ``fd_step`` (``"fd"``). The weights are left exactly as they were (algorithm.md §6)."""
         raise NotImplementedError(f"{type(self).__name__} makes no proposals to probe")
+
+    def logits_at(
+        self, policy: nn.Module, proposal: Any, model_inputs: Mapping[str, torch.Tensor], alpha: float
+    ) -> torch.Tensor:
+        """The policy's logits (``(B, T, V)``) as they would be after ``proposal`` is applied at multiplier
+        ``alpha``, computed without applying it: the weights are left exactly as they were. A step controller's line
+        search measures the KL a step really takes with it (algorithm.md §6)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no proposals to measure")
 
     @property
     def last_gain(self) -> float | None:

@@ -43,7 +43,7 @@ from logra_pl.sketch.config import (
 )
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
-from logra_pl.sketch.probe import ProbeMode, logit_tangent
+from logra_pl.sketch.probe import ProbeMode, logit_tangent, moved_logits
 
 
 def reduce_sketches(optimizer: LoGRAOptimizer, ranks: DataParallelRanks) -> None:
@@ -326,6 +326,16 @@ class LoGRAMethod(UpdateMethod):
         sketcher = self._sketcher
         modules = {name: m.module for name, m in sketcher.matrices.items()}
         return logit_tangent(policy, modules, proposal, model_inputs, mode, fd_step, sketcher.dense)
+
+    @override
+    def logits_at(
+        self, policy: nn.Module, proposal: Any, model_inputs: Mapping[str, torch.Tensor], alpha: float
+    ) -> torch.Tensor:
+        """Hooks on the sketched layers add ``−α (X Pᵀ) Uᵀ`` to their outputs; ``logra.dense_params`` move by
+        ``α·delta`` for the forward (:func:`~logra_pl.sketch.probe.moved_logits`)."""
+        sketcher = self._sketcher
+        modules = {name: m.module for name, m in sketcher.matrices.items()}
+        return moved_logits(policy, modules, proposal, model_inputs, alpha, sketcher.dense)
 
     @override
     def trained_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:

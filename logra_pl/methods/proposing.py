@@ -22,7 +22,7 @@ from torch import nn
 
 from logra_pl.methods.base import AllReduceSum, relative
 from logra_pl.methods.guard import DivergenceGuard
-from logra_pl.sketch.probe import ProbeMode, parameter_logit_tangent
+from logra_pl.sketch.probe import ProbeMode, parameter_logit_tangent, parameter_moved_logits
 
 Deltas = Iterable[tuple[torch.nn.Parameter, torch.Tensor]]
 
@@ -215,6 +215,15 @@ class ProposalAnswers:
         names = {id(p): n for n, p in policy.named_parameters()}
         deltas = {names[id(p)]: d for p, d in proposal.deltas().items()}
         return parameter_logit_tangent(policy, deltas, model_inputs, mode, fd_step)
+
+    def logits_at(
+        self, policy: nn.Module, proposal: Any, model_inputs: Mapping[str, torch.Tensor], alpha: float
+    ) -> torch.Tensor:
+        """The logits with every trained parameter moved by ``α·ΔW`` for one forward (LoRA: its adapters), then
+        restored bit for bit."""
+        names = {id(p): n for n, p in policy.named_parameters()}
+        deltas = {names[id(p)]: d for p, d in proposal.deltas().items()}
+        return parameter_moved_logits(policy, deltas, model_inputs, alpha)
 
     def judge(self, guard: DivergenceGuard, proposal: StepProposal, all_reduce_sum: AllReduceSum) -> str | None:
         """The divergence guard's verdict on the step at ``proposal.alpha`` (None: take it); sets

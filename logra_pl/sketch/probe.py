@@ -156,6 +156,51 @@ def logit_tangent(
         return logits[0.0], tangent.to(logits[0.0].dtype)
 
 
+@traced_call("logra.kl_probe")
+def moved_logits(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    proposal: Proposal,
+    model_inputs: Mapping[str, torch.Tensor],
+    alpha: float,
+    dense: Mapping[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Logits ``(B, T, V)`` of the policy the proposal at multiplier ``alpha`` would make, weights untouched.
+
+    Every selected layer adds ``−α (X Pᵀ) Uᵀ`` to its output (the layer with weights ``W − α U P``) and each
+    ``logra.dense_params`` parameter is moved by ``α·delta`` for the forward and restored bit for bit: the step
+    before it is merged, for a step controller that checks the KL the step really takes (the line search of
+    :class:`~logra_pl.callbacks.PredictedKLControl`, algorithm.md §6).
+    """
+    missing = [n for n in proposal.matrices if n not in modules]
+    if missing:
+        raise KeyError(f"proposal matrices {missing[:3]} are not among the probed modules")
+    mats = proposal.matrices
+
+    def hook_for(name):
+        def hook(module, args, output):
+            return output + alpha * _layer_delta(args[0], mats[name].factor, mats[name].projection)
+
+        return hook
+
+    with torch.no_grad(), _output_hooks(modules, hook_for), _dense_shift(dense or {}, proposal, alpha):
+        return model(**model_inputs, use_cache=False).logits
+
+
+@traced_call("logra.kl_probe")
+def parameter_moved_logits(
+    model: nn.Module, deltas: Mapping[str, torch.Tensor], model_inputs: Mapping[str, torch.Tensor], alpha: float
+) -> torch.Tensor:
+    """Logits ``(B, T, V)`` at ``θ + α·Δθ`` (``deltas`` as :func:`parameter_logit_tangent` takes them): the
+    parameters are moved in place (their local shards under FSDP) for one forward and restored bit for bit."""
+    params = dict(model.named_parameters())
+    missing = [n for n in deltas if n not in params]
+    if missing:
+        raise KeyError(f"stepped parameters {missing[:3]} are not parameters of the probed model")
+    with torch.no_grad(), _parameter_shift(params, deltas, alpha):
+        return model(**model_inputs, use_cache=False).logits
+
+
 @contextlib.contextmanager
 def _dense_shift(dense: Mapping[str, torch.Tensor], proposal: Proposal, h: float) -> Iterator[None]:
     """Move each ``logra.dense_params`` parameter by ``h·delta`` for the block; restore its exact values after."""
