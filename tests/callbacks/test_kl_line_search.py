@@ -166,3 +166,17 @@ def test_settings_and_a_method_without_logits_at() -> None:
     module = types.SimpleNamespace(method=NoMoves(), policy=None, device=torch.device("cpu"), trainer=None)
     with pytest.raises(ConfigError, match=r"NoMoves cannot say what its step would do.*UpdateMethod\.logits_at"):
         PredictedKLControl(max_overshoot=2.0).realized_at(module, None, {"inputs": {}}, 1.0)
+
+
+def test_a_search_that_never_backtracks_changes_nothing() -> None:
+    """Where every step's KL is within the bound, the search's forwards change no bit of the run: the weights after
+    three updates equal a run without it (the grid's line-search methods equal their plain rule on SmolLM2, where no
+    update of any method realized more than 1.4x its prediction)."""
+    schedule = BudgetSchedule("constant", delta_max=1e-4)
+    searched = PredictedKLControl(schedule, max_overshoot=2.0)
+    module, _ = _run([searched], "logra")
+    plain, _ = _run([PredictedKLControl(schedule)], "logra")
+    assert [h["backtracks"] for h in searched.history] == [0.0] * 3
+    assert all(h["line_search_realized"] <= 2.0 * 1e-4 for h in searched.history)
+    a, b = module.policy.state_dict(), plain.policy.state_dict()
+    assert all(torch.equal(v, b[k]) for k, v in a.items())
