@@ -140,6 +140,10 @@ class PredictedKLControl(pl.Callback):
             budget, and the line search bounds it. The search only ever shrinks α.
         max_backtracks: rescalings the line search tries; a step still above the bound after them is skipped
             (weights untouched, counted in ``kl/skipped_updates``).
+        search_responses: responses of the step's batch the line search measures on (the first ones, as the
+            probe's; None: the probe's own ``probe_responses``). More than the probe's catch a step that moves the
+            policy where the probed responses barely move (a step made mostly of a first moment's history), at one
+            more forward over them per update and one per try.
     """
 
     READS = ("policy", "method", "step_context")  # what it reads of the policy contract (docs/extending.md)
@@ -155,11 +159,14 @@ class PredictedKLControl(pl.Callback):
         calibrate: bool = False,
         max_overshoot: float | None = None,
         max_backtracks: int = 3,
+        search_responses: int | None = None,
     ) -> None:
         check_range("alpha_max", alpha_max, 0.0, low_open=True)
         if max_overshoot is not None:
             check_range("max_overshoot", max_overshoot, 1.0)
         check_int("max_backtracks", max_backtracks, 0)
+        if search_responses is not None:
+            check_int("search_responses", search_responses, 1)
         check_int("probe_responses", probe_responses, 1)
         check_int("max_probe_tokens", max_probe_tokens, 1)
         check_choice("probe", probe, ("jvp", "fd"))
@@ -173,6 +180,7 @@ class PredictedKLControl(pl.Callback):
         self.calibrate = calibrate
         self.max_overshoot = max_overshoot
         self.max_backtracks = max_backtracks
+        self.search_responses = search_responses
         self.updates = 0
         self.skipped = 0
         self.history: list[dict[str, float]] = []
@@ -180,13 +188,15 @@ class PredictedKLControl(pl.Callback):
 
     # ------------------------------------------------------------------------------------------- probe
     def _probe_inputs(
-        self, ctx: Any, device: torch.device, trainer: Any = None
+        self, ctx: Any, device: torch.device, trainer: Any = None, responses: int | None = None
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Model inputs of the probed responses and the flat indices of their generated positions."""
+        """Model inputs of the first ``responses`` (default ``probe_responses``) responses of the global batch and
+        the flat indices of their generated positions."""
+        responses = self.probe_responses if responses is None else responses
         packed = ctx.packed
         rank, world = _rank_world(trainer)
         n = max(1, len(ctx.rollout) // max(1, len(ctx.items)))  # responses per prompt (rows grouped by prompt)
-        rows = [b for b in range(packed.input_ids.shape[0]) if _global_row(b, n, rank, world) < self.probe_responses]
+        rows = [b for b in range(packed.input_ids.shape[0]) if _global_row(b, n, rank, world) < responses]
         probed = bool(rows)
         rows = rows or [0]  # nothing to probe here: run the forward on one row, read no position
         ids = packed.input_ids[rows]
@@ -235,6 +245,16 @@ class PredictedKLControl(pl.Callback):
         terms = realized_kl_terms(probe["logits"], after, probe["temperature"])
         return _mean_over_ranks(pl_module.trainer, terms, pl_module.device)
 
+    def search_contexts(self, pl_module: Any, temperature: float) -> dict[str, Any]:
+        """The line search's own contexts: the first ``search_responses`` responses of the step's batch, with the
+        policy's logits at their generated positions now (before the step)."""
+        ctx = view_of(pl_module, self.READS).step_context
+        inputs, flat = self._probe_inputs(ctx, pl_module.device, compat.trainer_of(pl_module), self.search_responses)
+        with torch.no_grad(), _full_precision(pl_module.device):
+            logits = pl_module.policy(**inputs, use_cache=False).logits
+        z = logits.reshape(-1, logits.shape[-1])[flat]
+        return {"inputs": inputs, "flat": flat, "logits": z, "temperature": temperature}
+
     def line_search(
         self, pl_module: Any, proposal: Any, probe: dict[str, Any], alpha: float, budget: float
     ) -> tuple[float | None, int, float]:
@@ -243,6 +263,8 @@ class PredictedKLControl(pl.Callback):
         when none of ``1 + max_backtracks`` tries is (or a realized KL is not finite)."""
         assert self.max_overshoot is not None
         limit = self.max_overshoot * budget
+        if self.search_responses is not None and self.search_responses != self.probe_responses:
+            probe = self.search_contexts(pl_module, probe["temperature"])
         realized = self.realized_at(pl_module, proposal, probe, alpha)
         backtracks = 0
         while math.isfinite(realized) and realized > limit and backtracks < self.max_backtracks:

@@ -180,3 +180,32 @@ def test_a_search_that_never_backtracks_changes_nothing() -> None:
     assert all(h["line_search_realized"] <= 2.0 * 1e-4 for h in searched.history)
     a, b = module.policy.state_dict(), plain.policy.state_dict()
     assert all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+def test_the_search_can_measure_on_more_responses_than_the_probe() -> None:
+    """``search_responses``: the search measures the step on the batch's first responses (here all 8), every
+    generated position of them, and holds the KL there within the bound."""
+
+    class Contexts(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                self.positions = int(pl_module.step_context.packed.response_mask.sum())
+
+    schedule = BudgetSchedule("constant", delta_max=1e-4)
+    kl = FlatProbe(schedule, alpha_max=1000.0, max_overshoot=1.5, search_responses=8)
+    seen = Contexts()
+    original = kl.search_contexts
+    sizes = []
+
+    def counted(pl_module, temperature):
+        contexts = original(pl_module, temperature)
+        sizes.append(int(contexts["flat"].numel()))
+        return contexts
+
+    kl.search_contexts = counted
+    module, _ = _run([kl, seen], "logra")
+    assert module.method.applied_updates == 3 and len(sizes) == 3
+    assert sizes[0] == seen.positions > 0
+    assert all(h["backtracks"] >= 1 and h["line_search_realized"] <= 1.5e-4 for h in kl.history)
+    with pytest.raises(ValueError, match="search_responses"):
+        PredictedKLControl(search_responses=0)
