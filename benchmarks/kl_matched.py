@@ -519,6 +519,8 @@ DIRECTION_TAGS = (
     "kl/gain_per_sqrt_kl",
     "kl/heldout_realized",
     "kl/heldout_gain_per_sqrt_kl",
+    "kl/backtracks",
+    "kl/line_search_realized",
 )
 
 
@@ -560,6 +562,13 @@ def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dic
         failed=False,
     )
     out.update(kl_calibration(scalars))
+    backtracks = [v for _, v in scalars.get("kl/backtracks", [])]
+    if backtracks:  # the line search's methods: how often it cut a step, and the steps it skipped
+        skipped = scalars.get("kl/skipped_updates", [])
+        out.update(
+            backtracked=sum(b > 0 for b in backtracks) / len(backtracks),
+            skipped_updates=max(v for _, v in skipped) if skipped else 0.0,
+        )
     return out
 
 
@@ -663,6 +672,8 @@ KEYS = (
     "heldout_kl",
     "heldout_over_inbatch",
     "heldout_gain_per_sqrt_kl",
+    "backtracked",
+    "skipped_updates",
 )
 
 
@@ -767,6 +778,18 @@ def direction_table(report: Mapping[str, Any], budget: float) -> str:
             f"{_sci(s.get('heldout_kl'))} | {pm(s.get('heldout_over_inbatch'), 2)} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def line_search_line(report: Mapping[str, Any], budget: float) -> str:
+    """How often the line search cut a step (share of updates) and how many steps it skipped, per method that has
+    one at this budget; empty when none has."""
+    cells = [c for c in report["cells"].values() if c["budget"] == budget and _stat(c, "backtracked") is not None]
+    parts = [
+        f"{c['label']}: {pm(_stat(c, 'backtracked'), 2)} of updates cut, "
+        f"{pm(_stat(c, 'skipped_updates'), 1)} skipped per run"
+        for c in cells
+    ]
+    return ("Line search (measured on every response of the batch): " + "; ".join(parts) + ".") if parts else ""
 
 
 def goal_line(report: Mapping[str, Any], budget: float) -> str:
@@ -900,6 +923,9 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         directions = direction_table(report, budget)
         if directions:
             lines += [directions, ""]
+        searched = line_search_line(report, budget)
+        if searched:
+            lines += [searched, ""]
         lines += [goal_line(report, budget), ""]
     lines += [f"![{p.stem}]({p.name})" for p in pngs]
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -25,6 +25,9 @@ def _runs(out: Path) -> list[kl_matched.Run]:
     return kl_matched.plan_runs("smollm2", setup, list(kl_matched.METHODS), (0, 1), out)
 
 
+SEARCH_KEYS = ("max_overshoot", "max_backtracks", "search_responses")
+
+
 def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     setup = kl_matched.MODELS["smollm2"]
@@ -53,6 +56,12 @@ def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> No
         for key in ("optimizer", "method", "logra", "adamw", "lora"):
             rest["model"].pop(key, None)
         rest["trainer"]["logger"]["init_args"].pop("save_dir")
+        # ... and the line search, which only the line-search methods add (on every response of the batch).
+        searched = {k: rest["trainer"]["callbacks"][-1]["init_args"].pop(k, None) for k in SEARCH_KEYS}
+        if run.method.endswith("_ls"):
+            assert searched == {**kl_matched.LINE_SEARCH, "search_responses": setup.prompts_per_step}, run.method
+        else:
+            assert searched == dict.fromkeys(SEARCH_KEYS), run.method
         shared = rest if shared is None else shared
         assert rest == shared, run.method
     by_method = {r.method: r.config["model"] for r in first}
@@ -141,6 +150,8 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
         writer.add_scalar("train/update_gain", 0.01 * (step + 1), step)
         writer.add_scalar("kl/heldout_realized", 2 * r, step)
         writer.add_scalar("kl/gain_per_sqrt_kl", float(step), step)
+        writer.add_scalar("kl/backtracks", float(step % 2), step)  # the line search cut updates 1 and 3
+        writer.add_scalar("kl/skipped_updates", 1.0 if step >= 4 else 0.0, step)
     writer.close()
 
     assert kl_matched.resummarize([run, other]) == 1  # the other run has no log: left as it was
@@ -159,3 +170,7 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     assert "| 1.05 (0.50–2.00; 50% off) |" in kl_matched.table(report, run.budget)
     row = next(line for line in kl_matched.direction_table(report, run.budget).splitlines() if "paper" in line)
     assert "| 3.00e-02 ± 0.0e+00 |" in row and "| 2.00 ± 0.00 |" in row
+    assert result["backtracked"] == pytest.approx(0.4) and result["skipped_updates"] == 1.0
+    assert "LoGRA, paper rule (r = 64): 0.40 ± 0.00 of updates cut, 1.0 ± 0.0 skipped per run" in (
+        kl_matched.line_search_line(report, run.budget)
+    )
