@@ -84,6 +84,13 @@ def _math_attention(model: nn.Module) -> Iterator[None]:
         config._attn_implementation = previous
 
 
+def _check_probed(proposal: Proposal, modules: Mapping[str, nn.Module]) -> None:
+    """Refuse a proposal naming a matrix that is not among the probed modules."""
+    missing = [n for n in proposal.matrices if n not in modules]
+    if missing:
+        raise KeyError(f"proposal matrices {missing[:3]} are not among the probed modules")
+
+
 @traced_call("logra.kl_probe")
 def logit_tangent(
     model: nn.Module,
@@ -108,9 +115,7 @@ def logit_tangent(
             difference over two more forwards (the parameters are moved by ``±h·delta`` and restored exactly):
             forward-mode AD would have to replace parameters that FSDP manages.
     """
-    missing = [n for n in proposal.matrices if n not in modules]
-    if missing:
-        raise KeyError(f"proposal matrices {missing[:3]} are not among the probed modules")
+    _check_probed(proposal, modules)
     mats = proposal.matrices
     with torch.no_grad():
         if mode == "jvp":
@@ -172,9 +177,7 @@ def moved_logits(
     before it is merged, for a step controller that checks the KL the step really takes (the line search of
     :class:`~logra_pl.callbacks.PredictedKLControl`, algorithm.md §6).
     """
-    missing = [n for n in proposal.matrices if n not in modules]
-    if missing:
-        raise KeyError(f"proposal matrices {missing[:3]} are not among the probed modules")
+    _check_probed(proposal, modules)
     mats = proposal.matrices
 
     def hook_for(name):

@@ -6,22 +6,23 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 import types
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 
 from logra_pl.callbacks import BudgetSchedule, PredictedKLControl
-from logra_pl.data import ReasoningGymDataModule
 from logra_pl.errors import ConfigError
 from logra_pl.methods import DenseAdamW, LoRAMethod
 from logra_pl.methods.adamw import AdamWConfig
 from logra_pl.methods.lora import LoRAConfig
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
+from tests.conftest import chain_sum_data, quick_trainer
 
-SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 # Budgets that keep each method's α well inside its quadratic region (test_kl_control_dense.py says why LoRA's is
 # smaller), so that a correct α lands within the line search's bound.
 BUDGETS = {"logra": 1e-4, "adamw": 1e-4, "lora": 4e-6}
@@ -43,18 +44,8 @@ def _run(callbacks, kind: str, steps: int = 3):
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,
     )
-    data = ReasoningGymDataModule({"chain_sum": {"config": SMALL}}, train_size=64, eval_size=8, prompts_per_step=8)
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
-    trainer.fit(module, datamodule=data)
+    trainer = quick_trainer(Path(tempfile.gettempdir()), steps, callbacks)  # writes nothing: no logger, checkpoints
+    trainer.fit(module, datamodule=chain_sum_data(train_size=64, eval_size=8))
     return module, trainer
 
 
