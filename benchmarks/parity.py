@@ -366,6 +366,8 @@ ADDED_AT_DEFAULT: dict[str, dict[str, Any]] = {
     },
     # correctness and the verifier failure policy (issue 25)
     "model.scoring": {"correct_threshold": 1.0, "max_failure_rate": 0.5, "max_failed_updates": 2},
+    # a callback recipe's own arguments (callbacks/kl_measure.yaml): PredictedKLControl's line search, off
+    "init_args": {"max_overshoot": None, "max_backtracks": 3, "search_responses": None},
 }
 # Keys a file gained when LoGRA's defaults became Adam in sketch space, written out at the old defaults (what their
 # absence meant then): keyed as absent, in that file only.

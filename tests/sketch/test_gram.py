@@ -71,13 +71,17 @@ def test_the_step_is_the_sketch_times_the_inverse_damped_input_gram(qwen2_factor
 
 def test_grams_are_per_update_buffers_counted_as_sketches(qwen2_factory) -> None:
     model = qwen2_factory(seed=0)
+    ref = _reference(model, 2)
     sketcher = LoGRASketcher(model, LoGRAConfig.paper(rank=8, input_precondition="gram"))
     ids = _ids(model, 2)
     model(input_ids=ids, labels=ids).loss.backward()
     stacks = sketcher.sketch_stacks()
     assert len(stacks) == 3 * len(sketcher.groups)  # each group's sketches, then its Grams and token counts
-    m = next(iter(sketcher.matrices.values()))
-    assert float(m.gram_tokens) == 2 * 10 - 2  # every token but each row's last one has a gradient
+    name, m = next(iter(sketcher.matrices.items()))
+    # The tokens whose output gradient is non-zero, counted by the hooks of the reference: at most every token but
+    # each row's last (a query at position 0 attends to itself alone, so its gradient can be exactly zero or not by
+    # a rounding, which differs between CPUs).
+    assert float(m.gram_tokens) == ref[name][2] and 2 * 10 - 4 <= ref[name][2] <= 2 * 10 - 2
     sketcher.apply(sketcher.propose())
     assert not bool(m.gram.any()) and float(m.gram_tokens) == 0.0  # zeroed for the next update
     from logra_pl.sketch import memory_report
