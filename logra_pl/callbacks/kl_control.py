@@ -328,8 +328,8 @@ class PredictedKLControl(pl.Callback):
             if alpha is None:
                 self.skipped += 1
                 reason = (
-                    f"the step's KL on the probe stayed at {measured:.3g} > {self.max_overshoot:g} × budget "
-                    f"{effective:.3g} after {backtracks} backtracks: update skipped by PredictedKLControl"
+                    f"the step's KL, measured before the merge, stayed at {measured:.3g} > {self.max_overshoot:g} × "
+                    f"budget {effective:.3g} after {backtracks} backtracks: update skipped by PredictedKLControl"
                 )
                 proposal.skip(reason)
                 rank_zero_warn(f"update {self.updates}: {reason}; weights untouched")
