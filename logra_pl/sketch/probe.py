@@ -138,27 +138,40 @@ def logit_tangent(
                 primal, tangent = fwad.unpack_dual(out)
                 primal, tangent = primal.clone(), (torch.zeros_like(primal) if tangent is None else tangent.clone())
             if dense and proposal.dense:
-                plus = _dense_moved(model, model_inputs, dense, proposal, fd_step)
-                minus = _dense_moved(model, model_inputs, dense, proposal, -fd_step)
+                plus = _moved(model, {}, proposal, model_inputs, fd_step, dense)
+                minus = _moved(model, {}, proposal, model_inputs, -fd_step, dense)
                 tangent = tangent + ((plus.double() - minus.double()) / (2 * fd_step)).to(tangent.dtype)
             return primal, tangent
         if mode != "fd":
             raise ValueError(f"unknown probe mode {mode!r}: use 'jvp' or 'fd'")
-        logits = {}
-        for sign in (1.0, -1.0, 0.0):
-
-            def hook_for(name, sign=sign):
-                def hook(module, args, output):
-                    if sign == 0.0:
-                        return None
-                    return output + (sign * fd_step) * _layer_delta(args[0], mats[name].factor, mats[name].projection)
-
-                return hook
-
-            with _output_hooks(modules, hook_for), _dense_shift(dense or {}, proposal, sign * fd_step):
-                logits[sign] = model(**model_inputs, use_cache=False).logits
+        logits = {
+            sign: _moved(model, modules, proposal, model_inputs, sign * fd_step, dense) for sign in (1.0, -1.0, 0.0)
+        }
         tangent = (logits[1.0].double() - logits[-1.0].double()) / (2 * fd_step)
         return logits[0.0], tangent.to(logits[0.0].dtype)
+
+
+def _moved(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    proposal: Proposal,
+    model_inputs: Mapping[str, torch.Tensor],
+    alpha: float,
+    dense: Mapping[str, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Logits of the model with weights ``W − α U P`` on ``modules`` and ``logra.dense_params`` moved by ``α·delta``
+    (restored bit for bit), weights untouched; at ``α = 0`` the plain forward. ``modules = {}`` moves only the dense
+    parameters (the JVP probe's central difference over them)."""
+    mats = proposal.matrices
+
+    def hook_for(name):
+        def hook(module, args, output):
+            return output + alpha * _layer_delta(args[0], mats[name].factor, mats[name].projection)
+
+        return hook
+
+    with _output_hooks(modules if alpha != 0.0 else {}, hook_for), _dense_shift(dense or {}, proposal, alpha):
+        return model(**model_inputs, use_cache=False).logits
 
 
 @traced_call("logra.kl_probe")
@@ -178,16 +191,8 @@ def moved_logits(
     :class:`~logra_pl.callbacks.PredictedKLControl`, algorithm.md §6).
     """
     _check_probed(proposal, modules)
-    mats = proposal.matrices
-
-    def hook_for(name):
-        def hook(module, args, output):
-            return output + alpha * _layer_delta(args[0], mats[name].factor, mats[name].projection)
-
-        return hook
-
-    with torch.no_grad(), _output_hooks(modules, hook_for), _dense_shift(dense or {}, proposal, alpha):
-        return model(**model_inputs, use_cache=False).logits
+    with torch.no_grad():
+        return _moved(model, modules, proposal, model_inputs, alpha, dense)
 
 
 @traced_call("logra.kl_probe")
@@ -200,7 +205,19 @@ def parameter_moved_logits(
     missing = [n for n in deltas if n not in params]
     if missing:
         raise KeyError(f"stepped parameters {missing[:3]} are not parameters of the probed model")
-    with torch.no_grad(), _parameter_shift(params, deltas, alpha):
+    with torch.no_grad():
+        return _parameter_moved(model, params, deltas, model_inputs, alpha)
+
+
+def _parameter_moved(
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    deltas: Mapping[str, torch.Tensor],
+    model_inputs: Mapping[str, torch.Tensor],
+    alpha: float,
+) -> torch.Tensor:
+    """Logits at ``θ + α·Δθ``, the parameters moved in place for the forward and restored bit for bit."""
+    with _parameter_shift(params, deltas, alpha):
         return model(**model_inputs, use_cache=False).logits
 
 
@@ -230,18 +247,6 @@ def _parameter_shift(
     finally:
         for name, value in saved.items():
             local_tensor(params[name]).data.copy_(value)
-
-
-def _dense_moved(
-    model: nn.Module,
-    inputs: Mapping[str, torch.Tensor],
-    dense: Mapping[str, torch.Tensor],
-    proposal: Proposal,
-    h: float,
-) -> torch.Tensor:
-    """Logits with the dense parameters moved by ``h·delta`` (sketched matrices at α = 0)."""
-    with _dense_shift(dense, proposal, h):
-        return model(**inputs, use_cache=False).logits
 
 
 @traced_call("logra.kl_probe")
@@ -282,10 +287,9 @@ def parameter_logit_tangent(
                 primal, tangent = fwad.unpack_dual(out)
                 primal, tangent = primal.clone(), (torch.zeros_like(primal) if tangent is None else tangent.clone())
             return primal, tangent
-        logits = {}
-        for sign in (1.0, -1.0, 0.0):
-            with _parameter_shift(params, deltas, sign * fd_step):
-                logits[sign] = model(**model_inputs, use_cache=False).logits
+        logits = {
+            sign: _parameter_moved(model, params, deltas, model_inputs, sign * fd_step) for sign in (1.0, -1.0, 0.0)
+        }
         tangent = (logits[1.0].double() - logits[-1.0].double()) / (2 * fd_step)
         return logits[0.0], tangent.to(logits[0.0].dtype)
 
