@@ -229,6 +229,15 @@ def _methods() -> dict[str, Method]:
     candidates = (
         logra("logra_adam_fixed", "LoGRA, sketch-space Adam, fixed projection (r = 64)", sketch_adam, refresh_every=0),
         logra("logra_adam_n25", "LoGRA, sketch-space Adam, refresh every 25 (r = 64)", sketch_adam, refresh_every=25),
+        # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
+        # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
+        logra(
+            "logra_adam_full",
+            "LoGRA, sketch-space Adam, fixed full-rank orthogonal sketch",
+            sketch_adam,
+            refresh_every=0,
+            **full,
+        ),
         logra("logra_gram", "LoGRA, paper rule + input Gram (r = 64)", paper, input_precondition="gram"),
         logra(
             "logra_levers_gram_fixed",
