@@ -23,6 +23,10 @@ follows them. This script measures that, one gradient, no training:
   rotated Adam, full rank   ``sign(G Hᵀ) H``, ``H`` the same projection at ``r = d_in`` (orthogonal)
   input-scaled rule         ``sign(G D⁻¹ Pᵀ) P``, ``D = diag(√e)``: the sketch of ``G D⁻¹``, whose columns no
                             longer favour the loud channels (a candidate, not a built rule)
+  input-scaled, both sides  ``sign(G Qᵀ) Q``, ``Q = P D⁻¹``: the same sketch, the step on the same ``Q``, so that
+                            ``⟨G, ΔW⟩ = ⟨S, U⟩`` stays exact (``D⁻²`` on the input side, as a diagonal K-FAC)
+  input-scaled, √ each side ``sign(G Qᵀ) Q``, ``Q = P D^-½``: ``D⁻¹`` in all, as the input-scaled rule and dense
+                            Adam's per-entry scale (``√v_ij ≈ rms(dY_i)·rms(x_j)``), with ``⟨G, ΔW⟩ = ⟨S, U⟩``
   ========================  =========================================================================
 
 Per rule and matrix kind (median over layers): the share of ``‖ΔW‖²`` on the loud channels' columns, the share of
@@ -53,7 +57,15 @@ from logra_pl.sketch.projection import make_projection
 from logra_pl.train.batching import encode_prompts
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-RULES = ("dense SGD", "dense AdamW", "LoGRA default rule", "rotated Adam, full rank", "input-scaled rule")
+RULES = (
+    "dense SGD",
+    "dense AdamW",
+    "LoGRA default rule",
+    "rotated Adam, full rank",
+    "input-scaled rule",
+    "input-scaled, both sides",
+    "input-scaled, √ each side",
+)
 
 
 def gradients_and_inputs(
@@ -104,6 +116,8 @@ def steps(grad: torch.Tensor, x: torch.Tensor, rank: int, seed: int) -> dict[str
         "LoGRA default rule": (grad @ p.T).sign() @ p,
         "rotated Adam, full rank": (grad @ h.T).sign() @ h,
         "input-scaled rule": ((grad / scale) @ p.T).sign() @ p,
+        "input-scaled, both sides": ((grad / scale) @ p.T).sign() @ (p / scale),
+        "input-scaled, √ each side": ((grad / scale.sqrt()) @ p.T).sign() @ (p / scale.sqrt()),
     }
 
 

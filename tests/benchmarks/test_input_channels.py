@@ -41,6 +41,10 @@ def test_each_rules_first_step_is_its_formula() -> None:
     assert torch.allclose(got["LoGRA default rule"], torch.sign(grad @ p.T) @ p)
     assert torch.allclose(got["rotated Adam, full rank"], torch.sign(grad @ h.T) @ h)
     assert torch.allclose(got["input-scaled rule"], torch.sign(grad @ torch.diag(1 / scale) @ p.T) @ p)
+    q = p @ torch.diag(1 / scale)
+    assert torch.allclose(got["input-scaled, both sides"], torch.sign(grad @ q.T) @ q)
+    half = p @ torch.diag(scale.rsqrt())
+    assert torch.allclose(got["input-scaled, √ each side"], torch.sign(grad @ half.T) @ half)
 
 
 def test_a_rotated_normalization_follows_the_loud_channel_and_dense_adam_does_not() -> None:
