@@ -238,6 +238,15 @@ def _methods() -> dict[str, Method]:
             refresh_every=0,
             **full,
         ),
+        # The input-scaled rule (docs/algorithm.md §3a): the same Adam, in inputs scaled by (rms x_j)^(-1/2) on both
+        # sides of the sketch, so the loud input channels no longer carry most of the step (input_channels.py).
+        logra(
+            "logra_adam_scaled",
+            "LoGRA, sketch-space Adam, fixed, input-scaled (r = 64)",
+            sketch_adam,
+            refresh_every=0,
+            input_scaling="rms",
+        ),
         logra("logra_gram", "LoGRA, paper rule + input Gram (r = 64)", paper, input_precondition="gram"),
         logra(
             "logra_levers_gram_fixed",

@@ -354,13 +354,17 @@ class SketchDiagnostics(pl.Callback):
 
     @staticmethod
     def projection(sketcher: Any, name: str) -> torch.Tensor:
-        """``P`` of matrix ``name`` for the sketcher's current update (the installed one, rebuilt from its seed)."""
+        """``P`` of matrix ``name`` for the sketcher's current update (the installed one, rebuilt from its seed); with
+        ``logra.input_scaling: rms`` the effective ``Q = P·diag(s)`` the sketch and the step use."""
         m = sketcher.matrices[name]
         seed = sketcher.seed_for(name)
         if m.seed == seed:
-            return m.projection
-        cfg = sketcher.config
-        return make_projection(seed, m.rank, m.d_in, cfg.distribution, device=m.sketch.device)
+            p = m.projection
+        else:
+            cfg = sketcher.config
+            p = make_projection(seed, m.rank, m.d_in, cfg.distribution, device=m.sketch.device)
+        scale = getattr(m, "input_scale", None)
+        return p if scale is None else p * scale
 
     def _metrics(self, values: dict[str, SketchFidelity]) -> dict[str, float]:
         finite = {n: v for n, v in values.items() if math.isfinite(v.recon_cosine) and math.isfinite(v.captured_energy)}

@@ -367,7 +367,9 @@ class LoGRAMethod(UpdateMethod):
         statistics (and its ``r × d_in`` bf16 signs with ``logra.sketch_operands: bfloat16``), whole on every rank
         (each rank sketches the full matrix; the sketches are all-reduced), with
         ``logra.beta1 > 0`` a ``d_out × r`` first moment in ``logra.moment_dtype``, and with ``update_rule: adam`` a
-        ``d_out × r`` second moment in the same dtype; no gradients, no optimizer state."""
+        ``d_out × r`` second moment in the same dtype, and with ``input_scaling: rms`` three ``d_in`` fp32 vectors
+        (the update's sums of squared inputs, their EMA, the scales) and a token count; no gradients, no optimizer
+        state."""
         report = MemoryReport(weights=shapes.weights)
         cfg = self.config
         moment = MOMENT_DTYPES[cfg.moment_dtype].itemsize
@@ -380,6 +382,9 @@ class LoGRAMethod(UpdateMethod):
             if cfg.sketch_operands == "bfloat16":  # P's signs in bf16 beside it, the sketch matmuls' operand
                 report.projections += r * linear.in_features * 2
             report.row_statistics += linear.out_features * 4
+            if cfg.input_scaling == "rms":  # the update's Σx² and token count; the EMA and the scales s
+                report.sketches += linear.in_features * 4 + 4
+                report.row_statistics += 2 * linear.in_features * 4
             if cfg.beta1 > 0:
                 report.sketch_moments += linear.out_features * r * moment
             if cfg.update_rule == "adam":  # the per-entry second moment, in the same dtype

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from logra_pl.sketch.merge import merge_stack_
-from logra_pl.sketch.payload import Payload, stacked_factors
+from logra_pl.sketch.payload import Payload, stacked_factors, stacked_scales
 from logra_pl.sketch.projection import make_projections
 
 
@@ -127,5 +127,6 @@ def apply_payload_to_slices(
             row_offset=first.rows[0],
             chunk_rows=chunk_rows,
             cols=first.cols,
+            col_scales=stacked_scales(payload, names, device=device),
         )
     return list(payload.factors)

@@ -35,6 +35,11 @@ class MatrixSketch:
         gram: an ``(r, r)`` fp32 buffer (and ``gram_tokens``, a 1-element one) into which backward also accumulates
             ``Γ += Z_mᵀ Z_m`` over the rows ``m`` whose output gradient is non-zero, and their count
             (``logra.input_precondition: gram``); None: not kept.
+        input_sq: a ``(d_in,)`` fp32 buffer (and ``input_tokens``, a 1-element one) into which backward adds the
+            sums of the microbatch's squared inputs ``Σ_t x_tj²`` and its token count (``logra.input_scaling: rms``);
+            None: not kept. Added in backward, so only forwards that are back-propagated count (not the KL probe's).
+        input_scale: the ``(d_in,)`` per-channel scale ``s`` of the current update (``input_scaling: rms``): ``Z =
+            (X diag(s)) Pᵀ`` in the fp32 path; the bf16 path's signs already hold ``sign(P)·s``. None: unscaled.
         operands: the dtype of the two matmuls' operands (``logra.sketch_operands``): ``torch.float32``, or
             ``torch.bfloat16`` — ``X`` and ``dY`` in bf16, ``P`` as its signs times one scale, ``Z`` as two bf16
             terms, every product accumulated in fp32 (:func:`mixed_mm`). Applies once the sketcher installs a
@@ -53,6 +58,8 @@ class MatrixSketch:
         gram: torch.Tensor | None = None,
         gram_tokens: torch.Tensor | None = None,
         operands: torch.dtype = torch.float32,
+        input_sq: torch.Tensor | None = None,
+        input_tokens: torch.Tensor | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -67,6 +74,8 @@ class MatrixSketch:
             )
         self.sketch = sketch
         self.gram, self.gram_tokens = gram, gram_tokens
+        self.input_sq, self.input_tokens = input_sq, input_tokens
+        self.input_scale: torch.Tensor | None = None
         self.operands = operands
         self.signs: torch.Tensor | None = None  # bf16 sign(P) (r × d_in) with bf16 operands, else None
         self.scale: float | None = None  # |P|'s one non-zero magnitude, with the signs (read once per new P)
@@ -120,16 +129,23 @@ class MatrixSketch:
         if not torch.is_grad_enabled():
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
         x = args[0].detach().reshape(-1, self.d_in)
+        stats = self.input_sq is not None
         if replayed_later():  # a checkpointed layer's first pass: the backward reads the Z its replay computes
-            return SketchGrad.apply(
-                output, x.new_empty((x.shape[0], self.rank), dtype=torch.float32), self.anchor, self
-            )
+            z = x.new_empty((x.shape[0], self.rank), dtype=torch.float32)
+            sq = x.new_empty(self.d_in, dtype=torch.float32) if stats else None
+            return SketchGrad.apply(output, z, self.anchor, self, sq)
         with traced("logra.sketch.project"), _no_autocast(x.device):
-            if self.signs is not None:  # bf16 X times P's signs, fp32 sums; P's scale is applied in the backward
-                z = mixed_mm(x.to(torch.bfloat16), self.signs.T)
+            sq = None
+            if self.signs is not None:  # bf16 X times P's signs (times s, exact in bf16), fp32 sums; P's scale c
+                z = mixed_mm(x.to(torch.bfloat16), self.signs.T)  # is applied in the backward
+                if stats:
+                    sq = x.to(torch.float32).square().sum(0)  # never in place: x may be fp32 already
             else:  # fp32 even under autocast (bf16-mixed training): exact for the bf16 activations it sees
-                z = torch.matmul(x.to(torch.float32), self.projection.T)
-        return SketchGrad.apply(output, z, self.anchor, self)
+                xf = x.to(torch.float32)
+                if stats:
+                    sq = xf.square().sum(0)
+                z = torch.matmul(xf if self.input_scale is None else xf * self.input_scale, self.projection.T)
+        return SketchGrad.apply(output, z, self.anchor, self, sq)
 
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
         """``S += dYᵀ Z`` in fp32 (and, with a Gram buffer, ``Γ += Z_mᵀ Z_m`` over the rows with a gradient); with
@@ -149,6 +165,12 @@ class MatrixSketch:
         with traced("logra.sketch.accumulate"), _no_autocast(dy.device):
             self.sketch.addmm_(dy.T, z)
             self._add_gram(dy, z)
+
+    def add_input_stats(self, sq: torch.Tensor, tokens: int) -> None:
+        """Add one microbatch's ``Σ_t x_tj²`` and token count to the update's input statistics (backward)."""
+        assert self.input_sq is not None and self.input_tokens is not None
+        self.input_sq.add_(sq)
+        self.input_tokens.add_(tokens)
 
     def _add_gram(self, dy: torch.Tensor, z: torch.Tensor, scale: float = 1.0) -> None:
         """``Γ += scale·Z_mᵀ Z_m`` over the rows ``m`` with a non-zero output gradient, and their count (if kept)."""
@@ -189,20 +211,32 @@ def _no_autocast(device: torch.device) -> AbstractContextManager[object]:
 class SketchGrad(torch.autograd.Function):
     """Identity on the layer output whose backward accumulates ``dYᵀ Z`` into the matrix's sketch.
 
-    Only ``Z`` (tokens × r) is saved for backward — not the layer input ``X`` (tokens × d_in).
+    Only ``Z`` (tokens × r) is saved for backward — not the layer input ``X`` (tokens × d_in) — and, with input
+    statistics kept, the ``d_in`` sums of its squares, added to the update's statistics in backward: a forward that is
+    never back-propagated (the KL probe's) leaves them alone, and a checkpointed layer's replay supplies them.
     """
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, z: torch.Tensor, anchor: torch.Tensor, sketch: MatrixSketch) -> Any:
-        ctx.save_for_backward(z)
+    def forward(
+        ctx: Any,
+        output: torch.Tensor,
+        z: torch.Tensor,
+        anchor: torch.Tensor,
+        sketch: MatrixSketch,
+        sq: torch.Tensor | None = None,
+    ) -> Any:
+        ctx.save_for_backward(z, sq)
         ctx.matrix = sketch
+        ctx.tokens = z.shape[0]
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
-        (z,) = ctx.saved_tensors
+        z, sq = ctx.saved_tensors
         ctx.matrix.accumulate(grad_output, z)
-        return grad_output, None, None, None
+        if sq is not None:
+            ctx.matrix.add_input_stats(sq, ctx.tokens)
+        return grad_output, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, output_tangent: torch.Tensor, *_: Any) -> torch.Tensor:

@@ -21,6 +21,7 @@ UPDATE_RULES: tuple[str, ...] = ("rowadam", "sgd", "adam")
 StepMode = Literal["ratio", "lr", "adam"]
 MomentTransfer = Literal["project", "reset"]
 InputPreconditioner = Literal["none", "gram"]
+InputScaling = Literal["none", "rms"]
 RatioScope = Literal["global", "matrix"]
 
 _FACTOR_DTYPES = dtypes_of("bfloat16", "float16", "float32")
@@ -42,9 +43,10 @@ STRUCTURAL_KEYS: tuple[str, ...] = (
     "beta1",
     "dense_params",
     "clip_rank",
+    "input_scaling",  # the saved activation statistics exist only under "rms"
 )
 # What a checkpoint written before a structural key existed meant by it.
-_STRUCTURAL_DEFAULTS: dict[str, Any] = {"dense_params": [], "beta1": 0.0, "clip_rank": False}
+_STRUCTURAL_DEFAULTS: dict[str, Any] = {"dense_params": [], "beta1": 0.0, "clip_rank": False, "input_scaling": "none"}
 
 
 def matrix_rank(rank: int, d_in: int, clip: bool) -> int:
@@ -153,6 +155,15 @@ class LoGRAConfig:
             the layer's input side inside the sketch (K-FAC's ``A⁻¹`` restricted to ``P``'s row space), which damps
             the input directions that carry most of the activations' energy. ``update_rule`` ``rowadam`` or ``sgd``.
         gram_damping: ``λ`` of ``input_precondition: gram``, relative to the Gram's mean eigenvalue.
+        input_scaling: ``"none"`` (default) or ``"rms"``: sketch and step in input coordinates scaled per channel,
+            ``Q = P·diag(s)`` in place of ``P`` (algorithm.md §3a): ``S = G Qᵀ``, ``ΔW = U Q``, with
+            ``s_j ∝ (rms x_j + ε)^(-1/2)`` from an EMA of the layer inputs' mean squares. Half of Adam's per-channel
+            normalization sits on each factor, so a few loud input channels no longer carry most of the step's
+            output change. The first update runs unscaled (no statistics yet); the sketch-space moments restart
+            when the first scale is set. Needs a fixed projection (``refresh_every: 0``). One ``d_in`` vector per
+            matrix ships with every payload; three are kept.
+        input_scale_beta: EMA factor of ``input_scaling: rms``'s per-channel mean squares, one step per merged
+            update (bias-corrected).
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``;
             ``"adam"`` uses ``U = lr·N/den``: row-wise Adam in sketch space (no norm restore), steps of dense Adam's
             size for the same ``lr``.
@@ -202,6 +213,8 @@ class LoGRAConfig:
     eps: float = 1e-8
     input_precondition: InputPreconditioner = "none"
     gram_damping: float = 0.1
+    input_scaling: InputScaling = "none"
+    input_scale_beta: float = 0.9
     step_mode: StepMode = "adam"
     update_ratio: float = 6e-5
     ratio_scope: RatioScope = "global"
@@ -252,6 +265,17 @@ class LoGRAConfig:
                 "input_precondition 'gram' whitens the sketch's columns, which update_rule 'adam' normalizes entry by "
                 "entry again: use update_rule 'rowadam' or 'sgd' with it"
             )
+        if self.input_scaling not in ("none", "rms"):
+            raise LoGRAConfigError(f"unknown input_scaling {self.input_scaling!r}: use 'none' or 'rms'")
+        if self.input_scaling == "rms" and self.refresh_every != 0:
+            raise LoGRAConfigError(
+                "input_scaling 'rms' scales a fixed projection's columns; a refreshed projection would carry its "
+                f"moments across two changing bases: set logra.refresh_every: 0 (got {self.refresh_every})"
+            )
+        if self.input_scaling == "rms" and self.input_precondition == "gram":
+            raise LoGRAConfigError(
+                "input_scaling 'rms' and input_precondition 'gram' both rescale the input side: pick one"
+            )
         if self.momentum_transfer not in ("project", "reset"):
             raise LoGRAConfigError(f"unknown momentum_transfer {self.momentum_transfer!r}: use 'project' or 'reset'")
         if self.ratio_scope not in ("global", "matrix"):
@@ -263,6 +287,7 @@ class LoGRAConfig:
             check_int("logra.lr_warmup_steps", self.lr_warmup_steps, 0)
             check_int("logra.lr_decay_steps", self.lr_decay_steps, 0)
             check_range("logra.eps", self.eps, 0.0)
+            check_range("logra.input_scale_beta", self.input_scale_beta, 0.0, 1.0, high_open=True)
             check_range("logra.gram_damping", self.gram_damping, 0.0, low_open=True, hint="relative damping λ")
             check_range("logra.update_ratio", self.update_ratio, 0.0, low_open=True, hint="‖ΔW‖/‖W‖ per update")
             check_range("logra.lr", self.lr, 0.0, low_open=True)
@@ -330,6 +355,8 @@ class LoGRAConfig:
             del out["clip_rank"]
         if self.input_precondition == "none":  # likewise
             del out["input_precondition"], out["gram_damping"]
+        if self.input_scaling == "none":  # likewise
+            del out["input_scaling"], out["input_scale_beta"]
         if self.sketch_operands == "float32":  # likewise
             del out["sketch_operands"]
         out["targets"] = list(self.targets)
@@ -348,7 +375,12 @@ class LoGRAConfig:
 
     def structural_mismatch(self, other: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """Keys of :data:`STRUCTURAL_KEYS` whose value differs between ``self`` and a saved config dict."""
-        mine = {**self.to_dict(), "refresh_every": self.refresh_every, "clip_rank": self.clip_rank}
+        mine = {
+            **self.to_dict(),
+            "refresh_every": self.refresh_every,
+            "clip_rank": self.clip_rank,
+            "input_scaling": self.input_scaling,
+        }
         diff: dict[str, tuple[Any, Any]] = {}
         for key in STRUCTURAL_KEYS:
             theirs = other.get(key, _STRUCTURAL_DEFAULTS.get(key))  # older checkpoints: what they meant

@@ -57,6 +57,12 @@ class MatrixGroup:
             replaced, not overwritten, when a new basis is drawn, so a proposal keeps the ``P`` it was made with).
         signs: ``(k, r, d_in)`` bf16 ``sign(P)`` with ``logra.sketch_operands: bfloat16``, else ``None``.
         scales: ``max |P|`` of each matrix (``P = scale·signs``), with the signs, else ``None``.
+        input_sq: ``(k, d_in)`` fp32 sums of the update's squared layer inputs (``logra.input_scaling: rms``; zero
+            between updates, all-reduced with the sketches), else ``None``.
+        input_tokens: ``(k,)`` fp32 token counts of those sums, else ``None``.
+        input_ema: ``(k, d_in)`` fp32 EMA of the inputs' per-channel mean squares across updates, else ``None``.
+        input_scale: ``(k, d_in)`` fp32 (bf16-valued) per-channel scales ``s`` of the current update (ones until the
+            first statistics; replaced, not overwritten, like ``projection``), else ``None``.
     """
 
     names: list[str]
@@ -71,6 +77,10 @@ class MatrixGroup:
     gram_tokens: torch.Tensor | None = None
     signs: torch.Tensor | None = None
     scales: list[float] | None = None
+    input_sq: torch.Tensor | None = None
+    input_tokens: torch.Tensor | None = None
+    input_ema: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -98,6 +108,7 @@ def group_matrices(
     clip_rank: bool = False,
     second_moment_dtype: torch.dtype | None = None,
     grams: bool = False,
+    input_stats: bool = False,
 ) -> list[MatrixGroup]:
     """Stack ``linears`` by ``(d_out, d_in, weight dtype, device)``, each group in the model's order and within
     ``max_sketch_bytes`` of sketches; groups in the order of their first matrix.
@@ -111,6 +122,7 @@ def group_matrices(
         second_moment_dtype: storage dtype of per-entry second moments, or ``None`` for none (``update_rule`` not
             ``adam``).
         grams: keep the projected inputs' Gram per matrix (``input_precondition: gram``).
+        input_stats: keep the inputs' per-channel statistics and scales (``input_scaling: rms``).
     """
     keyed: dict[tuple[object, ...], list[str]] = {}
     for name, linear in linears.items():
@@ -139,6 +151,10 @@ def group_matrices(
                     else torch.zeros(k, d_out, r, dtype=second_moment_dtype, device=device),
                     grams=torch.zeros(k, r, r, dtype=torch.float32, device=device) if grams else None,
                     gram_tokens=torch.zeros(k, dtype=torch.float32, device=device) if grams else None,
+                    input_sq=torch.zeros(k, d_in, dtype=torch.float32, device=device) if input_stats else None,
+                    input_tokens=torch.zeros(k, dtype=torch.float32, device=device) if input_stats else None,
+                    input_ema=torch.zeros(k, d_in, dtype=torch.float32, device=device) if input_stats else None,
+                    input_scale=torch.ones(k, d_in, dtype=torch.float32, device=device) if input_stats else None,
                 )
             )
     return groups
@@ -173,10 +189,12 @@ def stack_weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
         return norms[0] if len(norms) == 1 else torch.cat(norms)
 
 
-def stack_grams(projections: torch.Tensor, exact: bool = True) -> torch.Tensor:
+def stack_grams(projections: torch.Tensor, exact: bool = True, col_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``P_i P_iᵀ`` in float64 (:func:`~logra_pl.sketch.update.projection_gram`) of a ``(k, r, d_in)`` stack:
     ``(k, r, r)``. The float64 copies of ``P`` live in one scratch block
-    (:func:`~logra_pl.sketch.merge.float64_scratch`), a budget's worth of matrices at a time.
+    (:func:`~logra_pl.sketch.merge.float64_scratch`), a budget's worth of matrices at a time. ``col_scales``
+    (``(k, d_in)``, ``input_scaling: rms``): the Grams ``Q Qᵀ`` of ``Q = P·diag(s)`` instead (``Q`` exact in
+    float64; its sums round, so each matrix gets its own GEMM).
 
     ``exact``: the entries of ``P`` are ``±c`` (Rademacher, Hadamard), so every sum of the product is exact and one
     batched GEMM gives each matrix its own product's bits. With Gaussian entries the sums round, and a CPU's batched
@@ -189,7 +207,9 @@ def stack_grams(projections: torch.Tensor, exact: bool = True) -> torch.Tensor:
     for i0 in range(0, count, batch):
         i1 = min(count, i0 + batch)
         p64 = scratch[: (i1 - i0) * rank * d_in].view(i1 - i0, rank, d_in).copy_(projections[i0:i1])  # exact
-        if exact:
+        if col_scales is not None:
+            p64.mul_(col_scales[i0:i1].unsqueeze(-2))  # ±c (fp32) times bf16-valued s: exact in float64
+        if exact and col_scales is None:
             torch.bmm(p64, p64.mT, out=out[i0:i1])  # what projection_gram computes
         else:
             for p, g in zip(p64.unbind(0), out[i0:i1].unbind(0), strict=True):

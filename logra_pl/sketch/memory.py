@@ -124,6 +124,11 @@ def memory_report(
         signs = [m.signs for m in sketcher.matrices.values() if m.signs is not None]  # bf16 sketch operands
         report.projections = _storage_bytes([*(m.projection for m in sketcher.matrices.values()), *signs], seen)
         report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)
+        # input_scaling: rms — the update's sums of squared inputs (with the sketches), the EMA and the scales
+        stats = [t for m in sketcher.matrices.values() for t in (m.input_sq, m.input_tokens) if t is not None]
+        report.sketches += _storage_bytes(stats, seen)
+        kept = [t for g in getattr(sketcher, "groups", []) for t in (g.input_ema, g.input_scale) if t is not None]
+        report.row_statistics += _storage_bytes(kept, seen)
         moments = [*getattr(sketcher, "moments", {}).values(), *getattr(sketcher, "second_moments", {}).values()]
         report.sketch_moments = _storage_bytes(moments, seen)
         report.dense_gradient_equivalent = sum(m.d_out * m.d_in * 4 for m in sketcher.matrices.values())

@@ -264,6 +264,7 @@ def merge_stack_(
     chunk_rows: int | None = None,
     cols: tuple[int, int] | None = None,
     norms: bool = False,
+    col_scales: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """In place, for every ``i``: ``weights[i][j] -= (factors[i, row_offset + j] @ M_i) · c`` over its local rows ``j``.
 
@@ -279,6 +280,9 @@ def merge_stack_(
             values anyway (on a CPU, whole matrices per chunk): the norms
             :func:`~logra_pl.sketch.groups.stack_weight_norms` computes, bit for bit, without another pass over the
             weights. ``None`` otherwise.
+        col_scales: ``(k, d_in)`` bf16-valued per-column scales ``s`` (``logra.input_scaling: rms``: the step is
+            ``F P diag(s)``): each delta column is multiplied by the float64 ``c·s_j`` (exact: fp32 times bf16)
+            instead of by ``c``, still one rounding after the exact sums; ``None``: no column scale.
 
     Matrices are merged several at a time (one batched GEMM per chunk of rows): the deltas (and on a CPU the
     float64 copies of W's rows) of a batch within :func:`float64_budget`, plus the stack's operands (``O(k·d_in·r)``,
@@ -330,7 +334,7 @@ def merge_stack_(
     # copy itself (beta = 1, alpha = −1: one rounding, the value of the two-step float64(W) − F M, where this BLAS
     # is measured to add C once): no delta is written and read back, and the chunks stay what the budget gives the
     # two-step form, so a matrix is cut alike either way. The per-matrix reference and CUDA keep the delta.
-    fused = copy_w and folded_scale(distribution, rank, d_in) == 1.0
+    fused = copy_w and col_scales is None and folded_scale(distribution, rank, d_in) == 1.0
     fused = fused and gemm_subtracts_once(rows, width, rank, batched=not single)
     with torch.no_grad():
         # One float64 block: the operands of the whole stack (converted once), then a batch's factors (their local
@@ -340,6 +344,11 @@ def merge_stack_(
         scratch = float64_scratch(op_size + f_size + delta_size + (chunk if copy_w else 0), device)
         p = projections if whole else projections[:, :, c0:c1]
         operands, scale = stack_operand(p, distribution, d_in, out=scratch[:op_size].view(count, rank, width))
+        column = None  # float64 c·s_j of the weights' columns: (k, 1, width)
+        if col_scales is not None:
+            if tuple(col_scales.shape) != (count, d_in):
+                raise ValueError(f"col_scales has shape {tuple(col_scales.shape)}, expected {(count, d_in)}")
+            column = col_scales[:, c0:c1].to(device=device, dtype=torch.float64).mul_(scale).unsqueeze(-2)
         f_buf = scratch[op_size : op_size + f_size]
         delta_buf = scratch[op_size + f_size : op_size + f_size + delta_size]
         w64_buf = scratch[op_size + f_size + delta_size :]
@@ -382,7 +391,9 @@ def merge_stack_(
                         if reuse
                         else delta_buf[: k * size].view(*(() if single else (k,)), stop - start, width),
                     )
-                    if scale != 1.0:
+                    if column is not None:  # one rounding: the exact sums times the exact c·s_j
+                        delta.mul_(column[i0] if single else column[i0:i1])
+                    elif scale != 1.0:
                         delta.mul_(scale)
                 if not copy_w:
                     for w, d in zip(w_rows, (delta,) if single else delta.unbind(0), strict=True):

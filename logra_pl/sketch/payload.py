@@ -26,6 +26,7 @@ from logra_pl.sketch.targets import canonical_name
 
 PAYLOAD_FORMAT = "logra-pl/payload/v1"
 DENSE_PREFIX = "dense::"  # safetensors names of dense parameter values in a serialized payload
+SCALE_PREFIX = "scale::"  # safetensors names of per-column input scales (logra.input_scaling: rms)
 
 
 @dataclass
@@ -120,7 +121,8 @@ class StackedFactors(MutableMapping[str, torch.Tensor]):
 
 
 class MatrixProposal:
-    """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed``.
+    """The proposed update of one matrix: ``ΔW = −α · U P`` with ``P`` rebuilt from ``seed`` (``−α · U P diag(s)``
+    with input scaling).
 
     Arguments:
         factor: ``U``, fp32, ``(d_out, r)``. Or leave it out and pass ``stack`` and ``row``: ``U`` is then row
@@ -128,6 +130,8 @@ class MatrixProposal:
         seed: the seed of ``P``.
         projection: ``P``, fp32, ``(r, d_in)``: kept for probing; never serialised. Or ``projections``: the group's
             ``(k, r, d_in)`` stack, of which ``P`` is row ``row``, viewed when first read.
+        input_scales: the group's ``(k, d_in)`` per-column scales ``s`` (``logra.input_scaling: rms``), of which
+            this matrix's is row ``row``; ``None``: unscaled.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class MatrixProposal:
         stack: FactorStack | None = None,
         row: int = 0,
         projections: torch.Tensor | None = None,
+        input_scales: torch.Tensor | None = None,
     ) -> None:
         if factor is None and stack is None:
             raise ValueError("a MatrixProposal needs its factor, or the stack and row that hold it")
@@ -148,6 +153,12 @@ class MatrixProposal:
         self.seed = seed
         self._projection = projection if projection is not None or projections is not None else torch.empty(0)
         self._projections = None if projection is not None else projections
+        self._input_scales = input_scales
+
+    @property
+    def input_scale(self) -> torch.Tensor | None:
+        """``s`` (fp32, bf16-valued, ``(d_in,)``) of ``ΔW = −α·U P diag(s)``, or ``None`` (unscaled)."""
+        return None if self._input_scales is None else self._input_scales[self.row]
 
     @property
     def factor(self) -> torch.Tensor:
@@ -210,6 +221,7 @@ class Proposal:
         dense: ``{parameter name: DenseProposal}`` of ``logra.dense_params`` (empty by default).
         stacks: the factors ``U`` stacked by group (:class:`FactorStack`; each ``matrices[name].factor`` is a view of
             one): :meth:`to_payload` rounds a stack at once. Matrices in no stack are rounded one by one.
+        input_scaled: the matrices carry input scales (``logra.input_scaling: rms``), which the payload ships.
     """
 
     matrices: dict[str, MatrixProposal]
@@ -228,6 +240,7 @@ class Proposal:
     refresh_every: int | None = None
     stacks: list[FactorStack] = field(default_factory=list)
     clip_rank: bool = False
+    input_scaled: bool = False
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
@@ -262,7 +275,21 @@ class Proposal:
             refresh_every=self.refresh_every,
             stacks=stacks,
             clip_rank=self.clip_rank,
+            input_scales=self._input_scales(),
         )
+
+    def _input_scales(self) -> dict[str, torch.Tensor]:
+        """``{name: s}`` of every matrix when input-scaled (views of the sketcher's stacks: they are replaced, never
+        overwritten, when the next scales are formed), else empty."""
+        if not self.input_scaled:
+            return {}
+        out = {}
+        for name, m in self.matrices.items():
+            scale = m.input_scale
+            if scale is None:
+                raise ValueError(f"proposal says input_scaled but matrix {name!r} has no input scale")
+            out[name] = scale
+        return out
 
 
 @dataclass
@@ -272,6 +299,8 @@ class Payload:
     A receiver rebuilds each ``P`` from ``(base_seed, projection index, name)`` and applies ``W ← W − F P``; the
     projection index is ``(update_index // N)·N`` with ``N = refresh_every`` (``0`` for a fixed basis).
     ``dense`` holds the new values of densely trained parameters (``logra.dense_params``), copied as they are.
+    ``input_scales`` (``logra.input_scaling: rms``): each matrix's per-column scale ``s`` (``(d_in,)``, bf16-valued,
+    shipped as bf16: exact), and the merge is ``W ← W − F P diag(s)``; empty: unscaled.
     ``stacks`` (not serialised) are the factors as the trainer's groups hold them (:class:`FactorStack`), so its
     own merge needs no re-stacking; a receiver stacks them itself.
 
@@ -291,6 +320,7 @@ class Payload:
     refresh_every: int | None = None
     stacks: list[FactorStack] = field(default_factory=list)
     clip_rank: bool = False
+    input_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
@@ -308,7 +338,8 @@ class Payload:
     def nbytes(self) -> int:
         """Bytes of factor data and dense parameter values (the parts that scale with model size)."""
         tensors = [*self.factors.values(), *self.dense.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        scales = sum(t.numel() * 2 for t in self.input_scales.values())  # shipped as bf16
+        return sum(t.numel() * t.element_size() for t in tensors) + scales
 
     def header(self) -> dict[str, Any]:
         """The scalar fields, as JSON-able metadata.
@@ -339,6 +370,9 @@ class Payload:
         tensors.update(
             {DENSE_PREFIX + name: v.detach().to("cpu", copy=True).contiguous() for name, v in self.dense.items()}
         )
+        tensors.update(  # bf16-valued: bf16 is exact and half the bytes
+            {SCALE_PREFIX + n: s.detach().to("cpu", torch.bfloat16).contiguous() for n, s in self.input_scales.items()}
+        )
         return st_save(tensors, metadata={"logra": json.dumps(self.header())})
 
     @classmethod
@@ -354,9 +388,12 @@ class Payload:
         if header.get("format") != PAYLOAD_FORMAT:
             raise ValueError(f"not a logra-pl payload (format {header.get('format')!r}, expected {PAYLOAD_FORMAT!r})")
         header.pop("format")
-        factors = {k: v for k, v in tensors.items() if not k.startswith(DENSE_PREFIX)}
+        factors = {k: v for k, v in tensors.items() if not k.startswith((DENSE_PREFIX, SCALE_PREFIX))}
         dense = {k[len(DENSE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(DENSE_PREFIX)}
-        return cls(factors=factors, dense=dense, **header)
+        scales = {k[len(SCALE_PREFIX) :]: v.float() for k, v in tensors.items() if k.startswith(SCALE_PREFIX)}
+        if scales and set(scales) != set(factors):
+            raise ValueError("payload's input scales do not cover exactly its matrices: the bytes are damaged")
+        return cls(factors=factors, dense=dense, input_scales=scales, **header)
 
 
 def weight_tensors(target: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -421,6 +458,7 @@ def apply_payload(
             payload.distribution,
             row_offset=offsets[names[0]],
             chunk_rows=chunk_rows,
+            col_scales=stacked_scales(payload, names, device=locals_[names[0]].device),
         )
     if payload.dense:
         named = named_tensors(target)
@@ -446,6 +484,17 @@ def stacked_factors(payload: Payload, names: list[str]) -> torch.Tensor:
         if list(st.names) == names and st.holds(payload.factors):
             return st.tensor
     return torch.stack([payload.factors[name] for name in names])
+
+
+def stacked_scales(payload: Payload, names: list[str], device: torch.device | str) -> torch.Tensor | None:
+    """The input scales of ``names`` as one ``(k, d_in)`` fp32 tensor on ``device`` (``None`` for an unscaled payload);
+    a payload that scales some matrices but not these is an error, not a silent unscaled merge."""
+    if not payload.input_scales:
+        return None
+    missing = [n for n in names if n not in payload.input_scales]
+    if missing:
+        raise KeyError(f"payload has input scales but none for {missing[:3]}: the payload is incomplete")
+    return torch.stack([payload.input_scales[n].to(device=device, dtype=torch.float32) for n in names])
 
 
 def named_tensors(target: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -32,9 +32,14 @@ from logra_pl.sketch.trace import traced_call
 ProbeMode = Literal["jvp", "fd"]
 
 
-def _layer_delta(x: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """``−(X Pᵀ) Uᵀ``: the change of a layer's output per unit α, in the output's dtype."""
+def _layer_delta(
+    x: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``−(X Pᵀ) Uᵀ`` (``−(X diag(s) Pᵀ) Uᵀ`` with an input scale ``s``): the change of a layer's output per unit α,
+    in the output's dtype."""
     x = fwad.unpack_dual(x).primal
+    if scale is not None:
+        x = x * scale.to(x.dtype)
     z = torch.matmul(x, projection.to(x.dtype).T)
     return -torch.matmul(z, factor.to(x.dtype).T)
 
@@ -122,7 +127,7 @@ def logit_tangent(
 
             def hook_for(name):
                 def hook(module, args, output):
-                    delta = _layer_delta(args[0], mats[name].factor, mats[name].projection)
+                    delta = _layer_delta(args[0], mats[name].factor, mats[name].projection, mats[name].input_scale)
                     primal, tangent = fwad.unpack_dual(output)
                     return fwad.make_dual(primal, delta if tangent is None else tangent + delta)
 
@@ -166,7 +171,9 @@ def _moved(
 
     def hook_for(name):
         def hook(module, args, output):
-            return output + alpha * _layer_delta(args[0], mats[name].factor, mats[name].projection)
+            return output + alpha * _layer_delta(
+                args[0], mats[name].factor, mats[name].projection, mats[name].input_scale
+            )
 
         return hook
 

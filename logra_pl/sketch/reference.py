@@ -14,8 +14,12 @@ measures both (operator calls, wall time).
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import torch
+from torch import nn
+
+from logra_pl.sketch.config import LoGRAConfig, LoGRAConfigError
 from logra_pl.sketch.groups import MatrixGroup
 from logra_pl.sketch.merge import local_tensor, merge_operand, merge_rows_
 from logra_pl.sketch.projection import make_projection
@@ -29,6 +33,14 @@ class PerMatrixSketcher(LoGRASketcher):
     Per-matrix values are stacked into the per-group tensors the sketcher reads (stacking copies values, it changes
     no bit), and the state lives in the same group buffers, read through each matrix's views.
     """
+
+    def __init__(self, model: nn.Module, config: LoGRAConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and config.input_scaling != "none":
+            raise LoGRAConfigError(
+                "PerMatrixSketcher is the reference of the unscaled kernels; input_scaling 'rms' is checked against "
+                "dense computations instead (tests/sketch/test_input_scale.py): use LoGRASketcher"
+            )
+        super().__init__(model, config, **kwargs)
 
     def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:
         rows = [

@@ -37,6 +37,7 @@ from logra_pl.sketch.groups import (
 )
 from logra_pl.sketch.guard import rejection_reason, relative_update
 from logra_pl.sketch.host import host_values
+from logra_pl.sketch.input_scale import ema_mean_squares, input_scales, scaled_signs
 from logra_pl.sketch.merge import full_tensor, local_tensor, merge_stack_
 from logra_pl.sketch.payload import (
     DenseProposal,
@@ -119,13 +120,17 @@ class LoGRASketcher:
             clip_rank=self.config.clip_rank,
             second_moment_dtype=self.config.moment_torch_dtype if entry else None,
             grams=self.config.input_precondition == "gram",
+            input_stats=self.config.input_scaling == "rms",
         )
         built: dict[str, MatrixSketch] = {}
         for group in self.groups:
             for i, (name, linear) in enumerate(zip(group.names, group.linears, strict=True)):
                 gram = (group.grams[i], group.gram_tokens[i : i + 1]) if group.grams is not None else (None, None)
+                stats = {}
+                if group.input_sq is not None and group.input_tokens is not None:
+                    stats = {"input_sq": group.input_sq[i], "input_tokens": group.input_tokens[i : i + 1]}
                 operands = self.config.sketch_operand_torch_dtype
-                built[name] = MatrixSketch(name, linear, group.rank, group.sketch[i], *gram, operands=operands)
+                built[name] = MatrixSketch(name, linear, group.rank, group.sketch[i], *gram, operands=operands, **stats)
         self.matrices: dict[str, MatrixSketch] = {}
         for name, linear in targets.items():
             linear.weight.requires_grad_(False)
@@ -147,6 +152,8 @@ class LoGRASketcher:
             {n: views[n][0].second_moments[views[n][1]] for n in self.matrices} if entry else {}  # type: ignore[index]
         )
         self.second_age = 0
+        # ``input_scaling: rms``: the EMA steps of input statistics taken so far (0: the scales are still ones).
+        self.input_age = 0
         # The matrices in group order: how per-group values (k per group) line up with names.
         self._grouped_names = [n for g in self.groups for n in g.names]
         # What the proposal of this update will commit if merged: per group, (row statistics, first moments, second
@@ -216,13 +223,61 @@ class LoGRASketcher:
                 changed = True
             group.projection = new
             if self.config.sketch_operands == "bfloat16":  # P = scale·signs: rademacher and hadamard (config)
-                group.signs = new.sign().to(torch.bfloat16)
+                group.signs = self._signs(group)
                 group.scales = new.abs().amax(dim=(1, 2)).tolist()  # one read per new basis (fixed: once a run)
                 fresh = list(range(group.size))  # every row's signs view the new stack
             for i in fresh:
                 matrices[i].set_stacked_projection(new, i, seeds[i], group.signs, group.scales)
+                if group.input_scale is not None:
+                    matrices[i].input_scale = group.input_scale[i]
         if changed and self.config.momentum_transfer == "reset":
             self.moment_age = self.second_age = 0
+
+    @staticmethod
+    def _signs(group: MatrixGroup) -> torch.Tensor:
+        """The bf16 operand of the tensor-core sketch path: ``sign(P)``, or ``sign(P)·s`` with input scaling."""
+        if group.input_scale is None:
+            return group.projection.sign().to(torch.bfloat16)
+        return scaled_signs(group.projection, group.input_scale)
+
+    def _fold_input_stats(self) -> None:
+        """``input_scaling: rms``, after a merged update: its input statistics (summed over ranks with the sketches)
+        join each matrix's EMA, and the next update's scales ``s`` are installed. When the first scales are set the
+        sketch-space moments, formed in the unscaled basis, restart."""
+        if self.config.input_scaling != "rms":
+            return
+        beta = self.config.input_scale_beta
+        finite = host_values([torch.isfinite(g.input_sq).all() for g in self.groups])[0]  # type: ignore[arg-type]
+        if not all(finite):
+            return  # a non-finite forward's statistics are dropped, like its sketch
+        for group in self.groups:
+            assert group.input_ema is not None and group.input_sq is not None and group.input_tokens is not None
+            group.input_ema.copy_(ema_mean_squares(group.input_ema, group.input_sq, group.input_tokens, beta))
+        self.input_age += 1
+        self._install_input_scales()
+        if self.input_age == 1:
+            for group in self.groups:
+                for kept in (group.moments, group.second_moments):
+                    if kept is not None:
+                        kept.zero_()
+            self.moment_age = self.second_age = 0
+
+    def _install_input_scales(self) -> None:
+        """Form every group's ``s`` from its EMA (a new tensor: a proposal keeps the scales it was made with) and
+        point the hooks (and the bf16 path's signs) at it."""
+        for group in self.groups:
+            assert group.input_ema is not None
+            if self.input_age == 0:  # no statistics yet: unscaled
+                group.input_scale = torch.ones_like(group.input_ema)
+            else:
+                group.input_scale = input_scales(group.input_ema, self.input_age, self.config.input_scale_beta)
+            if group.signs is not None:
+                group.signs = self._signs(group)
+            for i, name in enumerate(group.names):
+                m = self.matrices[name]
+                m.input_scale = group.input_scale[i]
+                if group.signs is not None:
+                    m.signs = group.signs[i]
 
     def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor:
         """The projections of ``seeds`` at the group's shape, stacked ``(k, r, d_in)`` on its device."""
@@ -249,11 +304,15 @@ class LoGRASketcher:
         """The sketches as stored: one ``(k, d_out, r)`` buffer per group, the buffers a data-parallel strategy
         all-reduces before :meth:`propose` (one call each). Together they hold every matrix's ``S`` once; with
         ``input_precondition: gram`` they are followed by each group's Grams ``(k, r, r)`` and token counts ``(k,)``,
-        summed over ranks alike."""
+        and with ``input_scaling: rms`` by each group's sums of squared inputs ``(k, d_in)`` and token counts
+        ``(k,)``, summed over ranks alike."""
         stacks = [group.sketch for group in self.groups]
         for group in self.groups:
             if group.grams is not None:
                 stacks += [group.grams, group.gram_tokens]
+        for group in self.groups:
+            if group.input_sq is not None and group.input_tokens is not None:
+                stacks += [group.input_sq, group.input_tokens]
         return stacks
 
     def zero_sketches(self) -> None:
@@ -263,6 +322,9 @@ class LoGRASketcher:
             if group.grams is not None:
                 group.grams.zero_()
                 group.gram_tokens.zero_()
+            if group.input_sq is not None and group.input_tokens is not None:
+                group.input_sq.zero_()
+                group.input_tokens.zero_()
         for p in self.dense.values():
             p.grad = None
 
@@ -295,7 +357,8 @@ class LoGRASketcher:
         gram = self._grams.get(index)
         if gram is None:
             exact = self.config.distribution != "gaussian"
-            gram = self._grams[index] = stack_grams(self.groups[index].projection, exact=exact)
+            group = self.groups[index]
+            gram = self._grams[index] = stack_grams(group.projection, exact=exact, col_scales=group.input_scale)
         return gram
 
     def _lifted_sq_norms(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -359,7 +422,11 @@ class LoGRASketcher:
         rows = {name: (st, g, i) for st, g in zip(stacks, self.groups, strict=True) for i, name in enumerate(st.names)}
         matrices = {
             name: MatrixProposal(
-                seed=m.seed, stack=rows[name][0], row=rows[name][2], projections=rows[name][1].projection
+                seed=m.seed,
+                stack=rows[name][0],
+                row=rows[name][2],
+                projections=rows[name][1].projection,
+                input_scales=rows[name][1].input_scale,
             )
             for name, m in self.matrices.items()
         }
@@ -382,6 +449,7 @@ class LoGRASketcher:
             weight_sq_norms=w_sq,
             dense=self._dense_proposals(step, grad_scale),
             stacks=stacks,
+            input_scaled=cfg.input_scaling == "rms",
         )
 
     def _directions(self, step: int, grad_scale: float) -> list[GroupStep]:
@@ -566,6 +634,7 @@ class LoGRASketcher:
         self.last_gain = self._grad_scale * payload.alpha * sum(gains[:sketched])
         self.last_dense_gain = sum(gains[sketched:])
         self.num_applied += 1
+        self._fold_input_stats()
         self._advance()
         return payload
 
@@ -597,6 +666,7 @@ class LoGRASketcher:
                 row_offset=offsets[0],
                 chunk_rows=self.config.merge_chunk_rows,
                 norms=True,
+                col_scales=group.input_scale,
             )
             if norms is not None:
                 self._merged_norms[index] = (norms, weight_versions(params))
@@ -610,6 +680,7 @@ class LoGRASketcher:
                 self.config.distribution,
                 row_offset=offset,
                 chunk_rows=self.config.merge_chunk_rows,
+                col_scales=None if group.input_scale is None else group.input_scale[rows],
             )
 
     def step(self, grad_scale: float = 1.0, alpha: float | None = None) -> Payload | None:
@@ -657,7 +728,16 @@ class LoGRASketcher:
             "moment_age": self.moment_age,
             "second_moments": {name: v.detach().cpu().clone() for name, v in self.second_moments.items()},
             "second_age": self.second_age,
+            **self._input_state(),
         }
+
+    def _input_state(self) -> dict[str, Any]:
+        """``input_scaling: rms``'s state (nothing otherwise: other checkpoints keep their keys): each matrix's EMA
+        of input mean squares and the EMA's age; the scales are recomputed from them, bit for bit."""
+        if self.config.input_scaling != "rms":
+            return {}
+        ema = {n: g.input_ema[i].detach().cpu().clone() for g in self.groups for i, n in enumerate(g.names)}  # type: ignore[index]
+        return {"input_ema": ema, "input_age": self.input_age}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; refuses a checkpoint whose structural config or matrices differ."""
@@ -722,6 +802,19 @@ class LoGRASketcher:
         for name, value in second.items():
             self.second_moments[name].copy_(value)
         self.second_age = int(state.get("second_age", 0))
+        if self.config.input_scaling == "rms":
+            ema = state.get("input_ema", {})
+            if set(ema) != set(self.matrices):
+                raise LoGRAConfigError(
+                    f"LoGRA checkpoint holds input statistics for {len(ema)} matrices, this run needs "
+                    f"{len(self.matrices)} (logra.input_scaling: rms)"
+                )
+            for group in self.groups:
+                assert group.input_ema is not None
+                for i, name in enumerate(group.names):
+                    group.input_ema[i].copy_(ema[name])
+            self.input_age = int(state["input_age"])
+            self._install_input_scales()
 
 
 def weight_versions(weights: list[torch.Tensor]) -> list[tuple[int, int]]:
