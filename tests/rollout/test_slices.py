@@ -88,3 +88,36 @@ def test_slice_geometry_and_errors() -> None:
     del slices["a.k_proj"]
     with pytest.raises(KeyError, match="have no slice in the engine"):
         apply_payload_to_slices(payload, slices, params)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_input_scaled_payload_merges_alike_on_slices(tp: int) -> None:
+    """``logra.input_scaling: rms``: every column of a matrix's delta carries its scale ``s_j``; the engine's slices
+    (row-parallel ones cut the columns) get the whole-matrix merge's bits."""
+    full = _matrices()
+    payload = _payload(full, "rademacher")
+    g = torch.Generator().manual_seed(2)
+    payload.input_scales = {  # bf16-valued, as the sketcher rounds them
+        name: torch.rand(w.shape[1], generator=g).add(0.2).bfloat16().float() for name, w in full.items()
+    }
+    reference = {}
+    for name, factor in payload.factors.items():
+        proj = make_projection(payload.seed(name), 16, full[name].shape[1], "rademacher").double()
+        delta = (factor.double() @ proj) * payload.input_scales[name].double()
+        reference[name] = (full[name].double() - delta).float()
+    wire = Payload.from_bytes(payload.to_bytes())  # the scales travel as bf16, exactly
+    assert all(torch.equal(wire.input_scales[n], s) for n, s in payload.input_scales.items())
+    trainer = {f"{k}.weight": v.clone() for k, v in full.items()}
+    apply_payload(wire, trainer)
+    for name, want in reference.items():
+        assert torch.allclose(trainer[f"{name}.weight"], want, rtol=0, atol=1e-6), name
+    trainer = {k[: -len(".weight")]: v for k, v in trainer.items()}
+    for rank in range(tp):
+        slices, params = _engine_layout(full, rank, tp)
+        _, exact = _engine_layout(trainer, rank, tp)
+        apply_payload_to_slices(wire, slices, params)
+        for key in params:
+            assert torch.equal(params[key], exact[key]), (tp, rank, key)
+    del payload.input_scales["a.q_proj"]
+    with pytest.raises(KeyError, match="input scales but none"):
+        apply_payload(payload, {f"{k}.weight": v.clone() for k, v in full.items()})

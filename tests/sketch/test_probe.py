@@ -123,3 +123,28 @@ def test_jvp_probes_pass_checkpointed_layers_without_recomputation(qwen2_factory
         assert torch.equal(a, b)
     assert len(calls) == plain.config.num_hidden_layers  # neither probe went through a checkpoint
     assert all("forward" not in vars(layer) for layer in checkpointed_layers(wrapped))  # restored
+
+
+def test_input_scaled_tangent_is_the_merged_change(qwen2_factory) -> None:
+    """``input_scaling: rms``: the probe's tangent (jvp) is the logits' change per unit α of the merged step, which
+    the merge forms as ``U P diag(s)`` (float32 factors: the step is exactly the proposal's)."""
+    model = qwen2_factory(seed=5, dtype=torch.float64)
+    cfg = LoGRAConfig(rank=8, refresh_every=0, input_scaling="rms", factor_dtype="float32", lr=1e-3)
+    sketcher = LoGRASketcher(model, cfg)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):  # the first update sets the scales; the second is probed
+        ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        proposal = sketcher.propose()
+        if sketcher.input_age == 0:
+            sketcher.apply(proposal)
+    assert any(not bool((m.input_scale == 1).all()) for m in sketcher.matrices.values())
+    probe = torch.randint(0, model.config.vocab_size, (2, 10), generator=gen)
+    modules = {n: m.module for n, m in sketcher.matrices.items()}
+    logits, tangent = logit_tangent(model, modules, proposal, {"input_ids": probe}, mode="jvp")
+    alpha = 1e-3
+    assert sketcher.apply(proposal, alpha=alpha) is not None
+    with torch.no_grad():
+        after = model(input_ids=probe).logits
+    moved = (after - logits) / alpha
+    assert float((moved - tangent).norm() / tangent.norm()) < 1e-2

@@ -67,6 +67,9 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
             tmp, 2, 6, "dist_resumed6", "--ckpt-resume", str(dckpt / "step=3.ckpt"), "--distributed-ckpt"
         ),
         "menu_two": _run(tmp, 2, 3, "menu_two", *budget),
+        # input_scaling: rms, its statistics summed over ranks; the replay of checkpointed layers supplies them.
+        "two_scaled": _run(tmp, 2, 3, "two_scaled", "--input-scaling", "--activation-checkpointing"),
+        "one_scaled": _run(tmp, 1, 3, "one_scaled", "--input-scaling"),
     }
     out["one6"], out["adamw_one"] = _side_by_side(
         tmp,
@@ -95,6 +98,22 @@ def test_two_processes_equal_one(runs) -> None:
     changed = [k for k, v in one["policy"].items() if k.endswith("proj.weight")]
     assert changed  # and the run did train the sketched matrices (guard against a vacuous equality)
     # Every rank's engine holds the trainer's (gathered) weights.
+    assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
+
+
+def test_input_scaled_runs_agree_on_two_ranks(runs) -> None:
+    one, two = runs["one_scaled"], runs["two_scaled"]
+    assert one["rows"] == two["rows"]
+    assert one["logra"]["num_applied"] == two["logra"]["num_applied"] == 3
+    assert one["logra"]["input_age"] == two["logra"]["input_age"] == 3
+    for name, ema in one["logra"]["input_ema"].items():  # the statistics of every token, whichever rank saw it
+        torch.testing.assert_close(ema, two["logra"]["input_ema"][name], rtol=1e-5, atol=0)
+        assert bool((ema > 0).any()), name
+    for key, value in one["policy"].items():
+        assert float((value - two["policy"][key]).abs().max()) <= 1e-6, key
+    # The scaled rule is another rule: its weights are not the unscaled run's.
+    plain = runs["one"]["policy"]
+    assert any(float((one["policy"][k] - plain[k]).abs().max()) > 1e-6 for k in plain if k.endswith("proj.weight"))
     assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
 
 
