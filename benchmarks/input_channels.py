@@ -27,6 +27,8 @@ follows them. This script measures that, one gradient, no training:
                             ``⟨G, ΔW⟩ = ⟨S, U⟩`` stays exact (``D⁻²`` on the input side, as a diagonal K-FAC)
   input-scaled, √ each side ``sign(G Qᵀ) Q``, ``Q = P D^-½``: ``D⁻¹`` in all, as the input-scaled rule and dense
                             Adam's per-entry scale (``√v_ij ≈ rms(dY_i)·rms(x_j)``), with ``⟨G, ΔW⟩ = ⟨S, U⟩``
+  input_scaling: rms        the rule as built (algorithm.md §3a): √ each side with ``s`` from
+                            :func:`~logra_pl.sketch.input_scale.input_scales` (floor, mean-square 1, bf16)
   ========================  =========================================================================
 
 Per rule and matrix kind (median over layers): the share of ``‖ΔW‖²`` on the loud channels' columns, the share of
@@ -53,6 +55,7 @@ from kl_matched import MODELS
 
 from logra_pl.data import ReasoningGymDataModule
 from logra_pl.models.load import load_policy
+from logra_pl.sketch.input_scale import input_scales
 from logra_pl.sketch.projection import make_projection
 from logra_pl.train.batching import encode_prompts
 
@@ -65,6 +68,7 @@ RULES = (
     "input-scaled rule",
     "input-scaled, both sides",
     "input-scaled, √ each side",
+    "input_scaling: rms",
 )
 
 
@@ -110,6 +114,7 @@ def steps(grad: torch.Tensor, x: torch.Tensor, rank: int, seed: int) -> dict[str
     p = make_projection(seed, min(rank, d_in), d_in, "hadamard").double()
     h = make_projection(seed, d_in, d_in, "hadamard").double()
     scale = x.pow(2).mean(0).sqrt().clamp_min(1e-12)
+    built = input_scales(x.pow(2).mean(0, keepdim=True), age=1, beta=0.0)[0].double()
     return {
         "dense SGD": grad,
         "dense AdamW": grad.sign(),
@@ -118,6 +123,8 @@ def steps(grad: torch.Tensor, x: torch.Tensor, rank: int, seed: int) -> dict[str
         "input-scaled rule": ((grad / scale) @ p.T).sign() @ p,
         "input-scaled, both sides": ((grad / scale) @ p.T).sign() @ (p / scale),
         "input-scaled, √ each side": ((grad / scale.sqrt()) @ p.T).sign() @ (p / scale.sqrt()),
+        # The rule as built (logra.input_scaling: rms): √ each side, with its floor, normalization and bf16 rounding.
+        "input_scaling: rms": ((grad * built) @ p.T).sign() @ (p * built),
     }
 
 

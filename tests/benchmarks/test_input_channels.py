@@ -45,6 +45,12 @@ def test_each_rules_first_step_is_its_formula() -> None:
     assert torch.allclose(got["input-scaled, both sides"], torch.sign(grad @ q.T) @ q)
     half = p @ torch.diag(scale.rsqrt())
     assert torch.allclose(got["input-scaled, √ each side"], torch.sign(grad @ half.T) @ half)
+    # The built rule is √ each side up to its floor and normalization: the same signs, the same direction.
+    built = got["input_scaling: rms"]
+    cos = float(
+        (built * got["input-scaled, √ each side"]).sum() / built.norm() / got["input-scaled, √ each side"].norm()
+    )
+    assert cos > 0.99
 
 
 def test_a_rotated_normalization_follows_the_loud_channel_and_dense_adam_does_not() -> None:
