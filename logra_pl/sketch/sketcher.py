@@ -243,16 +243,16 @@ class LoGRASketcher:
     def _fold_input_stats(self) -> None:
         """``input_scaling: rms``, after a merged update: its input statistics (summed over ranks with the sketches)
         join each matrix's EMA, and the next update's scales ``s`` are installed. When the first scales are set the
-        sketch-space moments, formed in the unscaled basis, restart."""
+        sketch-space moments, formed in the unscaled basis, restart. Nothing is read to the host."""
         if self.config.input_scaling != "rms":
             return
         beta = self.config.input_scale_beta
-        finite = host_values([torch.isfinite(g.input_sq).all() for g in self.groups])[0]  # type: ignore[arg-type]
-        if not all(finite):
-            return  # a non-finite forward's statistics are dropped, like its sketch
         for group in self.groups:
             assert group.input_ema is not None and group.input_sq is not None and group.input_tokens is not None
-            group.input_ema.copy_(ema_mean_squares(group.input_ema, group.input_sq, group.input_tokens, beta))
+            new = ema_mean_squares(group.input_ema, group.input_sq, group.input_tokens, beta)
+            # A matrix whose statistics are not finite keeps its EMA (decided on the device: no host sync).
+            finite = torch.isfinite(new).all(dim=-1, keepdim=True)
+            group.input_ema.copy_(torch.where(finite, new, group.input_ema))
         self.input_age += 1
         self._install_input_scales()
         if self.input_age == 1:

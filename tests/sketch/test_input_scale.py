@@ -232,3 +232,15 @@ def test_config_is_validated() -> None:
     assert LoGRAConfig.from_dict(_config().to_dict()) == _config()
     with pytest.raises(LoGRAConfigError, match="reference of the unscaled"):
         PerMatrixSketcher(torch.nn.Sequential(), _config())
+
+
+def test_non_finite_statistics_leave_the_ema_alone(qwen2_factory) -> None:
+    model = qwen2_factory(seed=0)
+    sketcher = LoGRASketcher(model, _config())
+    _backward(model, 1)
+    names = list(sketcher.matrices)
+    sketcher.matrices[names[0]].input_sq[3] = float("inf")  # one matrix's statistics overflowed
+    assert sketcher.apply(sketcher.propose()) is not None  # its sketch is finite: the update merges
+    bad, good = sketcher.matrices[names[0]], sketcher.matrices[names[1]]
+    assert bool((bad.input_scale == 1).all())  # no statistics: unscaled, not NaN
+    assert not bool((good.input_scale == 1).all()) and bool(torch.isfinite(good.input_scale).all())
