@@ -63,7 +63,11 @@ def test_sliced_merge_equals_whole_matrix_merge(tp: int, distribution: str) -> N
     # Bit for bit: the same rows merged through the trainer's own function equal the sliced engine merge.
     trainer = {f"{k}.weight": v.clone() for k, v in full.items()}
     apply_payload(payload, trainer)
-    trainer = {k[: -len(".weight")]: v for k, v in trainer.items()}
+    _assert_slices_equal_trainer(full, {k[: -len(".weight")]: v for k, v in trainer.items()}, payload, tp)
+
+
+def _assert_slices_equal_trainer(full: dict, trainer: dict, payload: Payload, tp: int) -> None:
+    """Every engine rank's slices, merged from ``full``, hold the bits of the trainer's whole-matrix merge."""
     for rank in range(tp):
         slices, params = _engine_layout(full, rank, tp)
         _, exact = _engine_layout(trainer, rank, tp)
@@ -111,13 +115,7 @@ def test_input_scaled_payload_merges_alike_on_slices(tp: int) -> None:
     apply_payload(wire, trainer)
     for name, want in reference.items():
         assert torch.allclose(trainer[f"{name}.weight"], want, rtol=0, atol=1e-6), name
-    trainer = {k[: -len(".weight")]: v for k, v in trainer.items()}
-    for rank in range(tp):
-        slices, params = _engine_layout(full, rank, tp)
-        _, exact = _engine_layout(trainer, rank, tp)
-        apply_payload_to_slices(wire, slices, params)
-        for key in params:
-            assert torch.equal(params[key], exact[key]), (tp, rank, key)
+    _assert_slices_equal_trainer(full, {k[: -len(".weight")]: v for k, v in trainer.items()}, wire, tp)
     del payload.input_scales["a.q_proj"]
     with pytest.raises(KeyError, match="input scales but none"):
         apply_payload(payload, {f"{k}.weight": v.clone() for k, v in full.items()})
