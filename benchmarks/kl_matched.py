@@ -247,6 +247,15 @@ def _methods() -> dict[str, Method]:
             refresh_every=0,
             input_scaling="rms",
         ),
+        # The same with a slow EMA (β = 0.99): the scales, and with them the basis, nearly fixed after the first update.
+        logra(
+            "logra_adam_scaled_slow",
+            "LoGRA, sketch-space Adam, fixed, input-scaled, slow scales (r = 64)",
+            sketch_adam,
+            refresh_every=0,
+            input_scaling="rms",
+            input_scale_beta=0.99,
+        ),
         logra("logra_gram", "LoGRA, paper rule + input Gram (r = 64)", paper, input_precondition="gram"),
         logra(
             "logra_levers_gram_fixed",
