@@ -221,7 +221,6 @@ class Proposal:
         dense: ``{parameter name: DenseProposal}`` of ``logra.dense_params`` (empty by default).
         stacks: the factors ``U`` stacked by group (:class:`FactorStack`; each ``matrices[name].factor`` is a view of
             one): :meth:`to_payload` rounds a stack at once. Matrices in no stack are rounded one by one.
-        input_scaled: the matrices carry input scales (``logra.input_scaling: rms``), which the payload ships.
     """
 
     matrices: dict[str, MatrixProposal]
@@ -240,7 +239,6 @@ class Proposal:
     refresh_every: int | None = None
     stacks: list[FactorStack] = field(default_factory=list)
     clip_rank: bool = False
-    input_scaled: bool = False
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
@@ -279,16 +277,12 @@ class Proposal:
         )
 
     def _input_scales(self) -> dict[str, torch.Tensor]:
-        """``{name: s}`` of every matrix when input-scaled (views of the sketcher's stacks: they are replaced, never
-        overwritten, when the next scales are formed), else empty."""
-        if not self.input_scaled:
-            return {}
-        out = {}
-        for name, m in self.matrices.items():
-            scale = m.input_scale
-            if scale is None:
-                raise ValueError(f"proposal says input_scaled but matrix {name!r} has no input scale")
-            out[name] = scale
+        """``{name: s}`` of the matrices' input scales (``logra.input_scaling: rms``; views of the sketcher's stacks,
+        which are replaced, never overwritten, when the next scales are formed): every matrix has one, or none."""
+        out = {name: m.input_scale for name, m in self.matrices.items() if m.input_scale is not None}
+        if out and len(out) != len(self.matrices):
+            bare = sorted(set(self.matrices) - set(out))
+            raise ValueError(f"input scales for some matrices but none for {bare[:3]}: a payload scales all or none")
         return out
 
 

@@ -449,7 +449,6 @@ class LoGRASketcher:
             weight_sq_norms=w_sq,
             dense=self._dense_proposals(step, grad_scale),
             stacks=stacks,
-            input_scaled=cfg.input_scaling == "rms",
         )
 
     def _directions(self, step: int, grad_scale: float) -> list[GroupStep]:

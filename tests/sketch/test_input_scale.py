@@ -244,3 +244,18 @@ def test_non_finite_statistics_leave_the_ema_alone(qwen2_factory) -> None:
     bad, good = sketcher.matrices[names[0]], sketcher.matrices[names[1]]
     assert bool((bad.input_scale == 1).all())  # no statistics: unscaled, not NaN
     assert not bool((good.input_scale == 1).all()) and bool(torch.isfinite(good.input_scale).all())
+
+
+def test_a_payload_scales_every_matrix_or_none() -> None:
+    from logra_pl.sketch.payload import MatrixProposal, Proposal
+
+    scales = torch.ones(1, 4)
+    matrices = {
+        "a": MatrixProposal(torch.zeros(3, 2), seed=1, projection=torch.zeros(2, 4), input_scales=scales),
+        "b": MatrixProposal(torch.zeros(3, 2), seed=2, projection=torch.zeros(2, 4)),
+    }
+    proposal = Proposal(matrices, update_index=0, base_seed=0, rank=2, distribution="rademacher", refresh=False)
+    with pytest.raises(ValueError, match="all or none"):
+        proposal.to_payload()
+    del matrices["b"]
+    assert set(proposal.to_payload().input_scales) == {"a"}
