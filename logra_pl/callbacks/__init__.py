@@ -7,6 +7,7 @@ from logra_pl.callbacks.heldout_kl import HeldOutKL
 from logra_pl.callbacks.kl_control import BudgetSchedule, PredictedKLControl, step_multiplier
 from logra_pl.callbacks.memory import MemoryMonitor
 from logra_pl.callbacks.mismatch import RolloutMismatch, observed_mismatch
+from logra_pl.callbacks.next_batch_gain import NextBatchGain
 from logra_pl.callbacks.rollouts import RolloutLog, read_rollouts
 from logra_pl.callbacks.summary import RunSummary
 from logra_pl.callbacks.sync import PolicySync
@@ -17,6 +18,7 @@ __all__ = [
     "HFExport",
     "HeldOutKL",
     "MemoryMonitor",
+    "NextBatchGain",
     "PolicySync",
     "PredictedKLControl",
     "RolloutLog",

@@ -230,6 +230,7 @@ class DenseAdamW(ProposalAnswers, UpdateMethod):
     def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
         inner: ProposingAdamW = optimizer.optimizer
         inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
+        self.begin_step()
         optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → AdamW at lr·α, or no step
         rejected = inner.last_rejection
         optimizer.zero_grad(set_to_none=True)

@@ -308,6 +308,22 @@ class UpdateMethod(ABC):
         gradients and deltas (LoRA's in adapter space), LoGRA from its sketches (``α·⟨S, U⟩ = ⟨G, α·U P⟩``)."""
         return None
 
+    def keep_last_step(self) -> bool:
+        """Keep every applied step until the next update, so that the next update measures that step's gain on its
+        own loss (:attr:`next_batch_gain`). Returns whether this method can; the base class cannot. The kept step is
+        a diagnostic's, outside the training state that :meth:`memory` counts: a dense method keeps a copy of every
+        trained tensor (LoRA: of its adapters), LoGRA its merged factors (``d_out × r`` per matrix)."""
+        return False
+
+    @property
+    def next_batch_gain(self) -> float | None:
+        """``−⟨∇L', Δθ⟩``: the first-order gain of the last applied step ``Δθ`` (α included) on the loss ``L'`` of
+        the update after it, its gradient taken at the weights that step produced, over all ranks. Where
+        :attr:`last_gain` says how well a step fits the batch it came from, this says how much of it carries to a
+        batch it has not seen. None: not measured for this update (the method keeps no step, no step was applied
+        yet, the update never reached its measure, or — LoGRA — the basis changed since the kept step)."""
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Scalars of the last update (``guard/relative_update`` at least)."""
         return {}

@@ -176,6 +176,8 @@ class LoGRAMethod(UpdateMethod):
         self._sketcher: LoGRASketcher | None = None
         self.optimizer: LoGRAOptimizer | None = None
         self._gain = 0.0
+        self._keep_step = False
+        self._next_gain: float | None = None
 
     @property
     def logra(self) -> LoGRAConfig:
@@ -278,6 +280,7 @@ class LoGRAMethod(UpdateMethod):
     def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
         self.config = self.with_targets(targets)  # what trained_tensors and changed_numel read from now on
         self._sketcher = LoGRASketcher(policy, self.config)
+        self._sketcher.keep_step = self._keep_step
         bound = guard.max_update_ratio if guard.enabled else None
         self.optimizer = LoGRAOptimizer(self._sketcher, max_relative_update=bound)
         return self.optimizer
@@ -288,9 +291,13 @@ class LoGRAMethod(UpdateMethod):
         inner, sketcher = optimizer.optimizer, self._sketcher
         rejected = sketcher.last_skip_reason if inner.last_payload is None else None
         norm = 0.0 if rejected else math.sqrt(sketcher.last_update_sq_norm)
-        self._gain = sketcher.last_gain
-        if sketcher.dense:  # the dense parameters' part is over this process's shards: summed over ranks
-            self._gain += float(all_reduce_sum(torch.tensor([sketcher.last_dense_gain], dtype=torch.float64))[0])
+        self._gain, self._next_gain, dense_next = sketcher.last_gain, sketcher.next_gain, 0.0
+        if sketcher.dense:  # the dense parameters' parts are over this process's shards: summed over ranks
+            parts = torch.tensor([sketcher.last_dense_gain, sketcher.next_dense_gain], dtype=torch.float64)
+            dense_gain, dense_next = all_reduce_sum(parts).tolist()
+            self._gain += dense_gain
+        if self._next_gain is not None:
+            self._next_gain += dense_next
         return StepResult(rejected, norm, inner.last_payload)
 
     @property
@@ -300,6 +307,26 @@ class LoGRAMethod(UpdateMethod):
         the update's loss and ``U`` the proposal's factor; the merged ``F = bf16(α·U)`` differs by its rounding), plus
         the dense parameters' ``−⟨g, α·Δ⟩``."""
         return self._gain
+
+    @override
+    def keep_last_step(self) -> bool:
+        """Keep each merged update's factors (and dense steps) for the next update's measure, which its sketches
+        give exactly while the basis persists (next_gain.py); a basis drawn anew every update (``refresh_every: 1``)
+        or rescaled every update (``input_scaling: rms``) never persists, so then this method cannot."""
+        if self.config.refresh_every == 1 or self.config.input_scaling == "rms":
+            return False
+        self._keep_step = True
+        if self._sketcher is not None:
+            self._sketcher.keep_step = True
+        return True
+
+    @property
+    @override
+    def next_batch_gain(self) -> float | None:
+        """``⟨S', F⟩`` summed over the sketched matrices (``= −⟨G', ΔW⟩`` exactly: ``F`` the merged factors of the
+        kept update, ``S'`` this update's all-reduced sketches on the same basis), plus the dense parameters'
+        ``−⟨g', α·Δ⟩``."""
+        return self._next_gain
 
     # ------------------------------------------------------------------------------------ step control
     @property

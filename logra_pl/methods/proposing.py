@@ -162,6 +162,18 @@ def step_measures(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int
     return update_sq, weight_sq, nonfinite, gain
 
 
+@torch.no_grad()
+def kept_step_gain(kept: Mapping[torch.nn.Parameter, torch.Tensor]) -> float:
+    """``−Σ⟨g, Δ⟩`` of a kept step ``{parameter: Δ}`` (this process's shards) against each parameter's gradient now,
+    in float64; a parameter without a gradient adds nothing. A data-parallel caller all-reduces it."""
+    gain = 0.0
+    for p, delta in kept.items():
+        if p.grad is not None:
+            g = local(p.grad).detach().reshape(-1).to(torch.float64)
+            gain -= float(torch.dot(g, delta.reshape(-1).to(torch.float64)))
+    return gain
+
+
 def step_preview(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int]:
     """``(Σ‖α·ΔW‖², Σ‖W‖², #non-finite entries of W + α·ΔW)`` of a step, without taking it: the sizes the divergence
     guard judges (:func:`step_measures` without the gain)."""
@@ -197,6 +209,9 @@ class ProposalAnswers:
     last_relative_update = 0.0
     last_update_sq = 0.0
     last_step_gain = 0.0
+    # With keep_last_step: the last step taken ({} before the first), and its gain on this update's gradients.
+    _kept_step: dict[torch.nn.Parameter, torch.Tensor] | None = None
+    _next_gain: float | None = None
 
     def applied(self, proposal: Any) -> bool:
         """Whether ``proposal`` was the optimizer's last step and changed the weights."""
@@ -229,14 +244,43 @@ class ProposalAnswers:
         """The divergence guard's verdict on the step at ``proposal.alpha`` (None: take it); sets
         ``last_relative_update``, ``last_update_sq`` (``Σ‖α·ΔW‖²``) and ``last_step_gain`` (``−Σ⟨g, α·ΔW⟩``), over
         all ranks. Runs after the step controllers, so it measures the step that would be taken (with the guard off
-        too: the size and gain are logged for every update)."""
+        too: the size and gain are logged for every update). With :meth:`keep_last_step`, it also measures the kept
+        step's gain on this update's gradients (:attr:`next_batch_gain`, in the same all-reduce) and keeps this step
+        in its place when it is taken."""
         opt = self.optimizer
         assert opt is not None, "judge runs inside the optimizer's step"
-        deltas = proposal.previewed.items() if proposal.previewed is not None else opt.step_deltas()
-        sums = all_reduce_sum(torch.tensor(step_measures(deltas, proposal.alpha), dtype=torch.float64)).tolist()
+        kept = self._kept_step
+        keep = kept is not None
+        if keep:  # this step is kept once taken: its deltas are formed once, here (or by a probe before)
+            deltas: Deltas = proposal.deltas().items()
+        else:
+            deltas = proposal.previewed.items() if proposal.previewed is not None else opt.step_deltas()
+        measures = [*step_measures(deltas, proposal.alpha), kept_step_gain(kept) if keep else 0.0]
+        sums = all_reduce_sum(torch.tensor(measures, dtype=torch.float64)).tolist()
         reason, self.last_relative_update = guard_verdict(guard, sums[:3])
         self.last_update_sq, self.last_step_gain = sums[0], sums[3]
+        if keep:
+            self._next_gain = sums[4] if kept else None  # {}: no step taken yet
+            if reason is None:
+                alpha = float(proposal.alpha)
+                self._kept_step = {p: d if alpha == 1.0 else d * alpha for p, d in proposal.deltas().items()}
         return reason
+
+    def keep_last_step(self) -> bool:
+        """Keep each step taken (``α·ΔW`` of every trained tensor, this process's shard) until the next update."""
+        if self._kept_step is None:
+            self._kept_step = {}
+        return True
+
+    @property
+    def next_batch_gain(self) -> float | None:
+        """``−Σ⟨g', α·ΔW⟩`` of the kept step against this update's gradients ``g'``, over all ranks (None: no step
+        kept, or this update's step never reached the guard, e.g. a controller's veto)."""
+        return self._next_gain
+
+    def begin_step(self) -> None:
+        """Forget the last update's :attr:`next_batch_gain` (called as each step begins)."""
+        self._next_gain = None
 
     @property
     def last_gain(self) -> float | None:

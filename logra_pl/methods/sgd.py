@@ -162,6 +162,7 @@ class DenseSGD(ProposalAnswers, UpdateMethod):
         α-scaled step (its size and finiteness over all ranks) → torch's SGD at ``lr·α``, or no step."""
         inner: ProposingSGD = optimizer.optimizer
         inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
+        self.begin_step()
         optimizer.step()
         rejected = inner.last_rejection
         optimizer.zero_grad(set_to_none=True)

@@ -39,6 +39,7 @@ from logra_pl.sketch.guard import rejection_reason, relative_update
 from logra_pl.sketch.host import host_values
 from logra_pl.sketch.input_scale import ema_mean_squares, input_scales, scaled_signs
 from logra_pl.sketch.merge import full_tensor, local_tensor, merge_stack_
+from logra_pl.sketch.next_gain import KeptStep
 from logra_pl.sketch.payload import (
     DenseProposal,
     FactorStack,
@@ -104,6 +105,14 @@ class LoGRASketcher:
         self.last_dense_gain = 0.0
         self._grad_scale = 1.0
         self._unit_gains: list[torch.Tensor] = []  # per group, ⟨S_i, U_i⟩ of the current proposal
+        # With keep_step: the last merged update (KeptStep) and its gain on this update's loss, grad_scale applied:
+        # next_gain over the sketched matrices (the same on every rank), next_dense_gain over this process's shards
+        # of the dense parameters (a data-parallel caller sums that part). None: not measured for this update.
+        self.keep_step = False
+        self._kept: KeptStep | None = None
+        self._next_parts: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.next_gain: float | None = None
+        self.next_dense_gain = 0.0
         self.row_offsets: dict[str, int] = {}
         targets = select_targets(model, self.config.targets)
         check_rank_fits(self.config.rank, {n: m.in_features for n, m in targets.items()}, self.config.clip_rank)
@@ -385,6 +394,7 @@ class LoGRASketcher:
         cfg = self.config
         step = self.num_applied + 1
         self._grad_scale = grad_scale
+        self._next_parts = self._kept_gains()
         steps = self._directions(step, grad_scale)
         grads = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
         # Everything Python decides on below, read from the device in one transfer (see logra_pl.sketch.host).
@@ -584,12 +594,13 @@ class LoGRASketcher:
         factor_stacks = [stacked_factors(payload, group.names) for group in self.groups]
         # The three checks below and the update's first-order gain, read from the device in one transfer (see
         # logra_pl.sketch.host).
-        factors_finite, update_values, dense_finite, norms, gains = host_values(
+        factors_finite, update_values, dense_finite, norms, gains, next_sketched, next_dense = host_values(
             [torch.isfinite(f).all(dim=(1, 2)) for f in factor_stacks],
             self._lifted_sq_norms(factor_stacks),
             [torch.isfinite(v).all() for v in new_dense.values()],
             [] if proposal.weight_sq_norms else self.weight_norms(),
             self._unit_gains + self._dense_gains(proposal, payload.alpha),
+            *(self._next_parts or ([], [])),
         )
         if not all(factors_finite):
             self.skip(f"non-finite factors at alpha={payload.alpha}")
@@ -632,6 +643,14 @@ class LoGRASketcher:
         sketched = len(self.matrices)
         self.last_gain = self._grad_scale * payload.alpha * sum(gains[:sketched])
         self.last_dense_gain = sum(gains[sketched:])
+        self._settle_next_gain(next_sketched, next_dense)
+        if self.keep_step:  # on the basis just merged on (a fold or refresh below replaces it, never overwrites it)
+            self._kept = KeptStep(
+                factor_stacks,
+                [group.projection for group in self.groups],
+                [group.input_scale for group in self.groups],
+                {n: payload.alpha * d.delta for n, d in proposal.dense.items()},
+            )
         self.num_applied += 1
         self._fold_input_stats()
         self._advance()
@@ -692,6 +711,7 @@ class LoGRASketcher:
         self.num_skipped += 1
         self.last_skip_reason = reason
         self.last_gain = self.last_dense_gain = 0.0
+        self._settle_next_gain()
         self._advance()
 
     def reject(self, reason: str) -> None:
@@ -699,7 +719,32 @@ class LoGRASketcher:
         self.num_rejected += 1
         self.last_skip_reason = reason
         self.last_gain = self.last_dense_gain = 0.0
+        self._settle_next_gain()
         self._advance()
+
+    def _kept_gains(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The kept step's gain on this update's raw sketches and dense gradients (on the device, no sync), or None
+        when no step is kept or the basis changed since it was merged (next_gain.py)."""
+        kept = self._kept
+        if kept is None or not kept.same_basis(
+            [g.projection for g in self.groups], [g.input_scale for g in self.groups]
+        ):
+            return None
+        grads = {n: None if p.grad is None else local_tensor(p.grad).detach() for n, p in self.dense.items()}
+        return kept.sketched_gains([g.sketch for g in self.groups]), kept.dense_gains(grads)
+
+    def _settle_next_gain(self, sketched: list[float] | None = None, dense: list[float] | None = None) -> None:
+        """Set :attr:`next_gain` and :attr:`next_dense_gain` from this update's measure (read here when the caller
+        did not read it with its own values): ``grad_scale`` applied; None when not measured or not finite."""
+        parts, self._next_parts = self._next_parts, None
+        self.next_gain, self.next_dense_gain = None, 0.0
+        if parts is None:
+            return
+        if sketched is None or dense is None:
+            sketched, dense = host_values(*parts)
+        if all(math.isfinite(v) for v in (*sketched, *dense)):
+            self.next_gain = self._grad_scale * sum(sketched)
+            self.next_dense_gain = self._grad_scale * sum(dense)
 
     def _advance(self) -> None:
         self._pending = None

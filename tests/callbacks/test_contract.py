@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from logra_pl.callbacks import HFExport, MemoryMonitor, PolicySync, PredictedKLControl, RolloutMismatch
+from logra_pl.callbacks import (
+    HFExport,
+    MemoryMonitor,
+    NextBatchGain,
+    PolicySync,
+    PredictedKLControl,
+    RolloutMismatch,
+)
 from logra_pl.callbacks.contract import PolicyModuleView, missing_from_view
 from logra_pl.callbacks.diagnostics import SketchDiagnostics
 from tests.conftest import quick_trainer
@@ -24,8 +31,9 @@ from tests.conftest import quick_trainer
         (PolicySync(), "PolicySync", ", ".join(PolicySync.READS)),
         (HFExport(every_n_updates=1), "HFExport", "policy, tokenizer, method"),
         (SketchDiagnostics(), "SketchDiagnostics", ", ".join(SketchDiagnostics.READS)),
+        (NextBatchGain(), "NextBatchGain", "method"),
     ],
-    ids=["kl-control", "mismatch", "sync", "export", "diagnostics"],
+    ids=["kl-control", "mismatch", "sync", "export", "diagnostics", "next-batch-gain"],
 )
 def test_a_callback_that_reads_the_policy_refuses_another_module_naming_what_it_lacks(
     callback, name: str, lacks: str, tmp_path: Path

@@ -113,3 +113,91 @@ def test_an_update_not_taken_gains_nothing(kind: str, qwen2_factory) -> None:
     _loss(model, 2).backward()
     result = method.step(StepThrough(opt, lambda o: o.proposal.skip("vetoed by the test")), sched, _same)
     assert result.rejected == "vetoed by the test" and method.last_gain == 0.0
+
+
+# ------------------------------------------------------------------------------- the next batch's gain
+def _dense_reference(model, seed: int, names) -> dict[str, torch.Tensor]:
+    """Float64 gradients, by parameter name, of the loss of ``seed`` at the weights as they are (plain autograd on a
+    copy, every parameter of ``names`` requiring grad)."""
+    ref = copy.deepcopy(model)
+    for n, p in ref.named_parameters():
+        p.requires_grad_(n in names)
+    _loss(ref, seed).backward()
+    return {n: p.grad.double() for n, p in ref.named_parameters() if n in names and p.grad is not None}
+
+
+def _trained_names(kind: str, model) -> set[str]:
+    if kind == "lora":
+        return {n for n, p in model.named_parameters() if p.requires_grad}
+    return {f"{n}.weight" for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in TARGETS}
+
+
+@pytest.mark.parametrize("kind", ["logra", "logra_bf16", "adamw", "sgd", "lora"])
+def test_next_batch_gain_is_the_last_step_against_the_next_dense_gradient(kind: str, qwen2_factory) -> None:
+    """Three updates at α = 0.37 with the last step kept: the first has no earlier step (None); each later one
+    measures ``−⟨G', W_t − W_{t−1}⟩``, ``G'`` the dense gradient of its own loss at the weights the earlier step
+    produced (plain autograd on a copy), ``W_t − W_{t−1}`` that step's actual change (LoRA: its adapters'). LoGRA
+    measures it as ``⟨S', F⟩`` from its next sketches alone, exactly: the merged factors, bf16 ones included. The
+    measure does not change the training: the weights are those of the same updates without it, bit for bit."""
+    model, twin = qwen2_factory(seed=0), qwen2_factory(seed=0)
+    torch.manual_seed(0)  # LoRA's adapters are drawn: the same for both
+    method, opt, sched = _build(kind, model)
+    torch.manual_seed(0)
+    plain, plain_opt, plain_sched = _build(kind, twin)
+    assert method.next_batch_gain is None and method.keep_last_step()
+    names = _trained_names(kind, model)
+    before = None
+    for seed in (1, 2, 3):
+        grads = _dense_reference(model, seed, names)
+        now = _weights(model)
+        for m, net, o, s in ((method, model, opt, sched), (plain, twin, plain_opt, plain_sched)):
+            _loss(net, seed).backward()
+            assert m.step(StepThrough(o, _scale), s, _same).rejected is None
+        if before is None:
+            assert method.next_batch_gain is None
+        else:
+            want = -sum(float((grads[n] * (now[n] - before[n])).sum()) for n in grads)
+            assert want != 0 and method.next_batch_gain == pytest.approx(want, rel=1e-5, abs=1e-12)
+        assert plain.next_batch_gain is None
+        before = now
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("kind", ["logra", "adamw"])
+def test_a_step_not_taken_leaves_the_last_one_kept(kind: str, qwen2_factory) -> None:
+    """A vetoed update changes nothing, so the update after it measures the step before the veto, against its own
+    gradient at the weights that step produced."""
+    model = qwen2_factory(seed=0)
+    method, opt, sched = _build(kind, model)
+    method.keep_last_step()
+    names = _trained_names(kind, model)
+    before = _weights(model)
+    _loss(model, 1).backward()
+    method.step(StepThrough(opt, _scale), sched, _same)
+    taken = _weights(model)
+    _loss(model, 2).backward()
+    assert method.step(StepThrough(opt, lambda o: o.proposal.skip("vetoed")), sched, _same).rejected == "vetoed"
+    grads = _dense_reference(model, 3, names)
+    _loss(model, 3).backward()
+    method.step(StepThrough(opt, _scale), sched, _same)
+    want = -sum(float((grads[n] * (taken[n] - before[n])).sum()) for n in grads)
+    assert method.next_batch_gain == pytest.approx(want, rel=1e-5)
+
+
+def test_logra_measures_only_on_a_persisting_basis(qwen2_factory) -> None:
+    """With a new projection every 2 updates, the second update of a basis is measured and the first one on a new
+    basis is not (its sketches are on another ``P``). A basis drawn anew every update, or rescaled every update
+    (input_scaling), never persists: the method says it cannot keep a step."""
+    model = qwen2_factory(seed=0)
+    cfg = LoGRAConfig(rank=8, base_seed=5, step_mode="adam", lr=1e-3, beta1=0.9, refresh_every=2)
+    method = LoGRAMethod(cfg)
+    assert method.keep_last_step()
+    opt = method.configure_optimizers(model, TARGETS, DivergenceGuard())
+    measured = []
+    for seed in (1, 2, 3, 4):
+        _loss(model, seed).backward()
+        method.step(StepThrough(opt, _scale), None, _same)
+        measured.append(method.next_batch_gain is not None)
+    assert measured == [False, True, False, True]
+    for changes in ({"refresh_every": 1}, {"refresh_every": 0, "input_scaling": "rms"}):
+        assert not LoGRAMethod(LoGRAConfig(rank=8, step_mode="adam", lr=1e-3, **changes)).keep_last_step()
