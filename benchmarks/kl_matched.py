@@ -38,6 +38,7 @@ written before the summary gained a field.
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import math
@@ -362,11 +363,18 @@ def relative(folder: Path) -> str:
         return str(folder)
 
 
+# Every run measures each update's gain on the next update's loss (where its method can: not on a basis drawn anew
+# every update). A pure measure: the same updates bit for bit (tests/methods/test_update_gain.py), so a run written
+# before it was added is the same run (rekey).
+NEXT_BATCH_GAIN = {"class_path": "logra_pl.callbacks.NextBatchGain", "init_args": {"required": False}}
+
+
 def run_config(model: str, setup: ModelSetup, method: Method, budget: float, seed: int, folder: Path) -> dict:
     """The full ``logra-pl fit`` config of one run: ``configs/tiny_cpu.yaml`` with
 
     - the protocol's callbacks: RunSummary, MemoryMonitor (the training state), RolloutMismatch, HeldOutKL (the KL
-      of every update on :data:`HELDOUT_PROMPTS` held-out responses) and PredictedKLControl (cosine budget from
+      of every update on :data:`HELDOUT_PROMPTS` held-out responses), NextBatchGain (each update's gain on the next
+      update's loss) and PredictedKLControl (cosine budget from
       ``budget`` to ``budget / 4`` over the run, ``alpha_max`` = :data:`ALPHA_MAX`, two probe responses,
       ``calibrate`` for the realized KL) — the same for every method;
     - no checkpoints or export (runs are redone whole when unfinished);
@@ -386,6 +394,7 @@ def run_config(model: str, setup: ModelSetup, method: Method, budget: float, see
         {"class_path": "logra_pl.callbacks.MemoryMonitor", "init_args": {"image_every": 0}},
         {"class_path": "logra_pl.callbacks.RolloutMismatch", "init_args": {"ema": 0.3, "floor": 0.5}},
         {"class_path": "logra_pl.callbacks.HeldOutKL", "init_args": {"prompts": HELDOUT_PROMPTS, "seed": 0}},
+        NEXT_BATCH_GAIN,
         {
             "class_path": "logra_pl.callbacks.PredictedKLControl",
             "init_args": {
@@ -484,8 +493,14 @@ DEFAULTS_BEFORE = {"update_rule": "rowadam", "beta1": 0.0, "moment_dtype": "floa
 
 
 def _as_ran(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """``cfg`` with its ``model.logra`` section written out as the code of its time read it."""
+    """``cfg`` with its ``model.logra`` section written out as the code of its time read it, and with the measures
+    that do not change a run (:data:`NEXT_BATCH_GAIN`) where it ran without them."""
     plain = json.loads(json.dumps(cfg))
+    callbacks = plain["trainer"].get("callbacks") or []
+    if NEXT_BATCH_GAIN not in callbacks:
+        at = [i for i, c in enumerate(callbacks) if c.get("class_path", "").endswith("HeldOutKL")]
+        callbacks.insert(at[0] + 1 if at else len(callbacks), json.loads(json.dumps(NEXT_BATCH_GAIN)))
+        plain["trainer"]["callbacks"] = callbacks
     section = plain["model"].get("logra")
     if section is not None:
         filled = {**DEFAULTS_BEFORE, **section}
@@ -548,6 +563,8 @@ DIRECTION_TAGS = (
     "kl/heldout_gain_per_sqrt_kl",
     "kl/backtracks",
     "kl/line_search_realized",
+    "train/next_batch_gain",
+    "train/next_batch_retention",
 )
 
 
@@ -556,13 +573,30 @@ def _median(points: Sequence[tuple[int, float]]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def carried_per_sqrt_kl(scalars: Mapping[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """Each next-batch gain (logged at the update after the step it measures) over the square root of the realized
+    KL of that step: the last ``kl/realized`` logged before it."""
+    realized = sorted(scalars.get("kl/realized", []))
+    steps = [step for step, _ in realized]
+    out = []
+    for step, gain in scalars.get("train/next_batch_gain", []):
+        at = bisect.bisect_left(steps, step) - 1
+        if at >= 0 and realized[at][1] > 0:
+            out.append((step, gain / math.sqrt(realized[at][1])))
+    return out
+
+
 def direction(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float | None]:
     """The update's direction, update by update (medians over the run's updates): its first-order gain ``−⟨∇L, Δθ⟩``
     on the batch, its norm, the gain per unit of policy change on the batch's probe responses (``gain/√KL``) and on
-    the held-out responses, and the held-out KL over the in-batch KL of the same update."""
+    the held-out responses, the held-out KL over the in-batch KL of the same update; and the step's gain on the next
+    update's loss (``−⟨∇L', Δθ⟩``), that over its own in-batch gain (retention) and over √KL of the step."""
     realized = dict(scalars.get("kl/realized", []))
     ratios = [(s, v / realized[s]) for s, v in scalars.get("kl/heldout_realized", []) if realized.get(s, 0.0) > 0]
     return {
+        "next_gain_median": _median(scalars.get("train/next_batch_gain", [])),
+        "retention_median": _median(scalars.get("train/next_batch_retention", [])),
+        "next_gain_per_sqrt_kl": _median(carried_per_sqrt_kl(scalars)),
         "gain_median": _median(scalars.get("train/update_gain", [])),
         "step_norm_median": _median(scalars.get("train/update_norm", [])),
         "gain_per_sqrt_kl": _median(scalars.get("kl/gain_per_sqrt_kl", [])),
@@ -699,6 +733,9 @@ KEYS = (
     "heldout_kl",
     "heldout_over_inbatch",
     "heldout_gain_per_sqrt_kl",
+    "next_gain_median",
+    "retention_median",
+    "next_gain_per_sqrt_kl",
     "backtracked",
     "skipped_updates",
 )
@@ -803,6 +840,28 @@ def direction_table(report: Mapping[str, Any], budget: float) -> str:
             f"| {cell['label']} | {_sci(s.get('gain_median'))} | {_sci(s.get('step_norm_median'))} | "
             f"{pm(s.get('gain_per_sqrt_kl'), 3)} | {pm(s.get('heldout_gain_per_sqrt_kl'), 3)} | "
             f"{_sci(s.get('heldout_kl'))} | {pm(s.get('heldout_over_inbatch'), 2)} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def carry_table(report: Mapping[str, Any], budget: float) -> str:
+    """One budget's table of what each update carries to the next batch (medians over each run's updates, mean ±
+    std over seeds): the reward gain beside the step's gain on its own batch, on the next update's loss, their ratio,
+    and the next-batch gain per √KL of the step; methods that measured it (not a basis drawn every update)."""
+    cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
+    lines = [
+        "| method | seeds | reward gain | gain on its batch | gain on the next batch | next ÷ own | next / √KL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in METHODS:
+        cell = cells.get(name)
+        s = {} if cell is None else cell["summary"]
+        if s.get("next_gain_median") is None:
+            continue
+        lines.append(
+            f"| {cell['label']} | {s['next_gain_median']['n']} | {pm(s.get('reward_gain'), signed=True)} | "
+            f"{_sci(s.get('gain_median'))} | {_sci(s.get('next_gain_median'))} | "
+            f"{pm(s.get('retention_median'), 3)} | {pm(s.get('next_gain_per_sqrt_kl'), 3)} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -943,6 +1002,11 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         "responses (kl/realized, which the step control holds to the budget) and on "
         f"{HELDOUT_PROMPTS} held-out responses sampled once at the start (HeldOutKL, outside every loss).",
         "",
+        "Next-batch tables: the same step's gain on the loss of the update after it, −⟨∇L', Δθ⟩, ∇L' taken at the "
+        "weights the step produced (NextBatchGain; LoGRA: ⟨S', F⟩ from the next sketches on the same basis, so not "
+        "measured where a new basis is drawn every update); next ÷ own: that over the step's gain on its own batch; "
+        "next / √KL: over the square root of the step's realized KL. Runs from before the measure have none.",
+        "",
     ]
     budgets = list(setup.budgets) + sorted({c["budget"] for c in report["cells"].values()} - set(setup.budgets))
     for budget in budgets:
@@ -950,6 +1014,9 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         directions = direction_table(report, budget)
         if directions:
             lines += [directions, ""]
+        carried = carry_table(report, budget)
+        if carried:
+            lines += [carried, ""]
         searched = line_search_line(report, budget)
         if searched:
             lines += [searched, ""]

@@ -77,6 +77,7 @@ def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> No
     assert seeds[0]["data"]["seed"] == seeds[1]["data"]["seed"]
     heldout = [c for c in seeds[0]["trainer"]["callbacks"] if c["class_path"].endswith("HeldOutKL")]
     assert heldout and heldout[0]["init_args"]["prompts"] == kl_matched.HELDOUT_PROMPTS
+    assert kl_matched.NEXT_BATCH_GAIN in seeds[0]["trainer"]["callbacks"]  # not required: not every method can
     # The decomposition's methods: sign-SGD is Adam with β = (0, 0); the full-rank sketch is orthogonal everywhere.
     assert by_method["signsgd"]["adamw"]["betas"] == [0.0, 0.0]
     assert by_method["adamw_nomomentum"]["adamw"]["betas"] == [0.0, 0.95]
@@ -152,6 +153,9 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
         writer.add_scalar("kl/gain_per_sqrt_kl", float(step), step)
         writer.add_scalar("kl/backtracks", float(step % 2), step)  # the line search cut updates 1 and 3
         writer.add_scalar("kl/skipped_updates", 1.0 if step >= 4 else 0.0, step)
+        if step:  # the step before this one, measured on this update's loss: 3·√KL of that step
+            writer.add_scalar("train/next_batch_gain", 3 * realized[step - 1] ** 0.5, step)
+            writer.add_scalar("train/next_batch_retention", 0.25 * step, step)
     writer.close()
 
     assert kl_matched.resummarize([run, other]) == 1  # the other run has no log: left as it was
@@ -165,12 +169,37 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     assert result["gain_median"] == pytest.approx(0.03) and result["gain_per_sqrt_kl"] == pytest.approx(2.0)
     assert result["heldout_over_inbatch"] == pytest.approx(2.0) and result["heldout_kl"] == pytest.approx(2.0e-3)
     assert result["curves"]["train/update_gain"][0] == [0, pytest.approx(0.01)]
+    # Each next-batch gain over √KL of the step it measures (logged one update earlier): 3 at every update.
+    assert result["next_gain_per_sqrt_kl"] == pytest.approx(3.0)
+    assert result["next_gain_median"] == pytest.approx(3 * ((1.0e-3**0.5 + 1.1e-3**0.5) / 2))
+    assert result["retention_median"] == pytest.approx(0.625)
 
     report = kl_matched.collect("smollm2", kl_matched.MODELS["smollm2"], [run, other], 0.2)
     assert "| 1.05 (0.50–2.00; 50% off) |" in kl_matched.table(report, run.budget)
     row = next(line for line in kl_matched.direction_table(report, run.budget).splitlines() if "paper" in line)
     assert "| 3.00e-02 ± 0.0e+00 |" in row and "| 2.00 ± 0.00 |" in row
+    carried = kl_matched.carry_table(report, run.budget).splitlines()
+    assert len(carried) == 3 and carried[2].endswith("| 0.625 ± 0.000 | 3.000 ± 0.000 |")  # the other has none
     assert result["backtracked"] == pytest.approx(0.4) and result["skipped_updates"] == 1.0
     assert "LoGRA, paper rule (r = 64): 0.40 ± 0.00 of updates cut, 1.0 ± 0.0 skipped per run" in (
         kl_matched.line_search_line(report, run.budget)
     )
+
+
+def test_a_run_from_before_a_pure_measure_is_the_same_run(tmp_path: Path) -> None:
+    """A finished run whose config lacks the NextBatchGain callback (written before it existed) is rekeyed to the
+    planned run: the callback changes no update. A run that differs in anything else is not."""
+    import yaml
+
+    run, other = _runs(tmp_path)[:2]
+    for r in (run, other):
+        old = json.loads(json.dumps(r.config))
+        old["trainer"]["callbacks"].remove(kl_matched.NEXT_BATCH_GAIN)
+        if r is other:
+            old["model"]["microbatch_size"] += 1
+        r.folder.mkdir(parents=True)
+        (r.folder / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+        (r.folder / "result.json").write_text(json.dumps({"key": kl_matched.config_key(old), "reward_gain": 0.5}))
+    assert kl_matched.rekey([run, other]) == 1
+    assert kl_matched.load_result(run) == {"key": run.key, "reward_gain": 0.5}
+    assert kl_matched.load_result(other) is None
