@@ -1,4 +1,4 @@
-"""``NextBatchGain``: how much of each update carries to the batch after it (algorithm.md §5a).
+"""``NextBatchGain``: how much of each update carries to the batch after it (algorithm.md §6).
 
 An update's first-order gain on its own batch, ``−⟨∇L, Δθ⟩`` (``train/update_gain``), says how well the step fits the
 batch it was made from. A step that spends the KL budget on what is particular to that batch fits it best and

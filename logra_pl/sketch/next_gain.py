@@ -1,4 +1,4 @@
-"""An update's first-order gain on the *next* update's loss, from the next update's sketches (algorithm.md §5a).
+"""An update's first-order gain on the *next* update's loss, from the next update's sketches (algorithm.md §6).
 
 A merged update changes each matrix by ``ΔW = −F Q`` (``F`` the payload's factors, ``α`` included; ``Q = P`` or
 ``P·diag(s)`` with ``input_scaling``). The next update's sketch of its loss ``L'`` is ``S' = G' Qᵀ`` on the same

@@ -89,13 +89,19 @@ class Record(pl.Callback):
 
 
 class Gains(pl.Callback):
-    """The update method's first-order gain of each update (``method.last_gain``, reduced over ranks)."""
+    """The update method's first-order gain of each update (``method.last_gain``, reduced over ranks) and the gain
+    of the step before it on this update's loss (``method.next_batch_gain``, with the method keeping its steps)."""
 
     def __init__(self) -> None:
         self.values: list[float] = []
+        self.next: list[float | None] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        pl_module.method.keep_last_step()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.values.append(pl_module.method.last_gain)
+        self.next.append(pl_module.method.next_batch_gain)
 
 
 class SigtermAt(pl.Callback):
@@ -218,6 +224,7 @@ def main() -> None:
                 ).persistent,
                 "kl": kl.history if kl is not None else None,
                 "gains": gains.values,
+                "next_gains": gains.next,
                 "reference": None
                 if module.reference_policy is None
                 else {

@@ -216,12 +216,17 @@ def test_dense_kl_control_is_the_same_on_two_ranks(runs) -> None:
 
 def test_update_gains_are_the_same_on_two_ranks(runs) -> None:
     """The first-order gain of each update (LoGRA: ``α·⟨S, U⟩`` from the all-reduced sketches; dense AdamW:
-    ``−⟨g, α·ΔW⟩`` over the ranks' gradient shards, summed) is the same on 1 and 2 ranks: the gradient of the
-    update's loss is summed over ranks, never averaged (a 2-rank gain of half the 1-rank one would be averaged)."""
+    ``−⟨g, α·ΔW⟩`` over the ranks' gradient shards, summed), and of each step on the next update's loss, is the same
+    on 1 and 2 ranks: the gradient of the update's loss is summed over ranks, never averaged (a 2-rank gain of half
+    the 1-rank one would be averaged)."""
     for one, two, rel in ((runs["one6"], runs["two7"], 1e-5), (runs["adamw_one"], runs["adamw"], 5e-3)):
         assert len(one["gains"]) >= 2 and len(two["gains"]) >= 2
         for a, b in zip(one["gains"][:2], two["gains"][:2], strict=True):
             assert a > 0 and b == pytest.approx(a, rel=rel)
+        # The first step's gain on the second update's loss: LoGRA's ⟨S', F⟩ from the all-reduced sketches, AdamW's
+        # over the gradient shards, summed; nothing before the first step.
+        assert one["next_gains"][0] is None and two["next_gains"][0] is None
+        assert one["next_gains"][1] != 0 and two["next_gains"][1] == pytest.approx(one["next_gains"][1], rel=rel)
 
 
 def test_persistent_state_halves(runs) -> None:
