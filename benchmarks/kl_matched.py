@@ -573,30 +573,46 @@ def _median(points: Sequence[tuple[int, float]]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def carried_per_sqrt_kl(scalars: Mapping[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
-    """Each next-batch gain (logged at the update after the step it measures) over the square root of the realized
-    KL of that step: the last ``kl/realized`` logged before it."""
+def _before(points: Sequence[tuple[int, float]], step: int) -> float | None:
+    """The last value of ``points`` (sorted by step) logged before ``step``."""
+    at = bisect.bisect_left([s for s, _ in points], step) - 1
+    return points[at][1] if at >= 0 else None
+
+
+def carried(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float | None]:
+    """What the steps carried to the next batch, over the run: each next-batch gain (logged at the update after the
+    step it measures) beside the step's own in-batch gain and realized KL (the last ones logged before it). Means,
+    not medians: the sum of the next-batch gains is the first-order decrease the run's steps made in losses they did
+    not see, and a gain that changes sign from update to update has a median that says little about it."""
     realized = sorted(scalars.get("kl/realized", []))
-    steps = [step for step, _ in realized]
-    out = []
+    own = sorted(scalars.get("train/update_gain", []))
+    nexts, owns, per_kl = [], [], []
     for step, gain in scalars.get("train/next_batch_gain", []):
-        at = bisect.bisect_left(steps, step) - 1
-        if at >= 0 and realized[at][1] > 0:
-            out.append((step, gain / math.sqrt(realized[at][1])))
-    return out
+        if not math.isfinite(gain):
+            continue
+        nexts.append(gain)
+        g, kl = _before(own, step), _before(realized, step)
+        if g is not None:
+            owns.append(g)
+        if kl is not None and kl > 0:
+            per_kl.append(gain / math.sqrt(kl))
+    mean = statistics.fmean
+    return {
+        "next_gain_mean": mean(nexts) if nexts else None,
+        "carried_share": sum(nexts) / sum(owns) if nexts and len(owns) == len(nexts) and sum(owns) else None,
+        "next_gain_per_sqrt_kl": mean(per_kl) if per_kl else None,
+    }
 
 
 def direction(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float | None]:
     """The update's direction, update by update (medians over the run's updates): its first-order gain ``−⟨∇L, Δθ⟩``
     on the batch, its norm, the gain per unit of policy change on the batch's probe responses (``gain/√KL``) and on
     the held-out responses, the held-out KL over the in-batch KL of the same update; and the step's gain on the next
-    update's loss (``−⟨∇L', Δθ⟩``), that over its own in-batch gain (retention) and over √KL of the step."""
+    update's loss (:func:`carried`)."""
     realized = dict(scalars.get("kl/realized", []))
     ratios = [(s, v / realized[s]) for s, v in scalars.get("kl/heldout_realized", []) if realized.get(s, 0.0) > 0]
     return {
-        "next_gain_median": _median(scalars.get("train/next_batch_gain", [])),
-        "retention_median": _median(scalars.get("train/next_batch_retention", [])),
-        "next_gain_per_sqrt_kl": _median(carried_per_sqrt_kl(scalars)),
+        **carried(scalars),
         "gain_median": _median(scalars.get("train/update_gain", [])),
         "step_norm_median": _median(scalars.get("train/update_norm", [])),
         "gain_per_sqrt_kl": _median(scalars.get("kl/gain_per_sqrt_kl", [])),
@@ -733,8 +749,8 @@ KEYS = (
     "heldout_kl",
     "heldout_over_inbatch",
     "heldout_gain_per_sqrt_kl",
-    "next_gain_median",
-    "retention_median",
+    "next_gain_mean",
+    "carried_share",
     "next_gain_per_sqrt_kl",
     "backtracked",
     "skipped_updates",
@@ -845,23 +861,24 @@ def direction_table(report: Mapping[str, Any], budget: float) -> str:
 
 
 def carry_table(report: Mapping[str, Any], budget: float) -> str:
-    """One budget's table of what each update carries to the next batch (medians over each run's updates, mean ±
-    std over seeds): the reward gain beside the step's gain on its own batch, on the next update's loss, their ratio,
-    and the next-batch gain per √KL of the step; methods that measured it (not a basis drawn every update)."""
+    """One budget's table of what each update carries to the next batch (:func:`carried`: means over each run's
+    updates; mean ± std over seeds): the reward gain, the step's median gain on its own batch, its mean gain on the
+    next update's loss, the share of the in-batch gain carried (Σ next ÷ Σ own) and the next-batch gain per √KL of
+    the step; methods that measured it (not a basis drawn every update)."""
     cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
     lines = [
-        "| method | seeds | reward gain | gain on its batch | gain on the next batch | next ÷ own | next / √KL |",
+        "| method | seeds | reward gain | gain on its batch | gain on the next batch | Σ next ÷ Σ own | next / √KL |",
         "|---|---|---|---|---|---|---|",
     ]
     for name in METHODS:
         cell = cells.get(name)
         s = {} if cell is None else cell["summary"]
-        if s.get("next_gain_median") is None:
+        if s.get("next_gain_mean") is None:
             continue
         lines.append(
-            f"| {cell['label']} | {s['next_gain_median']['n']} | {pm(s.get('reward_gain'), signed=True)} | "
-            f"{_sci(s.get('gain_median'))} | {_sci(s.get('next_gain_median'))} | "
-            f"{pm(s.get('retention_median'), 3)} | {pm(s.get('next_gain_per_sqrt_kl'), 3)} |"
+            f"| {cell['label']} | {s['next_gain_mean']['n']} | {pm(s.get('reward_gain'), signed=True)} | "
+            f"{_sci(s.get('gain_median'))} | {_sci(s.get('next_gain_mean'))} | "
+            f"{pm(s.get('carried_share'), 3)} | {pm(s.get('next_gain_per_sqrt_kl'), 3)} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -1004,8 +1021,10 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         "",
         "Next-batch tables: the same step's gain on the loss of the update after it, −⟨∇L', Δθ⟩, ∇L' taken at the "
         "weights the step produced (NextBatchGain; LoGRA: ⟨S', F⟩ from the next sketches on the same basis, so not "
-        "measured where a new basis is drawn every update); next ÷ own: that over the step's gain on its own batch; "
-        "next / √KL: over the square root of the step's realized KL. Runs from before the measure have none.",
+        "measured where a new basis is drawn every update), its mean over the run's updates (the first-order "
+        "decrease the steps made in losses they did not see); Σ next ÷ Σ own: the share of the steps' in-batch "
+        "gain that carried; next / √KL: per unit of the step's realized KL (mean). Runs from before the measure have "
+        "none.",
         "",
     ]
     budgets = list(setup.budgets) + sorted({c["budget"] for c in report["cells"].values()} - set(setup.budgets))

@@ -169,17 +169,20 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     assert result["gain_median"] == pytest.approx(0.03) and result["gain_per_sqrt_kl"] == pytest.approx(2.0)
     assert result["heldout_over_inbatch"] == pytest.approx(2.0) and result["heldout_kl"] == pytest.approx(2.0e-3)
     assert result["curves"]["train/update_gain"][0] == [0, pytest.approx(0.01)]
-    # Each next-batch gain over √KL of the step it measures (logged one update earlier): 3 at every update.
+    # Each next-batch gain over √KL of the step it measures (logged one update earlier): 3 at every update; its
+    # share of those steps' own gains (0.01..0.04), from sums.
+    nexts = [3 * r**0.5 for r in realized[:-1]]
     assert result["next_gain_per_sqrt_kl"] == pytest.approx(3.0)
-    assert result["next_gain_median"] == pytest.approx(3 * ((1.0e-3**0.5 + 1.1e-3**0.5) / 2))
-    assert result["retention_median"] == pytest.approx(0.625)
+    assert result["next_gain_mean"] == pytest.approx(sum(nexts) / 4)
+    assert result["carried_share"] == pytest.approx(sum(nexts) / 0.1)
 
     report = kl_matched.collect("smollm2", kl_matched.MODELS["smollm2"], [run, other], 0.2)
     assert "| 1.05 (0.50–2.00; 50% off) |" in kl_matched.table(report, run.budget)
     row = next(line for line in kl_matched.direction_table(report, run.budget).splitlines() if "paper" in line)
     assert "| 3.00e-02 ± 0.0e+00 |" in row and "| 2.00 ± 0.00 |" in row
     carried = kl_matched.carry_table(report, run.budget).splitlines()
-    assert len(carried) == 3 and carried[2].endswith("| 0.625 ± 0.000 | 3.000 ± 0.000 |")  # the other has none
+    share = f"{sum(nexts) / 0.1:.3f} ± 0.000"
+    assert len(carried) == 3 and carried[2].endswith(f"| {share} | 3.000 ± 0.000 |")  # the other has none
     assert result["backtracked"] == pytest.approx(0.4) and result["skipped_updates"] == 1.0
     assert "LoGRA, paper rule (r = 64): 0.40 ± 0.00 of updates cut, 1.0 ± 0.0 skipped per run" in (
         kl_matched.line_search_line(report, run.budget)
