@@ -72,6 +72,7 @@ from grid import (
 ALPHA_MAX = 1000.0
 VALIDATIONS = 3  # validations per run, the last at the final update
 GOAL = {"gain_vs_adamw": 1.0, "state": 0.10}
+MIN_SEEDS = 3  # seeds in each of the rule's, AdamW's and LoRA's cells before the goal line gives a verdict
 GOAL_TEXT = (
     "at matched KL per update, LoGRA's reward gain ≥ 100% of dense AdamW's and ≥ LoRA r = 64's, held-out pass@1 "
     "within one AdamW seed std of AdamW's, at ≤ 0.10× AdamW's training state"
@@ -896,7 +897,8 @@ def line_search_line(report: Mapping[str, Any], budget: float) -> str:
 
 
 def goal_line(report: Mapping[str, Any], budget: float) -> str:
-    """MET / MISSED for every LoGRA rule at this budget, with the numbers (against AdamW and LoRA)."""
+    """MET / MISSED for every LoGRA rule at this budget, with the numbers (against AdamW and LoRA); not judged
+    where a cell it compares has fewer than :data:`MIN_SEEDS` seeds."""
     cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
     need = ("adamw", "lora")
     if any(_stat(cells.get(n), "reward_gain") is None for n in need):
@@ -908,6 +910,14 @@ def goal_line(report: Mapping[str, Any], budget: float) -> str:
         if s is None:
             continue
         mine = cells[name]["summary"]
+        seeds = min(s["n"], adamw["reward_gain"]["n"], lora["reward_gain"]["n"])
+        if seeds < MIN_SEEDS:
+            out.append(
+                f"{cells[name]['label']}: not judged — {seeds} seed(s) in a cell, a verdict takes {MIN_SEEDS} "
+                f"(reward gain {s['mean']:+.3f} vs AdamW {adamw['reward_gain']['mean']:+.3f} and LoRA "
+                f"{lora['reward_gain']['mean']:+.3f})."
+            )
+            continue
         gain_ok = (
             s["mean"] >= GOAL["gain_vs_adamw"] * adamw["reward_gain"]["mean"]
             and s["mean"] >= lora["reward_gain"]["mean"]

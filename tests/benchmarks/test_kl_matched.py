@@ -22,7 +22,7 @@ MiB = 2**20
 
 def _runs(out: Path) -> list[kl_matched.Run]:
     setup = kl_matched.MODELS["smollm2"]
-    return kl_matched.plan_runs("smollm2", setup, list(kl_matched.METHODS), (0, 1), out)
+    return kl_matched.plan_runs("smollm2", setup, list(kl_matched.METHODS), (0, 1, 2), out)
 
 
 SEARCH_KEYS = ("max_overshoot", "max_backtracks", "search_responses")
@@ -31,7 +31,7 @@ SEARCH_KEYS = ("max_overshoot", "max_backtracks", "search_responses")
 def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     setup = kl_matched.MODELS["smollm2"]
-    assert len(runs) == len(setup.budgets) * 2 * len(kl_matched.METHODS)
+    assert len(runs) == len(setup.budgets) * 3 * len(kl_matched.METHODS)
     first = [r for r in runs if r.budget == setup.budgets[0] and r.seed == 0]
     assert [r.method for r in first] == list(kl_matched.METHODS)
     shared = None
@@ -122,12 +122,16 @@ def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path:
     assert {c["method"] for c in report["cells"].values()} == set(numbers)
     text = kl_matched.table(report, budget)
     row = next(line for line in text.splitlines() if line.startswith("| LoGRA, levers"))
-    assert "+0.205 ± 0.007" in row and "| 1.95 |" in row and "| 0.100 |" in row
+    assert "+0.210 ± 0.010" in row and "| 1.91 |" in row and "| 0.100 |" in row
     assert "| – |" in row  # results summarized without the per-update calibration
     goal = kl_matched.goal_line(report, budget)
     assert "LoGRA, levers (r = 64): **MET**" in goal
     assert "LoGRA, paper rule (r = 64): **MISSED**" in goal
     assert "not yet measured" in kl_matched.goal_line(report, runs[-1].budget)
+    for cell in report["cells"].values():  # two seeds of three: no verdict
+        cell["runs"].pop("2")
+        cell["summary"] = kl_matched.aggregate(list(cell["runs"].values()), kl_matched.KEYS)
+    assert "LoGRA, levers (r = 64): not judged — 2 seed(s) in a cell" in kl_matched.goal_line(report, budget)
     assert "the last 10 updates' mean train reward minus the first 10's (20% of the run" in kl_matched.window_text(
         report, 50
     )
