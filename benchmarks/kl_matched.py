@@ -46,7 +46,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -836,29 +836,33 @@ def _sci(stat: dict | None, digits: int = 2) -> str:
     return "–" if stat is None else f"{stat['mean']:.{digits}e} ± {stat['std']:.1e}"
 
 
+def _measured(report: Mapping[str, Any], budget: float, key: str) -> list[Mapping[str, Any]]:
+    """The budget's cells, in :data:`METHODS` order, whose summary has ``key``."""
+    cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
+    return [cells[n] for n in METHODS if n in cells and cells[n]["summary"].get(key) is not None]
+
+
+def _cell_table(header: str, cells: Sequence[Mapping[str, Any]], row: Callable[[Mapping[str, Any]], str]) -> str:
+    """A table with ``header``'s columns and one row per cell, ``row(summary)`` after the method's label; empty
+    without cells."""
+    rule = "|" + "---|" * (header.count("|") - 1)
+    return "\n".join([header, rule, *(f"| {c['label']} | {row(c['summary'])} |" for c in cells)]) if cells else ""
+
+
 def direction_table(report: Mapping[str, Any], budget: float) -> str:
     """One budget's direction table: per update (medians over each run's updates, mean ± std over seeds) the
     first-order gain on the batch, the step's norm, the gain per √KL on the batch's probe responses and on the
     held-out responses, and the held-out KL over the in-batch KL."""
-    cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
-    lines = [
+    return _cell_table(
         "| method | gain −⟨∇L, Δθ⟩ / update | ‖Δθ‖ / update | gain / √KL, batch | gain / √KL, held-out "
         "| held-out KL / update | held-out ÷ batch KL |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name in METHODS:
-        cell = cells.get(name)
-        if cell is None:
-            continue
-        s = cell["summary"]
-        if s.get("gain_median") is None:
-            continue
-        lines.append(
-            f"| {cell['label']} | {_sci(s.get('gain_median'))} | {_sci(s.get('step_norm_median'))} | "
+        _measured(report, budget, "gain_median"),
+        lambda s: (
+            f"{_sci(s.get('gain_median'))} | {_sci(s.get('step_norm_median'))} | "
             f"{pm(s.get('gain_per_sqrt_kl'), 3)} | {pm(s.get('heldout_gain_per_sqrt_kl'), 3)} | "
-            f"{_sci(s.get('heldout_kl'))} | {pm(s.get('heldout_over_inbatch'), 2)} |"
-        )
-    return "\n".join(lines) if len(lines) > 2 else ""
+            f"{_sci(s.get('heldout_kl'))} | {pm(s.get('heldout_over_inbatch'), 2)}"
+        ),
+    )
 
 
 def carry_table(report: Mapping[str, Any], budget: float) -> str:
@@ -866,22 +870,15 @@ def carry_table(report: Mapping[str, Any], budget: float) -> str:
     updates; mean ± std over seeds): the reward gain, the step's median gain on its own batch, its mean gain on the
     next update's loss, the share of the in-batch gain carried (Σ next ÷ Σ own) and the next-batch gain per √KL of
     the step; methods that measured it (not a basis drawn every update)."""
-    cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
-    lines = [
+    return _cell_table(
         "| method | seeds | reward gain | gain on its batch | gain on the next batch | Σ next ÷ Σ own | next / √KL |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name in METHODS:
-        cell = cells.get(name)
-        s = {} if cell is None else cell["summary"]
-        if s.get("next_gain_mean") is None:
-            continue
-        lines.append(
-            f"| {cell['label']} | {s['next_gain_mean']['n']} | {pm(s.get('reward_gain'), signed=True)} | "
+        _measured(report, budget, "next_gain_mean"),
+        lambda s: (
+            f"{s['next_gain_mean']['n']} | {pm(s.get('reward_gain'), signed=True)} | "
             f"{_sci(s.get('gain_median'))} | {_sci(s.get('next_gain_mean'))} | "
-            f"{pm(s.get('carried_share'), 3)} | {pm(s.get('next_gain_per_sqrt_kl'), 3)} |"
-        )
-    return "\n".join(lines) if len(lines) > 2 else ""
+            f"{pm(s.get('carried_share'), 3)} | {pm(s.get('next_gain_per_sqrt_kl'), 3)}"
+        ),
+    )
 
 
 def line_search_line(report: Mapping[str, Any], budget: float) -> str:

@@ -59,7 +59,10 @@ class NextBatchGain(pl.Callback):
             "measure (LoGRA: its basis changes every update, with refresh_every: 1 or input_scaling: rms)"
         )
         if self.required:
-            raise ConfigError(f"{why}; use refresh_every: 0 or N > 1, or NextBatchGain(required=False)")
+            raise ConfigError(
+                f"{why}; use a basis that persists (refresh_every: 0 or N > 1, input_scaling: none), or "
+                "NextBatchGain(required=False)"
+            )
         rank_zero_warn(f"{why}; nothing is logged")
 
     @override
