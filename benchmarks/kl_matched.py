@@ -231,6 +231,15 @@ def _methods() -> dict[str, Method]:
     candidates = (
         logra("logra_adam_fixed", "LoGRA, sketch-space Adam, fixed projection (r = 64)", sketch_adam, refresh_every=0),
         logra("logra_adam_n25", "LoGRA, sketch-space Adam, refresh every 25 (r = 64)", sketch_adam, refresh_every=25),
+        # The default rule with its two moments kept in float32 (bf16 by default): whether their rounding costs the
+        # low-signal phase at 4e-3 its carry (docs/benchmarks.md, the next-batch gain).
+        logra(
+            "logra_adam_fixed_fp32",
+            "LoGRA, sketch-space Adam, fixed, float32 moments (r = 64)",
+            sketch_adam,
+            refresh_every=0,
+            moment_dtype="float32",
+        ),
         # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
         # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
         logra(
