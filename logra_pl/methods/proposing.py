@@ -156,22 +156,23 @@ def step_measures(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int
         update_sq += float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2
         weight_sq += float(torch.linalg.vector_norm(w, dtype=torch.float64)) ** 2
         nonfinite += int((~torch.isfinite(delta + w)).sum())
-        if p.grad is not None:
-            g = local(p.grad).detach().reshape(-1).to(torch.float64)
-            gain -= float(torch.dot(g, delta.reshape(-1).to(torch.float64)))
+        gain += first_order_gain(p, delta)
     return update_sq, weight_sq, nonfinite, gain
+
+
+def first_order_gain(p: torch.nn.Parameter, delta: torch.Tensor) -> float:
+    """``−⟨g, Δ⟩`` in float64 of ``p``'s gradient now (this process's shard) and a step ``Δ`` of it; 0 without one."""
+    if p.grad is None:
+        return 0.0
+    g = local(p.grad).detach().reshape(-1).to(torch.float64)
+    return -float(torch.dot(g, delta.reshape(-1).to(torch.float64)))
 
 
 @torch.no_grad()
 def kept_step_gain(kept: Mapping[torch.nn.Parameter, torch.Tensor]) -> float:
     """``−Σ⟨g, Δ⟩`` of a kept step ``{parameter: Δ}`` (this process's shards) against each parameter's gradient now,
     in float64; a parameter without a gradient adds nothing. A data-parallel caller all-reduces it."""
-    gain = 0.0
-    for p, delta in kept.items():
-        if p.grad is not None:
-            g = local(p.grad).detach().reshape(-1).to(torch.float64)
-            gain -= float(torch.dot(g, delta.reshape(-1).to(torch.float64)))
-    return gain
+    return sum((first_order_gain(p, delta) for p, delta in kept.items()), 0.0)
 
 
 def step_preview(deltas: Deltas, alpha: float = 1.0) -> tuple[float, float, int]:
