@@ -240,6 +240,15 @@ def _methods() -> dict[str, Method]:
             refresh_every=0,
             moment_dtype="float32",
         ),
+        # The default rule with a longer first moment (β1 = 0.95, about 20 updates of history against 10): whether
+        # keeping more of the little signal a low-signal phase gives lifts its next-batch carry at 4e-3.
+        logra(
+            "logra_adam_fixed_b95",
+            "LoGRA, sketch-space Adam, fixed, β1 = 0.95 (r = 64)",
+            sketch_adam,
+            refresh_every=0,
+            beta1=0.95,
+        ),
         # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
         # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
         logra(
