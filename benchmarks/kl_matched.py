@@ -495,7 +495,13 @@ def load_result(run: Run) -> dict | None:
     if not done.exists():
         return None
     result = json.loads(done.read_text())
-    return result if result.get("key") == run.key else None
+    if result.get("key") != run.key:
+        return None
+    # A measure added to carried() after the run was summarized is read from the curves the result keeps.
+    curves = {tag: [tuple(p) for p in points] for tag, points in (result.get("curves") or {}).items()}
+    if "train/next_batch_gain" in curves:
+        result.update({k: v for k, v in carried(curves).items() if k not in result})
+    return result
 
 
 def explicit_logra(section: Mapping[str, Any]) -> dict[str, Any]:
@@ -602,10 +608,17 @@ def carried(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float |
     """What the steps carried to the next batch, over the run: each next-batch gain (logged at the update after the
     step it measures) beside the step's own in-batch gain and realized KL (the last ones logged before it). Means,
     not medians: the sum of the next-batch gains is the first-order decrease the run's steps made in losses they did
-    not see, and a gain that changes sign from update to update has a median that says little about it."""
+    not see, and a gain that changes sign from update to update has a median that says little about it.
+
+    A batch in which no response was rewarded (train reward 0) has almost no gradient under a running baseline (every
+    advantage the same small negative number), so a step's gain on it is near zero whatever its direction: a run that
+    scores nothing for a while carries little because it scores nothing. ``next_gain_per_sqrt_kl_scored`` is the
+    next-batch gain per √KL over the next batches that scored (train reward > 0), the direction's carry where there
+    was something to carry; ``unscored_share`` the share of the run's batches that scored nothing."""
     realized = sorted(scalars.get("kl/realized", []))
     own = sorted(scalars.get("train/update_gain", []))
-    nexts, owns, per_kl = [], [], []
+    reward = dict(scalars.get("train/reward_mean", []))
+    nexts, owns, per_kl, per_kl_scored = [], [], [], []
     for step, gain in scalars.get("train/next_batch_gain", []):
         if not math.isfinite(gain):
             continue
@@ -615,11 +628,15 @@ def carried(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float |
             owns.append(g)
         if kl is not None and kl > 0:
             per_kl.append(gain / math.sqrt(kl))
+            if reward.get(step, 0.0) > 0:
+                per_kl_scored.append(per_kl[-1])
     mean = statistics.fmean
     return {
         "next_gain_mean": mean(nexts) if nexts else None,
         "carried_share": sum(nexts) / sum(owns) if nexts and len(owns) == len(nexts) and sum(owns) else None,
         "next_gain_per_sqrt_kl": mean(per_kl) if per_kl else None,
+        "next_gain_per_sqrt_kl_scored": mean(per_kl_scored) if per_kl_scored else None,
+        "unscored_share": mean(float(r <= 0) for r in reward.values()) if reward else None,
     }
 
 
@@ -771,6 +788,8 @@ KEYS = (
     "next_gain_mean",
     "carried_share",
     "next_gain_per_sqrt_kl",
+    "next_gain_per_sqrt_kl_scored",
+    "unscored_share",
     "backtracked",
     "skipped_updates",
 )
@@ -887,14 +906,17 @@ def carry_table(report: Mapping[str, Any], budget: float) -> str:
     """One budget's table of what each update carries to the next batch (:func:`carried`: means over each run's
     updates; mean ± std over seeds): the reward gain, the step's median gain on its own batch, its mean gain on the
     next update's loss, the share of the in-batch gain carried (Σ next ÷ Σ own) and the next-batch gain per √KL of
-    the step; methods that measured it (not a basis drawn every update)."""
+    the step, over every next batch and over those that scored; and the share of batches that scored nothing (where
+    no direction carries); methods that measured it (not a basis drawn every update)."""
     return _cell_table(
-        "| method | seeds | reward gain | gain on its batch | gain on the next batch | Σ next ÷ Σ own | next / √KL |",
+        "| method | seeds | reward gain | gain on its batch | gain on the next batch | Σ next ÷ Σ own | next / √KL | "
+        "next / √KL, scored batches | batches scoring nothing |",
         _measured(report, budget, "next_gain_mean"),
         lambda s: (
             f"{s['next_gain_mean']['n']} | {pm(s.get('reward_gain'), signed=True)} | "
             f"{_sci(s.get('gain_median'))} | {_sci(s.get('next_gain_mean'))} | "
-            f"{pm(s.get('carried_share'), 3)} | {pm(s.get('next_gain_per_sqrt_kl'), 3)}"
+            f"{pm(s.get('carried_share'), 3)} | {pm(s.get('next_gain_per_sqrt_kl'), 3)} | "
+            f"{pm(s.get('next_gain_per_sqrt_kl_scored'), 3)} | {pm(s.get('unscored_share'), 2)}"
         ),
     )
 

@@ -151,14 +151,14 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     for step, (r, p) in enumerate(zip(realized, predicted, strict=True)):
         writer.add_scalar("kl/realized", r, step)
         writer.add_scalar("kl/predicted_scaled", p, step)
-        writer.add_scalar("train/reward_mean", 0.1 * step, step)
+        writer.add_scalar("train/reward_mean", 0.0 if step == 2 else 0.1 * step, step)  # 0 and 2 scored nothing
         writer.add_scalar("train/update_gain", 0.01 * (step + 1), step)
         writer.add_scalar("kl/heldout_realized", 2 * r, step)
         writer.add_scalar("kl/gain_per_sqrt_kl", float(step), step)
         writer.add_scalar("kl/backtracks", float(step % 2), step)  # the line search cut updates 1 and 3
         writer.add_scalar("kl/skipped_updates", 1.0 if step >= 4 else 0.0, step)
-        if step:  # the step before this one, measured on this update's loss: 3·√KL of that step
-            writer.add_scalar("train/next_batch_gain", 3 * realized[step - 1] ** 0.5, step)
+        if step:  # the step before this one, measured on this update's loss: 3·√KL of that step (−1·√KL on batch 2)
+            writer.add_scalar("train/next_batch_gain", (-1 if step == 2 else 3) * realized[step - 1] ** 0.5, step)
             writer.add_scalar("train/next_batch_retention", 0.25 * step, step)
     writer.close()
 
@@ -173,10 +173,18 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     assert result["gain_median"] == pytest.approx(0.03) and result["gain_per_sqrt_kl"] == pytest.approx(2.0)
     assert result["heldout_over_inbatch"] == pytest.approx(2.0) and result["heldout_kl"] == pytest.approx(2.0e-3)
     assert result["curves"]["train/update_gain"][0] == [0, pytest.approx(0.01)]
-    # Each next-batch gain over √KL of the step it measures (logged one update earlier): 3 at every update; its
-    # share of those steps' own gains (0.01..0.04), from sums.
-    nexts = [3 * r**0.5 for r in realized[:-1]]
-    assert result["next_gain_per_sqrt_kl"] == pytest.approx(3.0)
+    # Each next-batch gain over √KL of the step it measures (logged one update earlier): 3 at every update but on
+    # batch 2 (−1), which scored nothing; its share of those steps' own gains (0.01..0.04), from sums.
+    nexts = [(-1 if i == 1 else 3) * r**0.5 for i, r in enumerate(realized[:-1])]
+    assert result["next_gain_per_sqrt_kl"] == pytest.approx((3 - 1 + 3 + 3) / 4)
+    assert result["next_gain_per_sqrt_kl_scored"] == pytest.approx(3.0)  # batches 1, 3, 4
+    assert result["unscored_share"] == pytest.approx(2 / 5)
+    # A result summarized before these two measures existed gets them from the curves it keeps.
+    older = {k: v for k, v in result.items() if k not in ("next_gain_per_sqrt_kl_scored", "unscored_share")}
+    (run.folder / "result.json").write_text(json.dumps(older))
+    loaded = kl_matched.load_result(run)
+    assert loaded["next_gain_per_sqrt_kl_scored"] == pytest.approx(3.0)
+    assert loaded["unscored_share"] == pytest.approx(2 / 5)
     assert result["next_gain_mean"] == pytest.approx(sum(nexts) / 4)
     assert result["carried_share"] == pytest.approx(sum(nexts) / 0.1)
 
@@ -186,7 +194,8 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     assert "| 3.00e-02 ± 0.0e+00 |" in row and "| 2.00 ± 0.00 |" in row
     carried = kl_matched.carry_table(report, run.budget).splitlines()
     share = f"{sum(nexts) / 0.1:.3f} ± 0.000"
-    assert len(carried) == 3 and carried[2].endswith(f"| {share} | 3.000 ± 0.000 |")  # the other has none
+    assert len(carried) == 3  # the other has none
+    assert carried[2].endswith(f"| {share} | 2.000 ± 0.000 | 3.000 ± 0.000 | 0.40 ± 0.00 |")
     assert result["backtracked"] == pytest.approx(0.4) and result["skipped_updates"] == 1.0
     assert "LoGRA, paper rule (r = 64): 0.40 ± 0.00 of updates cut, 1.0 ± 0.0 skipped per run" in (
         kl_matched.line_search_line(report, run.budget)
