@@ -590,6 +590,11 @@ DIRECTION_TAGS = (
     "kl/line_search_realized",
     "train/next_batch_gain",
     "train/next_batch_retention",
+    # What the policy's samples look like update by update: a run that stops scoring shows whether its replies
+    # changed (spread, length, cut at the token limit) or only stopped being right.
+    "train/entropy",
+    "train/response_length",
+    "train/truncation_rate",
 )
 
 
