@@ -249,6 +249,15 @@ def _methods() -> dict[str, Method]:
             refresh_every=0,
             beta1=0.95,
         ),
+        # ... and with a shorter one (β1 = 0.8, about 5 updates): a 4e-3 step moves the policy four times as far as a
+        # 1e-3 one, so the gradients a moment keeps are older in policy distance.
+        logra(
+            "logra_adam_fixed_b80",
+            "LoGRA, sketch-space Adam, fixed, β1 = 0.8 (r = 64)",
+            sketch_adam,
+            refresh_every=0,
+            beta1=0.8,
+        ),
         # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
         # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
         logra(
