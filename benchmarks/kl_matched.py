@@ -198,6 +198,18 @@ def _methods() -> dict[str, Method]:
             },
         )
 
+    def rotated_adamw(name: str, label: str, side: str) -> Method:
+        init = {"adamw": adamw, "rotation": {"rotate": side, "seed": 0}}
+        return Method(
+            name,
+            label,
+            {
+                "optimizer": "logra",  # ignored: model.method chooses
+                "logra": None,
+                "method": {"class_path": "logra_pl.methods.rotated.RotatedAdamW", "init_args": init},
+            },
+        )
+
     # Each method's own step setting only sizes the nominal step that α then scales to the budget (AdamW's and LoRA's
     # lr, LoGRA's update_ratio or lr, SGD's lr 0.1: large enough that α stays far below ALPHA_MAX).
     baselines = (
@@ -224,6 +236,10 @@ def _methods() -> dict[str, Method]:
         logra("logra_levers_fixed", "LoGRA, levers, fixed projection (r = 64)", levers, refresh=False),
         logra("logra_levers_r16", "LoGRA, levers (r = 16)", levers, rank=16),
         logra("logra_levers_r256", "LoGRA, levers (r = 256)", levers, rank=256),
+        # Dense AdamW with its moments in a rotated basis, full rank (methods/rotated.py): the inputs mixed as
+        # LoGRA's sketch mixes them, or the outputs, which LoGRA keeps as they are. Which mixing costs the take-off.
+        rotated_adamw("adamw_rot_inputs", "dense AdamW, moments in rotated inputs", "inputs"),
+        rotated_adamw("adamw_rot_outputs", "dense AdamW, moments in rotated outputs", "outputs"),
     )
     # Candidate rules (docs/benchmarks.md), each with LoGRA's contract: Adam on the sketch's d_out × r coordinates
     # with a first moment, both kept in bf16, on a basis that persists (fixed, or refreshed every N updates).

@@ -1,0 +1,197 @@
+"""``RotatedAdamW``: dense AdamW with its moments in a rotated basis of each matrix's inputs or outputs (a diagnostic).
+
+Why: every rule that normalizes in mixed input coordinates (LoGRA's sketch-space Adam at rank 64 or at full rank on
+an orthogonal projection, LoRA's ``B`` under a random ``A``) lost at least one prompt order at a KL budget of 4e-3
+on SmolLM2, where dense AdamW, which normalizes each entry of ``W`` on its own, took off on all five
+(docs/benchmarks.md). Adam is not rotation invariant: ``m/√v`` per entry depends on the basis. This method is AdamW
+with everything the same but the basis its moments and per-entry normalization see, on one side of the matrix at a
+time, at full rank (nothing projected away)::
+
+    rotate: inputs     G' = G Qᵀ,  m, v ← Adam(G'),  ΔW = −lr·(m̂/(√v̂ + ε)) Q        (Q: d_in × d_in)
+    rotate: outputs    G' = Q G,   m, v ← Adam(G'),  ΔW = −lr·Qᵀ (m̂/(√v̂ + ε))       (Q: d_out × d_out)
+
+``Q = Q_a ⊗ Q_b`` is a seeded random orthogonal matrix built from two small ones (``a·b = d``, ``b`` the largest
+divisor of ``d`` not above ``√d``): every rotated coordinate mixes every channel, and applying it costs
+``d·(a + b)`` per row instead of ``d²``. Against dense AdamW, ``inputs`` is the mixing of LoGRA's sketch without its
+rank; ``outputs`` is the mixing LoGRA never does (its rows are the matrix's own). Weight decay is decoupled and
+applied to ``W`` itself, as torch's AdamW does. The moments are kept in the parameter's dtype, like torch's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from typing_extensions import override
+
+from logra_pl.config import as_settings
+from logra_pl.errors import ConfigError
+from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
+from logra_pl.methods.base import AllReduceSum, StepResult
+from logra_pl.methods.guard import DivergenceGuard
+from logra_pl.methods.proposing import ProposingOptimizer, local
+
+SIDES = ("inputs", "outputs")
+
+
+def kron_factors(d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two seeded random orthogonal matrices ``Q_a`` (``a × a``) and ``Q_b`` (``b × b``), ``a·b = d``, ``b`` the
+    largest divisor of ``d`` with ``b ≤ √d``; ``Q = Q_a ⊗ Q_b`` (float64, QR of a Gaussian with the signs fixed)."""
+    b = max(k for k in range(1, math.isqrt(d) + 1) if d % k == 0)
+    gen = torch.Generator().manual_seed(seed)
+
+    def orthogonal(n: int) -> torch.Tensor:
+        q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+        return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(n, dtype=torch.float64))
+
+    return orthogonal(d // b), orthogonal(b)
+
+
+def rotate_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Each row ``x_i`` (length ``a·b``) to ``Q x_i`` (``inverse``: ``Qᵀ x_i``), ``Q = Q_a ⊗ Q_b``: ``x Qᵀ`` (or
+    ``x Q``), without forming ``Q``."""
+    rows, (a, b) = x.shape[0], (qa.shape[0], qb.shape[0])
+    qa, qb = qa.to(x.dtype), qb.to(x.dtype)
+    if inverse:
+        qa, qb = qa.T, qb.T
+    return torch.einsum("nij,ki,lj->nkl", x.reshape(rows, a, b), qa, qb).reshape(rows, a * b)
+
+
+class _RotatedAdamWCore(torch.optim.Optimizer):
+    """AdamW with its moments in a rotated basis of one side of each 2-D parameter (module docstring)."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 rotate: str, seed: int) -> None:  # fmt: skip
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.rotate, self.seed = rotate, seed
+        self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last_update_sq = 0.0
+
+    def _q(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if d not in self._factors:
+            self._factors[d] = kron_factors(d, self.seed * 1_000_003 + d)
+        return self._factors[d]
+
+    def to_rotated(self, t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``G Qᵀ`` (inputs) or ``Q G`` (outputs); ``inverse``: back, ``Δ' Q`` or ``Qᵀ Δ'``."""
+        if self.rotate == "inputs":
+            return rotate_rows(t, *self._q(t.shape[1]), inverse=inverse)
+        return rotate_rows(t.T, *self._q(t.shape[0]), inverse=inverse).T
+
+    def _deltas(self, commit: bool) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        for group in self.param_groups:
+            lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dim() != 2:
+                    raise ValueError(f"RotatedAdamW rotates matrices; got a parameter of shape {tuple(p.shape)}")
+                w, g = local(p.detach()), local(p.grad)
+                state = self.state[p]
+                step = float(state["step"]) + 1 if "step" in state else 1.0
+                g_rot = self.to_rotated(g)
+                m = g_rot * (1 - beta1) if "exp_avg" not in state else state["exp_avg"] * beta1 + g_rot * (1 - beta1)
+                v = (
+                    g_rot.square() * (1 - beta2)
+                    if "exp_avg_sq" not in state
+                    else state["exp_avg_sq"] * beta2 + g_rot.square() * (1 - beta2)
+                )
+                denom = v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
+                delta = self.to_rotated(m.div(denom).mul_(-lr / (1 - beta1**step)), inverse=True)
+                if wd:
+                    delta.sub_(w, alpha=lr * wd)
+                if commit:
+                    state["step"] = torch.tensor(step)
+                    state["exp_avg"], state["exp_avg_sq"] = m, v
+                yield p, delta
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Take the step at each group's ``lr`` (the proposing mixin scales it by α for this call)."""
+        self.last_update_sq = 0.0
+        for p, delta in self._deltas(commit=True):
+            self.last_update_sq += float(delta.double().square().sum())
+            p.add_(delta)
+
+
+class RotatedAdamWOptimizer(ProposingOptimizer, _RotatedAdamWCore):
+    """:class:`_RotatedAdamWCore` stepping through a proposal, as every dense method's optimizer does."""
+
+    @override
+    def step_deltas(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        with torch.no_grad():
+            yield from self._deltas(commit=False)
+
+
+@dataclass
+class RotationConfig:
+    """Which side of each matrix the moments are rotated on.
+
+    Arguments:
+        rotate: ``inputs`` (the columns mixed, as LoGRA's sketch does) or ``outputs`` (the rows mixed).
+        seed: seed of the rotations (one per dimension).
+    """
+
+    rotate: str = "inputs"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rotate not in SIDES:
+            raise ConfigError(f"rotation.rotate must be one of {SIDES}, got {self.rotate!r}")
+
+
+class RotatedAdamW(DenseAdamW):
+    """Dense AdamW on the target matrices with its moments in a rotated basis (a diagnostic; module docstring).
+
+    Arguments:
+        adamw: learning rate, moments, schedule (:class:`~logra_pl.methods.adamw.AdamWConfig`; ``train_all`` is
+            refused: norms and embeddings are not matrices to rotate).
+        rotation: the side and seed (:class:`RotationConfig`).
+    """
+
+    def __init__(self, adamw: AdamWConfig | None = None, rotation: RotationConfig | None = None) -> None:
+        super().__init__(adamw)
+        if self.adamw.train_all:
+            raise ConfigError("RotatedAdamW rotates the target matrices only: set adamw.train_all: false")
+        self.rotation = as_settings(RotationConfig, rotation, "rotation")
+
+    @override
+    def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
+        self.guard = guard
+        a = self.adamw
+        opt = RotatedAdamWOptimizer(
+            self.trainable(policy, targets),
+            lr=a.lr,
+            betas=tuple(a.betas),
+            eps=a.eps,
+            weight_decay=a.weight_decay,
+            rotate=self.rotation.rotate,
+            seed=self.rotation.seed,
+        )
+        self.optimizer = opt  # type: ignore[assignment]
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, a.lr_factor), "interval": "step"}}
+
+    @override
+    def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
+        inner: RotatedAdamWOptimizer = optimizer.optimizer
+        inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
+        self.begin_step()
+        optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → the rotated step at lr·α, or none
+        rejected = inner.last_rejection
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return StepResult(rejected, 0.0 if rejected else math.sqrt(inner.last_update_sq))
+
+    @override
+    def report(self, policy: nn.Module, targets: Sequence[str]) -> str:
+        grads, moments = self._state_text(policy)
+        return (
+            f"dense AdamW with its moments rotated on the matrices' {self.rotation.rotate} trains "
+            f"{self.trained_parameter_count(policy):,} parameters: {grads} of gradients and {moments} of moments"
+        )
