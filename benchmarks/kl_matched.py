@@ -186,29 +186,16 @@ def _methods() -> dict[str, Method]:
     def dense_adamw(name: str, label: str, **changes: Any) -> Method:
         return Method(name, label, {"optimizer": "adamw", "logra": None, "adamw": {**adamw, **changes}})
 
+    def by_class(name: str, label: str, class_path: str, init: dict[str, Any]) -> Method:
+        model = {"optimizer": "logra", "logra": None}  # optimizer ignored: model.method chooses
+        return Method(name, label, {**model, "method": {"class_path": class_path, "init_args": init}})
+
     def sgd(name: str, label: str, **changes: Any) -> Method:
-        init = {"sgd": {"lr": 0.1, **changes}}
-        return Method(
-            name,
-            label,
-            {
-                "optimizer": "logra",  # ignored: model.method chooses
-                "logra": None,
-                "method": {"class_path": "logra_pl.methods.sgd.DenseSGD", "init_args": init},
-            },
-        )
+        return by_class(name, label, "logra_pl.methods.sgd.DenseSGD", {"sgd": {"lr": 0.1, **changes}})
 
     def rotated_adamw(name: str, label: str, side: str) -> Method:
         init = {"adamw": adamw, "rotation": {"rotate": side, "seed": 0}}
-        return Method(
-            name,
-            label,
-            {
-                "optimizer": "logra",  # ignored: model.method chooses
-                "logra": None,
-                "method": {"class_path": "logra_pl.methods.rotated.RotatedAdamW", "init_args": init},
-            },
-        )
+        return by_class(name, label, "logra_pl.methods.rotated.RotatedAdamW", init)
 
     # Each method's own step setting only sizes the nominal step that α then scales to the budget (AdamW's and LoRA's
     # lr, LoGRA's update_ratio or lr, SGD's lr 0.1: large enough that α stays far below ALPHA_MAX).
