@@ -14,7 +14,8 @@ time, at full rank (nothing projected away)::
 divisor of ``d`` not above ``√d``): every rotated coordinate mixes every channel, and applying it costs
 ``d·(a + b)`` per row instead of ``d²``. Against dense AdamW, ``inputs`` is the mixing of LoGRA's sketch without its
 rank; ``outputs`` is the mixing LoGRA never does (its rows are the matrix's own). Weight decay is decoupled and
-applied to ``W`` itself, as torch's AdamW does. The moments are kept in the parameter's dtype, like torch's.
+applied to ``W`` itself, as torch's AdamW does. The moments are kept in the parameter's dtype, like torch's. It needs
+whole matrices: a sharded (FSDP) parameter is refused.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class _RotatedAdamWCore(torch.optim.Optimizer):
                     continue
                 if p.dim() != 2:
                     raise ValueError(f"RotatedAdamW rotates matrices; got a parameter of shape {tuple(p.shape)}")
+                if hasattr(p, "to_local"):  # a shard's rows or columns are not the matrix's: its rotation is not Q's
+                    raise ValueError("RotatedAdamW needs whole matrices: run it without FSDP (one process or DDP)")
                 w, g = local(p.detach()), local(p.grad)
                 state = self.state[p]
                 step = float(state["step"]) + 1 if "step" in state else 1.0
