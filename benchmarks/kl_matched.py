@@ -261,6 +261,16 @@ def _methods() -> dict[str, Method]:
             refresh_every=0,
             beta1=0.8,
         ),
+        # The rule with its sketch on the outputs' side (docs/algorithm.md §3b): the projection mixes the outputs,
+        # Adam's per-entry normalization sees each input channel as it is (dense AdamW with its moments in rotated
+        # outputs took off where the inputs' mixing did not: docs/benchmarks.md).
+        logra(
+            "logra_adam_outputs",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 64)",
+            sketch_adam,
+            refresh_every=0,
+            sketch_side="outputs",
+        ),
         # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
         # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
         logra(

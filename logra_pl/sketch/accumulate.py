@@ -5,6 +5,10 @@ through :class:`SketchGrad`, an identity autograd function that saves only ``Z``
 ``dYᵀ Z`` (d_out × r, fp32) into the matrix's sketch buffer and passes ``dY`` through unchanged. Summed over
 microbatches, ``S = (Σ dYᵀ X) Pᵀ = G Pᵀ`` exactly.
 
+On the outputs' side (``logra.sketch_side: outputs``, :mod:`~logra_pl.sketch.side`) the hook saves the layer input ``X``
+itself (tokens × d_in, what a dense weight gradient keeps) and the backward adds ``Xᵀ (dY Rᵀ)`` (d_in × r) into the
+buffer: summed over microbatches, ``Σ Xᵀ dY Rᵀ = Gᵀ Rᵀ = Tᵀ`` exactly, ``R`` the ``r × d_out`` projection.
+
 Activation checkpointing (non-reentrant) replays the forward, and with it this hook, to rebuild ``Z``; the
 replayed graph is never back-propagated, so the accumulation runs once per microbatch. In the first pass of a layer
 checkpointed by :func:`~logra_pl.runtime.checkpointing.enable_activation_checkpointing` the hook saves a placeholder
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from logra_pl.runtime.checkpointing import replayed_later
+from logra_pl.sketch.side import INPUTS, sketch_dims
 from logra_pl.sketch.trace import traced
 
 
@@ -60,18 +65,21 @@ class MatrixSketch:
         operands: torch.dtype = torch.float32,
         input_sq: torch.Tensor | None = None,
         input_tokens: torch.Tensor | None = None,
+        side: str = INPUTS,
     ) -> None:
         self.name = name
         self.module = module
         self.rank = rank
-        self.d_out, self.d_in = module.out_features, module.in_features
+        self.side = side
+        self.d_out, self.d_in = module.out_features, module.in_features  # the layer's
+        rows = sketch_dims(self.d_out, self.d_in, side)[0]
         device = module.weight.device
+        if side != INPUTS and (gram is not None or input_sq is not None):
+            raise ValueError(f"{name!r}: an outputs-side sketch keeps no Gram or input statistics")
         if sketch is None:
-            sketch = torch.zeros(self.d_out, rank, dtype=torch.float32, device=device)
-        elif tuple(sketch.shape) != (self.d_out, rank):
-            raise ValueError(
-                f"sketch buffer of {name!r} has shape {tuple(sketch.shape)}, expected {(self.d_out, rank)}"
-            )
+            sketch = torch.zeros(rows, rank, dtype=torch.float32, device=device)
+        elif tuple(sketch.shape) != (rows, rank):
+            raise ValueError(f"sketch buffer of {name!r} has shape {tuple(sketch.shape)}, expected {(rows, rank)}")
         self.sketch = sketch
         self.gram, self.gram_tokens = gram, gram_tokens
         self.input_sq, self.input_tokens = input_sq, input_tokens
@@ -125,10 +133,12 @@ class MatrixSketch:
         self.scale = scales[row] if bf16 else None
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
-        """Forward hook: save ``Z = X Pᵀ`` and route the output through :class:`SketchGrad`."""
+        """Forward hook: save ``Z = X Pᵀ`` (outputs' side: ``X``) and route the output through :class:`SketchGrad`."""
         if not torch.is_grad_enabled():
             return None  # rollouts, log-prob scoring, evaluation: nothing to accumulate
         x = args[0].detach().reshape(-1, self.d_in)
+        if self.side != INPUTS:  # X as the layer saw it (a view: a checkpointed first pass's is dropped unread)
+            return SketchGrad.apply(output, x, self.anchor, self, None)
         stats = self.input_sq is not None
         if replayed_later():  # a checkpointed layer's first pass: the backward reads the Z its replay computes
             z = x.new_empty((x.shape[0], self.rank), dtype=torch.float32)
@@ -150,7 +160,11 @@ class MatrixSketch:
     def accumulate(self, grad_output: torch.Tensor, z: torch.Tensor) -> None:
         """``S += dYᵀ Z`` in fp32 (and, with a Gram buffer, ``Γ += Z_mᵀ Z_m`` over the rows with a gradient); with
         bf16 operands, ``Z`` is ``X sign(P)ᵀ`` and ``S += c·(dYᵀ Z_hi + dYᵀ Z_lo)``: ``dY`` in bf16 times ``Z``'s two
-        bf16 terms, each product summed in fp32, ``P``'s scale ``c`` folded into the sums."""
+        bf16 terms, each product summed in fp32, ``P``'s scale ``c`` folded into the sums. On the outputs' side ``z`` is
+        ``X`` (:meth:`accumulate_outputs`)."""
+        if self.side != INPUTS:
+            self.accumulate_outputs(grad_output, z)
+            return
         if self.signs is not None:
             assert self.scale is not None
             with traced("logra.sketch.accumulate"), _no_autocast(grad_output.device):
@@ -165,6 +179,23 @@ class MatrixSketch:
         with traced("logra.sketch.accumulate"), _no_autocast(dy.device):
             self.sketch.addmm_(dy.T, z)
             self._add_gram(dy, z)
+
+    def accumulate_outputs(self, grad_output: torch.Tensor, x: torch.Tensor) -> None:
+        """Outputs' side: ``Tᵀ += Xᵀ (dY Rᵀ)`` in fp32, ``dY Rᵀ`` (tokens × r) formed first. With bf16 operands it is
+        the inputs' path mirrored: ``Z = dY sign(R)ᵀ`` from bf16 ``dY`` summed in fp32, then ``Tᵀ += c·(Xᵀ Z_hi +
+        Xᵀ Z_lo)`` from bf16 ``X``."""
+        with traced("logra.sketch.accumulate"), _no_autocast(grad_output.device):
+            if self.signs is not None:
+                assert self.scale is not None
+                z = mixed_mm(grad_output.reshape(-1, self.d_out).to(torch.bfloat16), self.signs.T)
+                x16 = x.to(torch.bfloat16)
+                high = z.to(torch.bfloat16)
+                low = torch.sub(z, high).to(torch.bfloat16)
+                mixed_addmm_(self.sketch, x16.T, high, self.scale)
+                mixed_addmm_(self.sketch, x16.T, low, self.scale)
+                return
+            dy = grad_output.reshape(-1, self.d_out).to(torch.float32)
+            self.sketch.addmm_(x.to(torch.float32).T, torch.matmul(dy, self.projection.T))
 
     def add_input_stats(self, sq: torch.Tensor, tokens: int) -> None:
         """Add one microbatch's ``Σ_t x_tj²`` and token count to the update's input statistics (backward)."""
@@ -211,7 +242,8 @@ def _no_autocast(device: torch.device) -> AbstractContextManager[object]:
 class SketchGrad(torch.autograd.Function):
     """Identity on the layer output whose backward accumulates ``dYᵀ Z`` into the matrix's sketch.
 
-    Only ``Z`` (tokens × r) is saved for backward — not the layer input ``X`` (tokens × d_in) — and, with input
+    Only ``Z`` (tokens × r) is saved for backward — not the layer input ``X`` (tokens × d_in; the outputs' side saves
+    ``X`` in its place) — and, with input
     statistics kept, the ``d_in`` sums of its squares, added to the update's statistics in backward: a forward that is
     never back-propagated (the KL probe's) leaves them alone, and a checkpointed layer's replay supplies them.
     """

@@ -11,6 +11,7 @@ import torch
 
 from logra_pl.errors import ConfigError, check_int, check_range
 from logra_pl.runtime.dtypes import dtypes_of
+from logra_pl.sketch.side import sketch_dims
 
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -22,6 +23,8 @@ StepMode = Literal["ratio", "lr", "adam"]
 MomentTransfer = Literal["project", "reset"]
 InputPreconditioner = Literal["none", "gram"]
 InputScaling = Literal["none", "rms"]
+SketchSide = Literal["inputs", "outputs"]
+SKETCH_SIDES: tuple[str, ...] = ("inputs", "outputs")
 RatioScope = Literal["global", "matrix"]
 
 _FACTOR_DTYPES = dtypes_of("bfloat16", "float16", "float32")
@@ -44,9 +47,16 @@ STRUCTURAL_KEYS: tuple[str, ...] = (
     "dense_params",
     "clip_rank",
     "input_scaling",  # the saved activation statistics exist only under "rms"
+    "sketch_side",  # the saved moments are d_out × r (inputs) or d_in × r (outputs)
 )
 # What a checkpoint written before a structural key existed meant by it.
-_STRUCTURAL_DEFAULTS: dict[str, Any] = {"dense_params": [], "beta1": 0.0, "clip_rank": False, "input_scaling": "none"}
+_STRUCTURAL_DEFAULTS: dict[str, Any] = {
+    "dense_params": [],
+    "beta1": 0.0,
+    "clip_rank": False,
+    "input_scaling": "none",
+    "sketch_side": "inputs",
+}
 
 
 def matrix_rank(rank: int, d_in: int, clip: bool) -> int:
@@ -164,6 +174,13 @@ class LoGRAConfig:
             matrix ships with every payload; three are kept.
         input_scale_beta: EMA factor of ``input_scaling: rms``'s per-channel mean squares, one step per merged
             update (bias-corrected).
+        sketch_side: which side of each matrix the projection mixes (algorithm.md §3b). ``"inputs"`` (default, the
+            paper's): ``S = G Pᵀ`` (``d_out × r``, ``P`` is ``r × d_in``), ``ΔW = −α·U P``; the forward keeps
+            ``X Pᵀ`` (tokens × r) for the backward. ``"outputs"``: ``T = R G`` (``r × d_in``, ``R`` is ``r × d_out``),
+            stored transposed as ``Tᵀ = Gᵀ Rᵀ`` (``d_in × r``), ``ΔW = −α·Rᵀ Uᵀ``: the update rule's per-entry
+            normalization then sees each input channel as it is, as dense Adam's does (docs/benchmarks.md). The forward
+            keeps the layer input ``X`` (tokens × d_in, what a dense weight gradient keeps) for the backward. Not
+            with ``input_scaling`` or ``input_precondition``, which act on the inputs' mixing.
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``;
             ``"adam"`` uses ``U = lr·N/den``: row-wise Adam in sketch space (no norm restore), steps of dense Adam's
             size for the same ``lr``.
@@ -215,6 +232,7 @@ class LoGRAConfig:
     gram_damping: float = 0.1
     input_scaling: InputScaling = "none"
     input_scale_beta: float = 0.9
+    sketch_side: SketchSide = "inputs"
     step_mode: StepMode = "adam"
     update_ratio: float = 6e-5
     ratio_scope: RatioScope = "global"
@@ -276,6 +294,13 @@ class LoGRAConfig:
             raise LoGRAConfigError(
                 "input_scaling 'rms' and input_precondition 'gram' both rescale the input side: pick one"
             )
+        if self.sketch_side not in SKETCH_SIDES:
+            raise LoGRAConfigError(f"unknown logra.sketch_side {self.sketch_side!r}: use 'inputs' or 'outputs'")
+        if self.sketch_side == "outputs" and (self.input_scaling != "none" or self.input_precondition != "none"):
+            raise LoGRAConfigError(
+                "logra.sketch_side 'outputs' leaves the inputs unmixed, so input_scaling and input_precondition, "
+                "which act on the inputs' mixing, have nothing to act on: set them to 'none', or sketch_side 'inputs'"
+            )
         if self.momentum_transfer not in ("project", "reset"):
             raise LoGRAConfigError(f"unknown momentum_transfer {self.momentum_transfer!r}: use 'project' or 'reset'")
         if self.ratio_scope not in ("global", "matrix"):
@@ -326,6 +351,12 @@ class LoGRAConfig:
             rule["refresh_every"] = 1  # either spelling given wins, whole
         return cls(**{**rule, **overrides})
 
+    def sketch_dims(self, d_out: int, d_in: int) -> tuple[int, int]:
+        """``(rows, width)`` of a ``d_out × d_in`` matrix's sketch: it holds ``rows × r`` entries and its projection
+        is ``r × width`` — ``(d_out, d_in)`` on the inputs' side, ``(d_in, d_out)`` on the outputs'
+        (:attr:`sketch_side`)."""
+        return sketch_dims(d_out, d_in, self.sketch_side)
+
     @property
     def factor_torch_dtype(self) -> torch.dtype:
         """The torch dtype of shipped/merged factors."""
@@ -359,6 +390,8 @@ class LoGRAConfig:
             del out["input_scaling"], out["input_scale_beta"]
         if self.sketch_operands == "float32":  # likewise
             del out["sketch_operands"]
+        if self.sketch_side == "inputs":  # likewise
+            del out["sketch_side"]
         out["targets"] = list(self.targets)
         out["dense_params"] = list(self.dense_params)
         out["dense_betas"] = list(self.dense_betas)
@@ -380,6 +413,7 @@ class LoGRAConfig:
             "refresh_every": self.refresh_every,
             "clip_rank": self.clip_rank,
             "input_scaling": self.input_scaling,
+            "sketch_side": self.sketch_side,
         }
         diff: dict[str, tuple[Any, Any]] = {}
         for key in STRUCTURAL_KEYS:

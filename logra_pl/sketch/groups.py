@@ -25,6 +25,7 @@ from torch import nn
 
 from logra_pl.sketch.config import matrix_rank
 from logra_pl.sketch.merge import float64_scratch, per_batch
+from logra_pl.sketch.side import INPUTS, sketch_dims
 from logra_pl.sketch.update import matrix_sum, transfer_moment
 
 # Most bytes of fp32 sketches one group stacks (larger sets of same-shaped matrices split into several groups). The
@@ -63,6 +64,9 @@ class MatrixGroup:
         input_ema: ``(k, d_in)`` fp32 EMA of the inputs' per-channel mean squares across updates, else ``None``.
         input_scale: ``(k, d_in)`` fp32 (bf16-valued) per-channel scales ``s`` of the current update (ones until the
             first statistics; replaced, not overwritten, like ``projection``), else ``None``.
+        side: ``logra.sketch_side``. On the outputs' side every ``d_out`` above reads ``d_in`` and every ``d_in``
+            reads ``d_out`` (the sketch ``Tᵀ`` is ``(k, d_in, r)``, the projections ``R`` are ``(k, r, d_out)``:
+            :mod:`logra_pl.sketch.side`); the matrices' weights are merged as ``Wᵀ``.
     """
 
     names: list[str]
@@ -81,6 +85,7 @@ class MatrixGroup:
     input_tokens: torch.Tensor | None = None
     input_ema: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None
+    side: str = INPUTS
 
     @property
     def size(self) -> int:
@@ -89,11 +94,14 @@ class MatrixGroup:
 
     @property
     def d_out(self) -> int:
+        """The sketch's rows: the matrices' ``d_out`` (inputs' side) or ``d_in`` (outputs')."""
         return self.sketch.shape[1]
 
     @property
     def d_in(self) -> int:
-        return self.linears[0].in_features
+        """The projection's width: the matrices' ``d_in`` (inputs' side) or ``d_out`` (outputs')."""
+        linear = self.linears[0]
+        return sketch_dims(linear.out_features, linear.in_features, self.side)[1]
 
     @property
     def device(self) -> torch.device:
@@ -109,6 +117,7 @@ def group_matrices(
     second_moment_dtype: torch.dtype | None = None,
     grams: bool = False,
     input_stats: bool = False,
+    side: str = INPUTS,
 ) -> list[MatrixGroup]:
     """Stack ``linears`` by ``(d_out, d_in, weight dtype, device)``, each group in the model's order and within
     ``max_sketch_bytes`` of sketches; groups in the order of their first matrix.
@@ -123,11 +132,14 @@ def group_matrices(
             ``adam``).
         grams: keep the projected inputs' Gram per matrix (``input_precondition: gram``).
         input_stats: keep the inputs' per-channel statistics and scales (``input_scaling: rms``).
+        side: ``logra.sketch_side``: on the outputs' side each group's ``d_out`` and ``d_in`` are its matrices' ``d_in``
+            and ``d_out`` (:mod:`logra_pl.sketch.side`).
     """
     keyed: dict[tuple[object, ...], list[str]] = {}
     for name, linear in linears.items():
         w = linear.weight
-        keyed.setdefault((linear.out_features, linear.in_features, w.dtype, buffer_device(w)), []).append(name)
+        rows, width = sketch_dims(linear.out_features, linear.in_features, side)
+        keyed.setdefault((rows, width, w.dtype, buffer_device(w)), []).append(name)
     groups: list[MatrixGroup] = []
     for (d_out, d_in, _, device), names in keyed.items():
         r = matrix_rank(rank, d_in, clip_rank)
@@ -155,6 +167,7 @@ def group_matrices(
                     input_tokens=torch.zeros(k, dtype=torch.float32, device=device) if input_stats else None,
                     input_ema=torch.zeros(k, d_in, dtype=torch.float32, device=device) if input_stats else None,
                     input_scale=torch.ones(k, d_in, dtype=torch.float32, device=device) if input_stats else None,
+                    side=side,
                 )
             )
     return groups

@@ -5,6 +5,10 @@ projection, plus the step multiplier ``alpha`` (nominally 1; the KL controller m
 a :class:`Payload` rounds ``U·α`` to ``factor_dtype`` (bf16): that payload is what the trainer merges *and*
 what the rollout engine receives, through the same :func:`apply_payload`, so both hold identical weights.
 The payload is ``O(d_out·r)`` per matrix plus a few integers, instead of ``d_out·d_in``.
+
+On the outputs' side (``logra.sketch_side: outputs``, :mod:`~logra_pl.sketch.side`) every ``U`` is ``d_in × r``, every
+projection ``R`` is ``r × d_out`` and the merge is ``Wᵀ ← Wᵀ − F R``: the payload's header says so, and every receiver
+merges through the same functions.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 from logra_pl.sketch.config import matrix_rank, resolve_refresh_every
 from logra_pl.sketch.merge import local_tensor, merge_stack_
 from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
+from logra_pl.sketch.side import INPUTS, OUTPUTS, merge_span, oriented, sketch_dims
 from logra_pl.sketch.targets import canonical_name
 
 PAYLOAD_FORMAT = "logra-pl/payload/v1"
@@ -221,6 +226,7 @@ class Proposal:
         dense: ``{parameter name: DenseProposal}`` of ``logra.dense_params`` (empty by default).
         stacks: the factors ``U`` stacked by group (:class:`FactorStack`; each ``matrices[name].factor`` is a view of
             one): :meth:`to_payload` rounds a stack at once. Matrices in no stack are rounded one by one.
+        sketch_side: ``"inputs"`` (``ΔW = −α·U P``) or ``"outputs"`` (``ΔW = −α·(U R)ᵀ``, ``U`` ``d_in × r``).
     """
 
     matrices: dict[str, MatrixProposal]
@@ -239,6 +245,7 @@ class Proposal:
     refresh_every: int | None = None
     stacks: list[FactorStack] = field(default_factory=list)
     clip_rank: bool = False
+    sketch_side: str = INPUTS
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""
@@ -274,6 +281,7 @@ class Proposal:
             stacks=stacks,
             clip_rank=self.clip_rank,
             input_scales=self._input_scales(),
+            sketch_side=self.sketch_side,
         )
 
     def _input_scales(self) -> dict[str, torch.Tensor]:
@@ -296,7 +304,8 @@ class Payload:
     ``input_scales`` (``logra.input_scaling: rms``): each matrix's per-column scale ``s`` (``(d_in,)``, bf16-valued,
     shipped as bf16: exact), and the merge is ``W ← W − F P diag(s)``; empty: unscaled.
     ``stacks`` (not serialised) are the factors as the trainer's groups hold them (:class:`FactorStack`), so its
-    own merge needs no re-stacking; a receiver stacks them itself.
+    own merge needs no re-stacking; a receiver stacks them itself. ``sketch_side: outputs``: each factor is
+    ``d_in × r``, each projection ``r × d_out`` (drawn at width ``d_out``), and the merge is ``Wᵀ ← Wᵀ − F R``.
 
     ``refresh`` is the older spelling of ``refresh_every`` (:func:`~logra_pl.sketch.config.resolve_refresh_every`):
     a payload written before ``refresh_every`` existed carries ``refresh`` only and means ``N = 1`` or ``0``. After
@@ -315,13 +324,17 @@ class Payload:
     stacks: list[FactorStack] = field(default_factory=list)
     clip_rank: bool = False
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    sketch_side: str = INPUTS
 
     def __post_init__(self) -> None:
         self.refresh_every = resolve_refresh_every(self.refresh, self.refresh_every)
         self.refresh = self.refresh_every != 0
+        if self.sketch_side not in (INPUTS, OUTPUTS):
+            raise ValueError(f"payload sketch_side {self.sketch_side!r} is neither {INPUTS!r} nor {OUTPUTS!r}")
 
     def matrix_rank(self, d_in: int) -> int:
-        """The rank of a matrix with ``d_in`` inputs: ``rank``, or ``min(rank, d_in)`` with ``clip_rank``."""
+        """The rank of a matrix whose projection is ``d_in`` wide (its ``d_out`` on the outputs' side): ``rank``, or
+        ``min(rank, d_in)`` with ``clip_rank``."""
         return matrix_rank(self.rank, d_in, self.clip_rank)
 
     def seed(self, name: str) -> int:
@@ -355,6 +368,8 @@ class Payload:
             header["refresh_every"] = self.refresh_every
         if self.clip_rank:  # written only when set: the bytes of every other payload are as before
             header["clip_rank"] = True
+        if self.sketch_side != INPUTS:  # likewise; a receiver too old to know it refuses the payload
+            header["sketch_side"] = self.sketch_side
         return header
 
     def to_bytes(self) -> bytes:
@@ -416,6 +431,9 @@ def apply_payload(
     ``chunk_rows`` is the merge's row chunk (default: :func:`~logra_pl.sketch.merge.merge_chunk_rows`, as many
     rows as a bounded float64 temporary holds).
 
+    On the outputs' side each ``Wᵀ`` (a view) is merged with ``R`` drawn at ``W``'s full ``d_out``: a dim-0 shard is
+    then a column range of ``Wᵀ``, and its target must give the full shape (a DTensor, as FSDP holds it).
+
     Matrices of one shape (and weight dtype, device and row offset) merge together: their projections are drawn in
     one go (:func:`~logra_pl.sketch.projection.make_projections`) and merged by
     :func:`~logra_pl.sketch.merge.merge_stack_`, which gives every matrix the bits of its own merge.
@@ -430,14 +448,23 @@ def apply_payload(
             "was the payload made for another model?"
         )
     offsets = {name: 0 if row_offsets is None else int(row_offsets.get(name, 0)) for name in payload.factors}
-    locals_ = {name: local_tensor(weights[name]).data for name in payload.factors}
+    side = payload.sketch_side
+    held = {name: local_tensor(weights[name]).shape[0] for name in payload.factors}  # the rows of W held here
+    if side != INPUTS:
+        partial = [n for n in payload.factors if held[n] != weights[n].shape[0] or offsets[n] != 0]
+        if any(not hasattr(weights[n], "to_local") for n in partial):
+            raise ValueError(
+                "an outputs-side payload merges a dim-0 shard as columns of Wᵀ and draws R at W's full d_out: pass "
+                "the sharded weights themselves (DTensors), not their local rows"
+            )
+    locals_ = {name: oriented(local_tensor(weights[name]).data, side) for name in payload.factors}
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, factor in payload.factors.items():
         w = locals_[name]
-        key = (tuple(factor.shape), tuple(w.shape), w.dtype, w.device, offsets[name])
+        key = (tuple(factor.shape), tuple(w.shape), tuple(weights[name].shape), w.dtype, w.device, offsets[name])
         groups.setdefault(key, []).append(name)
     for names in groups.values():
-        d_in = weights[names[0]].shape[1]
+        d_in = sketch_dims(*weights[names[0]].shape, side)[1]  # the projection's width
         seeds = [payload.seed(name) for name in names]
         cached = [(projections or {}).get(name, (None, None)) for name in names]
         if all(c_seed == seed for (c_seed, _), seed in zip(cached, seeds, strict=True)):
@@ -450,7 +477,7 @@ def apply_payload(
             stacked_factors(payload, names),
             drawn,
             payload.distribution,
-            row_offset=offsets[names[0]],
+            **merge_span(held[names[0]], offsets[names[0]], side),  # type: ignore[arg-type]
             chunk_rows=chunk_rows,
             col_scales=stacked_scales(payload, names, device=locals_[names[0]].device),
         )

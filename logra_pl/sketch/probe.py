@@ -1,6 +1,7 @@
 """How a proposal changes the policy (algorithm.md §6): logit tangents along the step, predicted and realized KL.
 
-LoGRA (:func:`logit_tangent`): along ``W(α) = W − α U P`` each selected layer's output moves by ``−α (X Pᵀ) Uᵀ``.
+LoGRA (:func:`logit_tangent`): along ``W(α) = W − α U P`` each selected layer's output moves by ``−α (X Pᵀ) Uᵀ``
+(on the outputs' side, along ``W − α (U R)ᵀ``, by ``−α (X U) R``).
 The logit tangent ``t = dz/dα`` at ``α = 0`` comes from one forward-mode pass (JVP) in which every selected layer
 adds ``−(X Pᵀ) Uᵀ`` to its output's tangent, or from a central finite difference that adds ``∓h (X Pᵀ) Uᵀ`` to the
 layer outputs (the model with weights ``W ∓ h U P``, weights untouched).
@@ -27,17 +28,24 @@ from torch.func import functional_call
 from logra_pl.runtime.checkpointing import checkpointed_layers
 from logra_pl.sketch.merge import local_tensor
 from logra_pl.sketch.payload import Proposal
+from logra_pl.sketch.side import INPUTS
 from logra_pl.sketch.trace import traced_call
 
 ProbeMode = Literal["jvp", "fd"]
 
 
 def _layer_delta(
-    x: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    factor: torch.Tensor,
+    projection: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    side: str = INPUTS,
 ) -> torch.Tensor:
     """``−(X Pᵀ) Uᵀ`` (``−(X diag(s) Pᵀ) Uᵀ`` with an input scale ``s``): the change of a layer's output per unit α,
-    in the output's dtype."""
+    in the output's dtype. On the outputs' side (``ΔW = −(U R)ᵀ``, ``U`` ``d_in × r``): ``−(X U) R``."""
     x = fwad.unpack_dual(x).primal
+    if side != INPUTS:
+        return -torch.matmul(torch.matmul(x, factor.to(x.dtype)), projection.to(x.dtype))
     if scale is not None:
         x = x * scale.to(x.dtype)
     z = torch.matmul(x, projection.to(x.dtype).T)
@@ -127,7 +135,8 @@ def logit_tangent(
 
             def hook_for(name):
                 def hook(module, args, output):
-                    delta = _layer_delta(args[0], mats[name].factor, mats[name].projection, mats[name].input_scale)
+                    m = mats[name]
+                    delta = _layer_delta(args[0], m.factor, m.projection, m.input_scale, proposal.sketch_side)
                     primal, tangent = fwad.unpack_dual(output)
                     return fwad.make_dual(primal, delta if tangent is None else tangent + delta)
 
@@ -171,9 +180,8 @@ def _moved(
 
     def hook_for(name):
         def hook(module, args, output):
-            return output + alpha * _layer_delta(
-                args[0], mats[name].factor, mats[name].projection, mats[name].input_scale
-            )
+            m = mats[name]
+            return output + alpha * _layer_delta(args[0], m.factor, m.projection, m.input_scale, proposal.sketch_side)
 
         return hook
 

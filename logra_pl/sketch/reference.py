@@ -40,6 +40,11 @@ class PerMatrixSketcher(LoGRASketcher):
                 "PerMatrixSketcher is the reference of the unscaled kernels; input_scaling 'rms' is checked against "
                 "dense computations instead (tests/sketch/test_input_scale.py): use LoGRASketcher"
             )
+        if config is not None and config.sketch_side != "inputs":
+            raise LoGRAConfigError(
+                "PerMatrixSketcher is the reference of the inputs-side kernels; sketch_side 'outputs' is checked "
+                "against dense computations instead (tests/sketch/test_outputs_side.py): use LoGRASketcher"
+            )
         super().__init__(model, config, **kwargs)
 
     def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:

@@ -50,6 +50,7 @@ from logra_pl.sketch.payload import (
     stacked_factors,
 )
 from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
+from logra_pl.sketch.side import merge_span, oriented
 from logra_pl.sketch.targets import select_targets
 from logra_pl.sketch.trace import traced_call
 from logra_pl.sketch.update import (
@@ -115,7 +116,8 @@ class LoGRASketcher:
         self.next_dense_gain = 0.0
         self.row_offsets: dict[str, int] = {}
         targets = select_targets(model, self.config.targets)
-        check_rank_fits(self.config.rank, {n: m.in_features for n, m in targets.items()}, self.config.clip_rank)
+        widths = {n: self.config.sketch_dims(m.out_features, m.in_features)[1] for n, m in targets.items()}
+        check_rank_fits(self.config.rank, widths, self.config.clip_rank)
         if freeze_rest:
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -130,6 +132,7 @@ class LoGRASketcher:
             second_moment_dtype=self.config.moment_torch_dtype if entry else None,
             grams=self.config.input_precondition == "gram",
             input_stats=self.config.input_scaling == "rms",
+            side=self.config.sketch_side,
         )
         built: dict[str, MatrixSketch] = {}
         for group in self.groups:
@@ -139,7 +142,9 @@ class LoGRASketcher:
                 if group.input_sq is not None and group.input_tokens is not None:
                     stats = {"input_sq": group.input_sq[i], "input_tokens": group.input_tokens[i : i + 1]}
                 operands = self.config.sketch_operand_torch_dtype
-                built[name] = MatrixSketch(name, linear, group.rank, group.sketch[i], *gram, operands=operands, **stats)
+                built[name] = MatrixSketch(
+                    name, linear, group.rank, group.sketch[i], *gram, operands=operands, side=group.side, **stats
+                )
         self.matrices: dict[str, MatrixSketch] = {}
         for name, linear in targets.items():
             linear.weight.requires_grad_(False)
@@ -351,8 +356,8 @@ class LoGRASketcher:
             cached = self._merged_norms.get(index)
             if cached is not None and cached[1] == weight_versions(weights):
                 out.append(cached[0])
-            else:
-                out.append(stack_weight_norms([w.detach() for w in weights]))
+            else:  # in the merge's layout (Wᵀ on the outputs' side): the float64 sums of its norms, in its order
+                out.append(stack_weight_norms([oriented(w.detach(), group.side) for w in weights]))
         return out
 
     def weight_sq_norms(self) -> dict[str, float]:
@@ -459,6 +464,7 @@ class LoGRASketcher:
             weight_sq_norms=w_sq,
             dense=self._dense_proposals(step, grad_scale),
             stacks=stacks,
+            sketch_side=cfg.sketch_side,
         )
 
     def _directions(self, step: int, grad_scale: float) -> list[GroupStep]:
@@ -669,11 +675,13 @@ class LoGRASketcher:
 
     def _merge(self, group: MatrixGroup, factors: torch.Tensor) -> None:
         """``W ← W − F P`` on the local rows of the group's matrices (``factors``: the payload's ``(k, d_out, r)``);
-        keeps the merged weights' norms when the merge gives them (see :meth:`weight_norms`)."""
+        on the outputs' side ``Wᵀ ← Wᵀ − F R`` (:mod:`~logra_pl.sketch.side`). Keeps the merged weights' norms when
+        the merge gives them (see :meth:`weight_norms`)."""
         index = self.groups.index(group)
         self._merged_norms.pop(index, None)
         params = [local_tensor(linear.weight) for linear in group.linears]
-        weights = [p.data for p in params]
+        weights = [oriented(p.data, group.side) for p in params]
+        held = params[0].shape[0]  # the rows of W this process holds (a dim-0 shard under FSDP)
         offsets = [int(self.row_offsets.get(name, 0)) for name in group.names]
         if len(set(offsets)) == 1:  # one offset per group under FSDP (same shape, same mesh)
             norms = merge_stack_(
@@ -681,7 +689,7 @@ class LoGRASketcher:
                 factors,
                 group.projection,
                 self.config.distribution,
-                row_offset=offsets[0],
+                **merge_span(held, offsets[0], group.side),  # type: ignore[arg-type]
                 chunk_rows=self.config.merge_chunk_rows,
                 norms=True,
                 col_scales=group.input_scale,
@@ -696,7 +704,7 @@ class LoGRASketcher:
                 factors[rows],
                 group.projection[rows],
                 self.config.distribution,
-                row_offset=offset,
+                **merge_span(held, offset, group.side),  # type: ignore[arg-type]
                 chunk_rows=self.config.merge_chunk_rows,
                 col_scales=None if group.input_scale is None else group.input_scale[rows],
             )
