@@ -348,21 +348,23 @@ class SketchDiagnostics(pl.Callback):
             if g is None:
                 out[name] = SketchFidelity(float("nan"), float("nan"))
                 continue
-            out[name] = sketch_fidelity(g, self.projection(sketcher, name))
+            side = sketcher.matrices[name].side  # the outputs' side sketches Gᵀ: its fidelity is that of Gᵀ Rᵀ
+            out[name] = sketch_fidelity(g if side == "inputs" else g.mT, self.projection(sketcher, name))
             del g
         return out
 
     @staticmethod
     def projection(sketcher: Any, name: str) -> torch.Tensor:
         """``P`` of matrix ``name`` for the sketcher's current update (the installed one, rebuilt from its seed); with
-        ``logra.input_scaling: rms`` the effective ``Q = P·diag(s)`` the sketch and the step use."""
+        ``logra.input_scaling: rms`` the effective ``Q = P·diag(s)`` the sketch and the step use; on the outputs' side
+        ``R`` (``r × d_out``)."""
         m = sketcher.matrices[name]
         seed = sketcher.seed_for(name)
         if m.seed == seed:
             p = m.projection
         else:
             cfg = sketcher.config
-            p = make_projection(seed, m.rank, m.d_in, cfg.distribution, device=m.sketch.device)
+            p = make_projection(seed, m.rank, m.width, cfg.distribution, device=m.sketch.device)
         scale = getattr(m, "input_scale", None)
         return p if scale is None else p * scale
 

@@ -38,6 +38,7 @@ from logra_pl.sketch.config import (
     DEFAULT_TARGETS,
     MOMENT_DTYPES,
     SKETCH_OPERAND_DTYPES,
+    SKETCH_SIDES,
     check_rank_fits,
     matrix_rank,
 )
@@ -216,6 +217,11 @@ class LoGRAMethod(UpdateMethod):
             choices=sorted(SKETCH_OPERAND_DTYPES),
             help="the sketch matmuls' operands (logra.sketch_operands; bfloat16 keeps P's signs too); default float32",
         )
+        parser.add_argument(
+            "--sketch-side",
+            choices=sorted(SKETCH_SIDES),
+            help="the side the projection mixes (logra.sketch_side: d_in × r sketches on the outputs'); default inputs",
+        )
 
     @classmethod
     @override
@@ -223,8 +229,8 @@ class LoGRAMethod(UpdateMethod):
         """Options: ``logra_rule`` (``"default"``: Adam in sketch space, a first and a per-entry second moment,
         ``d_out × r`` each per matrix, bf16; ``"paper"``: RowAdam, ``d_out`` row statistics only), ``logra_moments``
         (the paper's rule with a first moment, ``logra.beta1 > 0``; a dtype name also sets its storage),
-        ``moment_dtype`` (the moments' storage, ``logra.moment_dtype``; None: the rule's own) and ``sketch_operands``
-        (``logra.sketch_operands``; None: float32)."""
+        ``moment_dtype`` (the moments' storage, ``logra.moment_dtype``; None: the rule's own), ``sketch_operands``
+        (``logra.sketch_operands``; None: float32) and ``sketch_side`` (``logra.sketch_side``; None: inputs)."""
         options = settings.options
         rule, moments = options.get("logra_rule") or "default", options.get("logra_moments")
         dtype = options.get("moment_dtype") or (moments if isinstance(moments, str) else None)
@@ -239,6 +245,8 @@ class LoGRAMethod(UpdateMethod):
             knobs["moment_dtype"] = dtype
         if options.get("sketch_operands"):
             knobs["sketch_operands"] = options["sketch_operands"]
+        if options.get("sketch_side"):
+            knobs["sketch_side"] = options["sketch_side"]
         return cls(PLAN_RULES[rule](**knobs))
 
     def with_targets(self, targets: Sequence[str]) -> LoGRAConfig:
@@ -273,8 +281,11 @@ class LoGRAMethod(UpdateMethod):
         config = load_config(source)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        in_features = {n: m.in_features for n, m in select_targets(skeleton, targets).items()}
-        check_rank_fits(self.config.rank, in_features, self.config.clip_rank, f" in policy {source!r}")
+        widths = {
+            n: self.config.sketch_dims(m.out_features, m.in_features)[1]
+            for n, m in select_targets(skeleton, targets).items()
+        }
+        check_rank_fits(self.config.rank, widths, self.config.clip_rank, f" in policy {source!r}")
 
     @override
     def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
@@ -396,26 +407,30 @@ class LoGRAMethod(UpdateMethod):
         ``logra.beta1 > 0`` a ``d_out × r`` first moment in ``logra.moment_dtype``, and with ``update_rule: adam`` a
         ``d_out × r`` second moment in the same dtype, and with ``input_scaling: rms`` three ``d_in`` fp32 vectors
         (the update's sums of squared inputs, their EMA, the scales) and a token count; no gradients, no optimizer
-        state."""
+        state. On the outputs' side (``logra.sketch_side: outputs``) ``d_out`` and ``d_in`` trade places in each of
+        these (a ``d_in × r`` sketch, an ``r × d_out`` projection)."""
         report = MemoryReport(weights=shapes.weights)
         cfg = self.config
+        widths = {n: cfg.sketch_dims(m.out_features, m.in_features)[1] for n, m in shapes.matrices.items()}
+        check_rank_fits(cfg.rank, widths, cfg.clip_rank)  # on the outputs' side, r ≤ d_out
         moment = MOMENT_DTYPES[cfg.moment_dtype].itemsize
         for linear in shapes.matrices.values():
-            r = matrix_rank(cfg.rank, linear.in_features, cfg.clip_rank)
-            report.sketches += linear.out_features * r * 4
+            rows, width = cfg.sketch_dims(linear.out_features, linear.in_features)
+            r = matrix_rank(cfg.rank, width, cfg.clip_rank)
+            report.sketches += rows * r * 4
             if cfg.input_precondition == "gram":  # the update's r × r Gram and its token count
                 report.sketches += r * r * 4 + 4
-            report.projections += r * linear.in_features * 4
+            report.projections += r * width * 4
             if cfg.sketch_operands == "bfloat16":  # P's signs in bf16 beside it, the sketch matmuls' operand
-                report.projections += r * linear.in_features * 2
-            report.row_statistics += linear.out_features * 4
+                report.projections += r * width * 2
+            report.row_statistics += rows * 4
             if cfg.input_scaling == "rms":  # the update's Σx² and token count; the EMA and the scales s
                 report.sketches += linear.in_features * 4 + 4
                 report.row_statistics += 2 * linear.in_features * 4
             if cfg.beta1 > 0:
-                report.sketch_moments += linear.out_features * r * moment
+                report.sketch_moments += rows * r * moment
             if cfg.update_rule == "adam":  # the per-entry second moment, in the same dtype
-                report.sketch_moments += linear.out_features * r * moment
+                report.sketch_moments += rows * r * moment
             report.dense_gradient_equivalent += linear.out_features * linear.in_features * 4
         return report
 
@@ -444,7 +459,8 @@ class LoGRAMethod(UpdateMethod):
         moment_text = f" + {bytes_text(moments)} of sketch-space moments" if moments else ""
         return (
             f"LoGRA trains {count_text(self.trained_parameter_count(policy))} parameters in {len(sketcher.matrices)} "
-            f"matrices ({', '.join(targets)}) through rank-{cfg.rank} sketches ({cfg.distribution} projections, "
+            f"matrices ({', '.join(targets)}) through rank-{cfg.rank} sketches of their {cfg.sketch_side} "
+            f"({cfg.distribution} projections, "
             f"{basis}; {cfg.update_rule} rule); everything else is frozen. Its state: {bytes_text(sketch)} of "
             f"sketches + {bytes_text(proj)} of projections + {bytes_text(rows)} of row statistics{moment_text}, in "
             f"place of {bytes_text(dense)} of fp32 dense gradients (+ {bytes_text(2 * dense)} of Adam moments)"

@@ -84,7 +84,8 @@ def engine_slices(model: torch.nn.Module) -> dict[str, EngineSlice]:
             parts = [(name, module.output_size, 1)]
             out.update(column_parallel_slices(param, parts, module.input_size, module.tp_rank, module.tp_size))
         elif isinstance(module, ReplicatedLinear):
-            out[name] = EngineSlice(param, (0, module.output_size), 0, (0, module.input_size), module.input_size)
+            size = (module.output_size, module.input_size)
+            out[name] = EngineSlice(param, (0, size[0]), 0, (0, size[1]), size[1], size[0])
     return out
 
 

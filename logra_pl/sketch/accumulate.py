@@ -96,6 +96,11 @@ class MatrixSketch:
         self.handle: Any = None
 
     @property
+    def width(self) -> int:
+        """The projection's width: the layer's ``d_in`` (inputs' side) or ``d_out`` (outputs')."""
+        return sketch_dims(self.d_out, self.d_in, self.side)[1]
+
+    @property
     def projection(self) -> torch.Tensor:
         """``P`` (r × d_in, fp32) of the current update: its row of the group's stack, viewed when first read."""
         if self._projection is None:

@@ -82,8 +82,8 @@ def test_slice_geometry_and_errors() -> None:
     got = [column_parallel_slices("qkv", parts, 32, r, 4) for r in range(4)]
     assert [g["k"].rows for g in got] == [(0, 4), (0, 4), (4, 8), (4, 8)]
     assert [g["q"].rows for g in got] == [(0, 4), (4, 8), (8, 12), (12, 16)]
-    assert got[3]["v"] == EngineSlice("qkv", (4, 8), 8, (0, 32), 32)
-    assert row_parallel_slice("o", 10, 32, 1, 2) == EngineSlice("o", (0, 10), 0, (16, 32), 32)
+    assert got[3]["v"] == EngineSlice("qkv", (4, 8), 8, (0, 32), 32, 8)
+    assert row_parallel_slice("o", 10, 32, 1, 2) == EngineSlice("o", (0, 10), 0, (16, 32), 32, 10)
     with pytest.raises(ValueError, match="do not split"):
         column_parallel_slices("x", [("q", 10, 1)], 8, 0, 4)
     full = _matrices()
@@ -119,3 +119,33 @@ def test_input_scaled_payload_merges_alike_on_slices(tp: int) -> None:
     del payload.input_scales["a.q_proj"]
     with pytest.raises(KeyError, match="input scales but none"):
         apply_payload(payload, {f"{k}.weight": v.clone() for k, v in full.items()})
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("distribution", ["rademacher", "hadamard"])
+def test_outputs_side_payload_merges_alike_on_slices(tp: int, distribution: str) -> None:
+    """``logra.sketch_side: outputs``: ``W ← W − (F R)ᵀ`` with ``F`` ``d_in × r`` and ``R`` drawn at ``d_out``. A fused
+    column-parallel block (a row range of ``W``) needs those columns of ``R``; a row-parallel block (a column range)
+    those rows of ``F``. Written out in float64, then the trainer's merge and every rank's slices bit for bit."""
+    full = _matrices()
+    g = torch.Generator().manual_seed(1)
+    factors = {name: (torch.randn(w.shape[1], 16, generator=g) * 0.1).bfloat16() for name, w in full.items()}
+    payload = Payload(
+        factors, update_index=4, base_seed=3, rank=16, distribution=distribution, refresh=True, sketch_side="outputs"
+    )
+    wire = Payload.from_bytes(payload.to_bytes())
+    assert wire.sketch_side == "outputs"
+    trainer = {f"{k}.weight": v.clone() for k, v in full.items()}
+    apply_payload(wire, trainer)
+    for name, factor in factors.items():
+        proj = make_projection(payload.seed(name), 16, full[name].shape[0], distribution).double()
+        want = (full[name].double() - (factor.double() @ proj).T).float()
+        assert torch.allclose(trainer[f"{name}.weight"], want, rtol=0, atol=1e-6), name
+        assert not torch.equal(trainer[f"{name}.weight"], full[name])
+    _assert_slices_equal_trainer(full, {k[: -len(".weight")]: v for k, v in trainer.items()}, wire, tp)
+    slices, params = _engine_layout(full, 0, 1)
+    slices["a.q_proj"] = EngineSlice(
+        *[getattr(slices["a.q_proj"], f) for f in ("param", "rows", "local_row", "cols", "d_in")]
+    )
+    with pytest.raises(ValueError, match="d_out"):
+        apply_payload_to_slices(wire, slices, params)
