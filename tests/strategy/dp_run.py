@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--sigterm-rank", type=int, default=1)
     parser.add_argument("--preempt-dir", default=None, help="UpdateCheckpoint's folder (saves on SIGTERM)")
     parser.add_argument("--input-scaling", action="store_true", help="logra.input_scaling: rms")
+    parser.add_argument("--sketch-side", default="inputs", choices=["inputs", "outputs"], help="logra.sketch_side")
     parser.add_argument(
         "--per-matrix", action="store_true", help="LoGRA's step one matrix at a time (the reference, not the grouped)"
     )
@@ -155,7 +156,12 @@ def main() -> None:
         policy="tiny",
         optimizer=args.optimizer,
         adamw=AdamWConfig(lr=1e-3, warmup_steps=0),
-        logra=LoGRAConfig(rank=16, update_ratio=1e-3, input_scaling="rms" if args.input_scaling else "none"),
+        logra=LoGRAConfig(
+            rank=16,
+            update_ratio=1e-3,
+            input_scaling="rms" if args.input_scaling else "none",
+            sketch_side=args.sketch_side,
+        ),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
         max_tokens_per_microbatch=args.max_tokens,

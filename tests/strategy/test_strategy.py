@@ -70,6 +70,12 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
         # input_scaling: rms, its statistics summed over ranks; the replay of checkpointed layers supplies them.
         "two_scaled": _run(tmp, 2, 3, "two_scaled", "--input-scaling", "--activation-checkpointing"),
         "one_scaled": _run(tmp, 1, 3, "one_scaled", "--input-scaling"),
+        # sketch_side: outputs — each rank merges its rows of W as columns of Wᵀ; the probe under the KL controller;
+        # the replay of checkpointed layers keeps X for the backward.
+        "two_outputs": _run(
+            tmp, 2, 3, "two_outputs", "--sketch-side", "outputs", "--kl-control", "--activation-checkpointing"
+        ),
+        "one_outputs": _run(tmp, 1, 3, "one_outputs", "--sketch-side", "outputs", "--kl-control"),
     }
     out["one6"], out["adamw_one"] = _side_by_side(
         tmp,
@@ -114,6 +120,25 @@ def test_input_scaled_runs_agree_on_two_ranks(runs) -> None:
     # The scaled rule is another rule: its weights are not the unscaled run's.
     plain = runs["one"]["policy"]
     assert any(float((one["policy"][k] - plain[k]).abs().max()) > 1e-6 for k in plain if k.endswith("proj.weight"))
+    assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
+
+
+def test_outputs_side_runs_agree_on_two_ranks(runs) -> None:
+    one, two = runs["one_outputs"], runs["two_outputs"]
+    assert one["rows"] == two["rows"]
+    assert one["logra"]["num_applied"] == two["logra"]["num_applied"] == 3
+    assert one["logra"]["config"]["sketch_side"] == "outputs"
+    for name, moment in one["logra"]["moments"].items():  # d_in × r: one row per input channel
+        assert tuple(moment.shape) == (one["policy"][f"{name}.weight"].shape[1], 16), name
+        torch.testing.assert_close(moment.float(), two["logra"]["moments"][name].float(), rtol=1e-2, atol=1e-6)
+    for key, value in one["policy"].items():
+        assert float((value - two["policy"][key]).abs().max()) <= 1e-6, key
+    # The outputs' side is another rule: its weights are not the inputs' side's.
+    plain = runs["one"]["policy"]
+    assert any(float((one["policy"][k] - plain[k]).abs().max()) > 1e-6 for k in plain if k.endswith("proj.weight"))
+    assert len(one["kl"]) == len(two["kl"]) == 3
+    for a, b in zip(one["kl"], two["kl"], strict=True):  # the probe's prediction, the same on 1 and 2 ranks
+        assert a["alpha"] < 1 and b["alpha"] == pytest.approx(a["alpha"], rel=2e-3)
     assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
 
 
@@ -209,7 +234,7 @@ def test_dense_kl_control_is_the_same_on_two_ranks(runs) -> None:
     one, two = runs["adamw_one"]["kl"], runs["adamw"]["kl"]
     assert len(one) == len(two) == 2
     for a, b in zip(one, two, strict=True):
-        assert a["alpha"] < 1 and b["alpha"] == pytest.approx(a["alpha"], rel=2e-3)
+        assert a["alpha"] != 1.0 and b["alpha"] == pytest.approx(a["alpha"], rel=2e-3)  # set by the controller
         for h in (a, b):
             assert abs(h["realized"] - h["predicted_scaled"]) / h["realized"] < 0.05
 
