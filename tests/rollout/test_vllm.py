@@ -130,15 +130,18 @@ def test_separate_engine_process_prefix_cache_and_full_load(engine_report: tuple
     assert all(-30 < v <= 0 for lp in report["sampled"] for v in lp)
 
 
-def test_hadamard_basis_refreshed_every_3_updates_keeps_vllm_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("side", ["inputs", "outputs"])
+def test_hadamard_basis_refreshed_every_3_updates_keeps_vllm_bitwise(tmp_path: Path, side: str) -> None:
     """``logra.distribution: hadamard`` and ``logra.refresh_every: 3`` reach vLLM's workers through the payload, with
     a bf16 first moment and the Adam-style step shaping the factors: after every update the engine's matrices equal
-    the trainer's bit for bit (MLP width 384 = 128·3)."""
+    the trainer's bit for bit (MLP width 384 = 128·3). On the outputs' side (``logra.sketch_side: outputs``) the
+    fused ``gate_up`` block merges its transpose with ``R`` drawn at ``d_out``."""
     from logra_pl.sketch import projection_seed
 
-    report = _run("hadamard", tmp_path)
+    report = _run("hadamard" if side == "inputs" else "hadamard_outputs", tmp_path)
     steps = report["steps"]
-    name = "model.layers.0.mlp.down_proj"
+    name = "model.layers.0.mlp.down_proj" if side == "inputs" else "model.layers.0.mlp.up_proj"
+    assert {s["sketch_side"] for s in steps} == {side}
     assert [s["update_index"] for s in steps] == [0, 1, 2, 3]
     assert all(s["distribution"] == "hadamard" and s["refresh_every"] == 3 and s["d_in"] == 384 for s in steps)
     assert [s["seed"] for s in steps] == [projection_seed(0, i, name) for i in (0, 0, 0, 3)]

@@ -146,7 +146,7 @@ def run_engine(out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report))
 
 
-def run_hadamard(out: Path) -> None:
+def run_hadamard(out: Path, side: str = "inputs") -> None:
     import lightning.pytorch as pl
     import torch
 
@@ -169,12 +169,14 @@ def run_hadamard(out: Path) -> None:
             step_mode="adam",
             lr=3e-3,
             lr_warmup_steps=1,
+            sketch_side=side,
         ),
         rollout=RolloutSettings(max_new_tokens=4),
         microbatch_size=8,
         engine=VLLMSettings(kv_cache_gib=1.0),
     )
-    name = "model.layers.0.mlp.down_proj"
+    # The matrix whose projection is 384 = 128·3 wide: down_proj's inputs, or up_proj's outputs.
+    name = "model.layers.0.mlp.down_proj" if side == "inputs" else "model.layers.0.mlp.up_proj"
     report: dict = {"steps": []}
 
     class Recorder(pl.Callback):
@@ -195,7 +197,8 @@ def run_hadamard(out: Path) -> None:
                     "moment_dtype": str(pl_module.method.sketcher.moments[name].dtype),
                     "moment_age": pl_module.method.sketcher.moment_age,
                     "seed": payload.seed(name),
-                    "d_in": pl_module.method.sketcher.matrices[name].d_in,
+                    "d_in": pl_module.method.sketcher.matrices[name].width,  # the projection's width
+                    "sketch_side": payload.sketch_side,
                     "bitwise_equal": all(torch.equal(got[n], state[n]) for n in names),
                     **{k: float(v) for k, v in m.items() if k.startswith("sync/")},
                 }
@@ -247,4 +250,6 @@ def run_async(out: Path) -> None:
 if __name__ == "__main__":
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     out_dir.mkdir(parents=True, exist_ok=True)
-    {"fit": run_fit, "engine": run_engine, "hadamard": run_hadamard, "async": run_async}[scenario](out_dir)
+    scenarios = {"fit": run_fit, "engine": run_engine, "hadamard": run_hadamard, "async": run_async}
+    scenarios["hadamard_outputs"] = lambda out: run_hadamard(out, side="outputs")
+    scenarios[scenario](out_dir)
