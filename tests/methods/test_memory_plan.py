@@ -134,3 +134,21 @@ def test_bf16_sketch_operands_are_planned_as_the_sketcher_holds_them(operands: s
     planned = plan(config, rank_r=16, optimizers=["logra"], sketch_operands=operands)["logra"].report.projections
     fp32 = sum(16 * m.in_features * 4 for m in select_targets(model, DEFAULT_TARGETS).values())
     assert measured == planned == (fp32 if operands == "float32" else fp32 * 3 // 2)
+
+
+@pytest.mark.parametrize("side", ["inputs", "outputs"])
+def test_sketch_side_is_planned_as_the_sketcher_holds_it(side: str) -> None:
+    """``logra.sketch_side: outputs``: a ``d_in × r`` sketch and moments and an ``r × d_out`` projection per matrix.
+    The planner's bytes equal the measured ones, kind by kind, and the written-out sums over the matrices."""
+    spec = PRESETS["medium"]
+    config = spec.qwen2_config(spec.vocab_size, 0, 1)
+    model = AutoModelForCausalLM.from_config(config)
+    measured = memory_report(model, sketcher=LoGRASketcher(model, LoGRAConfig(rank=16, sketch_side=side)))
+    planned = plan(config, rank_r=16, optimizers=["logra"], sketch_side=side)["logra"].report
+    linears = select_targets(model, DEFAULT_TARGETS).values()
+    rows = sum(m.out_features if side == "inputs" else m.in_features for m in linears)
+    width = sum(m.in_features if side == "inputs" else m.out_features for m in linears)
+    assert measured.sketches == planned.sketches == rows * 16 * 4
+    assert measured.projections == planned.projections == width * 16 * 4
+    assert measured.sketch_moments == planned.sketch_moments == 2 * rows * 16 * 2  # two bf16 moments
+    assert measured.row_statistics == planned.row_statistics == rows * 4
