@@ -36,7 +36,15 @@ OVERLAYS = {"adamw": CONFIGS / "tiny_cpu_adamw.yaml", "vllm": CONFIGS / "tiny_cp
 PROTOCOL_OVERLAYS = {"paper_logra": (), "logra_levers": ("paper_logra",), "rowadam_demo": ()}
 # Overlays that switch a feature on, or swap one part (the reward), over the base (no full config of their own): they
 # parse, instantiate and hold only what differs from the base.
-FEATURE_OVERLAYS = ("dapo_shaping", "reward_model", "llm_judge", "calculator", "higher_lower", "input_scaled")
+FEATURE_OVERLAYS = (
+    "dapo_shaping",
+    "reward_model",
+    "llm_judge",
+    "calculator",
+    "higher_lower",
+    "input_scaled",
+    "outputs_side",
+)
 # Overlays that replace the base's logger (no full config of their own) -> the Lightning logger class they build.
 LOGGER_OVERLAYS = {"wandb": "WandbLogger", "mlflow": "MLFlowLogger"}
 # The loss menu's recipes (issue 25), each on the base alone: the loss class, its arguments (every one written out,
