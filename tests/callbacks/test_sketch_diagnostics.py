@@ -39,12 +39,12 @@ class Snapshot(pl.Callback):
             self.update_index = pl_module.method.sketcher.update_index
 
 
-def _run(callbacks, root, logger=False, optimizer: str = "logra", steps: int = UPDATES):
+def _run(callbacks, root, logger=False, optimizer: str = "logra", steps: int = UPDATES, **logra):
     pl.seed_everything(0)
     module = LoGRAPolicyModule(
         policy="tiny",
         optimizer=optimizer,
-        logra=LoGRAConfig.paper(rank=RANK, update_ratio=1e-2),  # refreshed: the projection of each update its own
+        logra=LoGRAConfig.paper(rank=RANK, update_ratio=1e-2, **logra),  # refreshed: each update its own projection
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=8,  # the 16 probe responses take two microbatches
     )
@@ -216,3 +216,21 @@ def test_dense_runs_warn_once_and_fsdp_is_refused(tmp_path) -> None:
     for bad in ({"every_n_updates": 0}, {"probe_responses": 0}, {"image_every": -1}):
         with pytest.raises(ConfigError):
             SketchDiagnostics(**bad)
+
+
+def test_outputs_side_is_measured_on_the_transposed_gradient(tmp_path) -> None:
+    """``logra.sketch_side: outputs`` sketches ``Gᵀ Rᵀ``: its fidelity is that of ``Gᵀ`` under ``R`` (``r × d_out``,
+    drawn here from the update's seed), on the dense gradient of the probe at the run's last weights."""
+    from logra_pl.callbacks.diagnostics import dense_gradients
+
+    diag = SketchDiagnostics(every_n_updates=1, at_first_update=True, probe_responses=16, image_every=0)
+    module, trainer = _run([diag], tmp_path, steps=1, sketch_side="outputs")
+    sketcher = module.method.sketcher
+    measured = diag.measure(module, trainer)
+    grads = dense_gradients(trainer, module, diag.probe)
+    for name in ("model.layers.0.mlp.gate_proj", "model.layers.1.mlp.down_proj"):
+        m = sketcher.matrices[name]
+        proj = make_projection(projection_seed(0, sketcher.update_index, name), RANK, m.d_out, "rademacher")
+        assert m.d_out != m.d_in and tuple(SketchDiagnostics.projection(sketcher, name).shape) == (RANK, m.d_out)
+        want = sketch_fidelity(grads[name].mT, proj)
+        assert tuple(measured[name]) == pytest.approx(tuple(want), rel=1e-6), name
