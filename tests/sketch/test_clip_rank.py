@@ -14,6 +14,7 @@ from logra_pl.methods.base import PlanShapes
 from logra_pl.methods.logra import LoGRAMethod
 from logra_pl.sketch import DEFAULT_TARGETS, LoGRAConfig, LoGRASketcher, Payload, apply_payload, select_targets
 from logra_pl.sketch.config import LoGRAConfigError, matrix_rank
+from tests.helpers.gradients import dense_target_gradients
 
 
 def _ids(model, seed: int) -> torch.Tensor:
@@ -21,15 +22,7 @@ def _ids(model, seed: int) -> torch.Tensor:
 
 
 def _dense_gradients(model, seed: int) -> dict[str, torch.Tensor]:
-    ref = copy.deepcopy(model)
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    linears = {n: m for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear) and "proj" in n}
-    for m in linears.values():
-        m.weight.requires_grad_(True)
-    ids = _ids(ref, seed)
-    ref(input_ids=ids, labels=ids).loss.backward()
-    return {n: m.weight.grad.double() for n, m in linears.items()}
+    return dense_target_gradients(model, _ids(model, seed))
 
 
 def test_matrix_rank() -> None:

@@ -13,6 +13,7 @@ import torch
 from logra_pl.sketch import LoGRAConfig, LoGRASketcher
 from logra_pl.sketch.config import LoGRAConfigError
 from logra_pl.sketch.update import TINY, entry_adam_direction, transfer_moment
+from tests.helpers.gradients import dense_target_gradients
 
 BETA1, BETA2, EPS, LR = 0.9, 0.95, 1e-8, 1e-3
 
@@ -22,15 +23,7 @@ def _ids(model, seed: int) -> torch.Tensor:
 
 
 def _dense_gradients(model, seed: int) -> dict[str, torch.Tensor]:
-    ref = copy.deepcopy(model)
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    linears = {n: m for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear) and "proj" in n}
-    for m in linears.values():
-        m.weight.requires_grad_(True)
-    ids = _ids(ref, seed)
-    ref(input_ids=ids, labels=ids).loss.backward()
-    return {n: m.weight.grad.double() for n, m in linears.items()}
+    return dense_target_gradients(model, _ids(model, seed))
 
 
 def test_the_rule_is_adam_per_entry() -> None:

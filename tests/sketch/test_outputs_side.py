@@ -20,6 +20,7 @@ from logra_pl.sketch.payload import Payload
 from logra_pl.sketch.probe import logit_tangent, moved_logits
 from logra_pl.sketch.projection import make_projection
 from logra_pl.sketch.reference import PerMatrixSketcher
+from tests.helpers.gradients import dense_target_gradients
 
 
 def _ids(model, seed: int) -> torch.Tensor:
@@ -33,14 +34,7 @@ def _backward(model, seed: int) -> None:
 
 def _dense_grads(model, seed: int) -> dict[str, torch.Tensor]:
     """The dense gradient ``G`` (float64, ``d_out × d_in``) of every target matrix of a copy of ``model``."""
-    ref = copy.deepcopy(model)
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    linears = {n: m for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear) and "proj" in n}
-    for m in linears.values():
-        m.weight.requires_grad_(True)
-    _backward(ref, seed)
-    return {n: m.weight.grad.double() for n, m in linears.items()}
+    return dense_target_gradients(model, _ids(model, seed))
 
 
 def _config(**overrides) -> LoGRAConfig:
