@@ -248,9 +248,9 @@ class SketchGrad(torch.autograd.Function):
     """Identity on the layer output whose backward accumulates ``dYᵀ Z`` into the matrix's sketch.
 
     Only ``Z`` (tokens × r) is saved for backward — not the layer input ``X`` (tokens × d_in; the outputs' side saves
-    ``X`` in its place) — and, with input
-    statistics kept, the ``d_in`` sums of its squares, added to the update's statistics in backward: a forward that is
-    never back-propagated (the KL probe's) leaves them alone, and a checkpointed layer's replay supplies them.
+    ``X`` in its place) — and, with input statistics kept, the ``d_in`` sums of its squares, added to the update's
+    statistics in backward: a forward that is never back-propagated (the KL probe's) leaves them alone, and a
+    checkpointed layer's replay supplies them.
     """
 
     @staticmethod
