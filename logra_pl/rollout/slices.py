@@ -24,7 +24,7 @@ import torch
 from logra_pl.sketch.merge import merge_stack_
 from logra_pl.sketch.payload import Payload, stacked_factors, stacked_scales
 from logra_pl.sketch.projection import make_projections
-from logra_pl.sketch.side import INPUTS, oriented
+from logra_pl.sketch.side import INPUTS, merge_span, oriented
 
 
 @dataclass(frozen=True)
@@ -128,12 +128,6 @@ def apply_payload_to_slices(
             params[slices[n].param].data[slices[n].local_row : slices[n].local_row + slices[n].num_rows] for n in names
         ]
         width = first.d_out if outputs else first.d_in  # the projection's
-        # Outputs' side: the blocks' transposes, rows [c0, c1) of F, columns [r0, r1) of R.
-        span = (
-            {"row_offset": first.cols[0], "cols": first.rows}
-            if outputs
-            else {"row_offset": first.rows[0], "cols": first.cols}
-        )
         projections = make_projections(
             [payload.seed(n) for n in names],
             payload.matrix_rank(width),
@@ -146,7 +140,7 @@ def apply_payload_to_slices(
             stacked_factors(payload, names),
             projections,
             payload.distribution,
-            **span,  # type: ignore[arg-type]
+            **merge_span(first.rows, first.cols, payload.sketch_side),
             chunk_rows=chunk_rows,
             col_scales=stacked_scales(payload, names, device=device),
         )

@@ -450,13 +450,11 @@ def apply_payload(
     offsets = {name: 0 if row_offsets is None else int(row_offsets.get(name, 0)) for name in payload.factors}
     side = payload.sketch_side
     held = {name: local_tensor(weights[name]).shape[0] for name in payload.factors}  # the rows of W held here
-    if side != INPUTS:
-        partial = [n for n in payload.factors if held[n] != weights[n].shape[0] or offsets[n] != 0]
-        if any(not hasattr(weights[n], "to_local") for n in partial):
-            raise ValueError(
-                "an outputs-side payload merges a dim-0 shard as columns of Wᵀ and draws R at W's full d_out: pass "
-                "the sharded weights themselves (DTensors), not their local rows"
-            )
+    if side != INPUTS and any(offsets[n] and not hasattr(weights[n], "to_local") for n in payload.factors):
+        raise ValueError(
+            "an outputs-side payload merges a dim-0 shard as columns of Wᵀ and draws R at W's full d_out: pass "
+            "the sharded weights themselves (DTensors), not their local rows"
+        )
     locals_ = {name: oriented(local_tensor(weights[name]).data, side) for name in payload.factors}
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, factor in payload.factors.items():
@@ -477,7 +475,7 @@ def apply_payload(
             stacked_factors(payload, names),
             drawn,
             payload.distribution,
-            **merge_span(held[names[0]], offsets[names[0]], side),  # type: ignore[arg-type]
+            **merge_span((offsets[names[0]], offsets[names[0]] + held[names[0]]), None, side),
             chunk_rows=chunk_rows,
             col_scales=stacked_scales(payload, names, device=locals_[names[0]].device),
         )

@@ -11,6 +11,8 @@ outputs' side those are columns ``[o, o + n)`` of ``Wᵀ``, merged with the same
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 INPUTS, OUTPUTS = "inputs", "outputs"
@@ -26,9 +28,11 @@ def oriented(weight: torch.Tensor, side: str) -> torch.Tensor:
     return weight if side == INPUTS else weight.mT
 
 
-def merge_span(held_rows: int, row_offset: int, side: str) -> dict[str, object]:
-    """The ``row_offset``/``cols`` keyword arguments of :func:`~logra_pl.sketch.merge.merge_stack_` for a weight of
-    which this process holds rows ``[row_offset, row_offset + held_rows)`` (a dim-0 shard, or all of it)."""
+def merge_span(rows: tuple[int, int], cols: tuple[int, int] | None, side: str) -> dict[str, Any]:
+    """The ``row_offset``/``cols`` keyword arguments of :func:`~logra_pl.sketch.merge.merge_stack_` for a block of
+    ``W`` holding its rows ``[r0, r1)`` and columns ``cols`` (``None``: all of them): a dim-0 shard, an engine's slice,
+    or the whole matrix. On the outputs' side the block's transpose is merged: its columns are rows of ``Wᵀ`` (rows
+    of ``F``) and its rows are columns of ``Wᵀ`` (columns of ``R``)."""
     if side == INPUTS:
-        return {"row_offset": row_offset}
-    return {"row_offset": 0, "cols": (row_offset, row_offset + held_rows)}
+        return {"row_offset": rows[0], "cols": cols}
+    return {"row_offset": 0 if cols is None else cols[0], "cols": rows}

@@ -689,7 +689,7 @@ class LoGRASketcher:
                 factors,
                 group.projection,
                 self.config.distribution,
-                **merge_span(held, offsets[0], group.side),  # type: ignore[arg-type]
+                **merge_span((offsets[0], offsets[0] + held), None, group.side),
                 chunk_rows=self.config.merge_chunk_rows,
                 norms=True,
                 col_scales=group.input_scale,
@@ -704,7 +704,7 @@ class LoGRASketcher:
                 factors[rows],
                 group.projection[rows],
                 self.config.distribution,
-                **merge_span(held, offset, group.side),  # type: ignore[arg-type]
+                **merge_span((offset, offset + held), None, group.side),
                 chunk_rows=self.config.merge_chunk_rows,
                 col_scales=None if group.input_scale is None else group.input_scale[rows],
             )
