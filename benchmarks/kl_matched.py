@@ -271,6 +271,17 @@ def _methods() -> dict[str, Method]:
             refresh_every=0,
             sketch_side="outputs",
         ),
+        # The outputs' side at r = 256: whether the rank-64 subspace of the outputs that a fixed R never leaves is what
+        # it still loses to AdamW with moments in rotated outputs at full rank (a diagnostic: 4× the rule's state).
+        logra(
+            "logra_adam_outputs_r256",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 256)",
+            sketch_adam,
+            refresh_every=0,
+            sketch_side="outputs",
+            rank=256,
+            clip_rank=True,  # k and v have d_out 192: rank 192 there
+        ),
         # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
         # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
         logra(
