@@ -197,6 +197,10 @@ def _methods() -> dict[str, Method]:
         init = {"adamw": adamw, "rotation": {"rotate": side, "seed": 0}}
         return by_class(name, label, "logra_pl.methods.rotated.RotatedAdamW", init)
 
+    def projected_adamw(name: str, label: str, **projection: Any) -> Method:
+        init = {"adamw": adamw, "projection": {"rank": 64, "seed": 0, **projection}}
+        return by_class(name, label, "logra_pl.methods.projected.ProjectedAdamW", init)
+
     # Each method's own step setting only sizes the nominal step that α then scales to the budget (AdamW's and LoRA's
     # lr, LoGRA's update_ratio or lr, SGD's lr 0.1: large enough that α stays far below ALPHA_MAX).
     baselines = (
@@ -227,6 +231,16 @@ def _methods() -> dict[str, Method]:
         # LoGRA's sketch mixes them, or the outputs, which LoGRA keeps as they are. Which mixing costs the take-off.
         rotated_adamw("adamw_rot_inputs", "dense AdamW, moments in rotated inputs", "inputs"),
         rotated_adamw("adamw_rot_outputs", "dense AdamW, moments in rotated outputs", "outputs"),
+        # Dense AdamW with its step in a rank-64 subspace of the outputs (methods/projected.py): a random fixed one
+        # (LoGRA's outputs' side with a dense gradient), or the top-64 output directions of the gradient, drawn anew
+        # every 10 updates with the moments carried. Whether the rank-64 subspace loses by its size or its aim.
+        projected_adamw("adamw_proj_random", "dense AdamW, step in a random fixed rank-64 output subspace"),
+        projected_adamw(
+            "adamw_proj_gradient",
+            "dense AdamW, step in the gradient's top-64 output directions (every 10)",
+            basis="gradient",
+            refresh_every=10,
+        ),
     )
     # Candidate rules (docs/benchmarks.md), each with LoGRA's contract: Adam on the sketch's d_out × r coordinates
     # with a first moment, both kept in bf16, on a basis that persists (fixed, or refreshed every N updates).
