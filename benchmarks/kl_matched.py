@@ -296,6 +296,15 @@ def _methods() -> dict[str, Method]:
             rank=256,
             clip_rank=True,  # k and v have d_out 192: rank 192 there
         ),
+        # ... and at r = 96, the most that fits 0.10× AdamW's state once the projections are kept as their packed signs.
+        logra(
+            "logra_adam_outputs_r96",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 96)",
+            sketch_adam,
+            refresh_every=0,
+            sketch_side="outputs",
+            rank=96,
+        ),
         # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
         # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
         logra(
