@@ -557,6 +557,8 @@ def load_result(run: Run) -> dict | None:
     curves = {tag: [tuple(p) for p in points] for tag, points in (result.get("curves") or {}).items()}
     if "train/next_batch_gain" in curves:
         result.update({k: v for k, v in carried(curves).items() if k not in result})
+    if "reward_mean" not in result and "train/reward_mean" in curves:
+        result["reward_mean"] = reward_mean(curves)
     return result
 
 
@@ -719,6 +721,13 @@ def direction(scalars: Mapping[str, list[tuple[int, float]]]) -> dict[str, float
     }
 
 
+def reward_mean(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
+    """The mean train reward over every update of the run. The reward gain (last window minus first) saturates for a
+    run that ends near 1.0 and does not tell an early take-off from a late one; the mean over the run does."""
+    rewards = [v for _, v in scalars.get("train/reward_mean", [])]
+    return statistics.fmean(rewards) if rewards else None
+
+
 def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dict[str, Any]:
     """One run's numbers: ``grid.summarize_run``'s (val0 from the run's first validation), α at its cap, state,
     the KL calibration per update, the direction's measures (:func:`direction`) and their curves."""
@@ -726,6 +735,7 @@ def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dic
     out = summarize_run(scalars, float("nan"), wall_s)
     out["curves"].update({tag: scalars[tag] for tag in DIRECTION_TAGS if tag in scalars})
     out.update(direction(scalars))
+    out["reward_mean"] = reward_mean(scalars)
     alphas = [v for _, v in scalars.get("kl/alpha", [])]
     out.update(
         val_points=val,
@@ -840,6 +850,7 @@ KEYS = (
     "wall_s",
     "updates",
     "reward_window",
+    "reward_mean",
     "gain_median",
     "step_norm_median",
     "gain_per_sqrt_kl",
@@ -899,9 +910,9 @@ def table(report: Mapping[str, Any], budget: float) -> str:
     cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
     adamw = cells.get("adamw")
     lines = [
-        "| method | seeds | reward gain | ÷ AdamW's | held-out pass@1 | realized KL / update | ÷ budget "
-        "| ÷ predicted, per update | α at cap | training state | ÷ AdamW's | wall / run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | seeds | reward gain | ÷ AdamW's | mean train reward | held-out pass@1 | realized KL / update "
+        "| ÷ budget | ÷ predicted, per update | α at cap | training state | ÷ AdamW's | wall / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in METHODS:
         cell = cells.get(name)
@@ -917,7 +928,7 @@ def table(report: Mapping[str, Any], budget: float) -> str:
         lines.append(
             f"| {cell['label']} | {len(cell['runs']) - cell['failed']}"
             + (f" ({cell['failed']} failed)" if cell["failed"] else "")
-            + f" | {pm(gain, signed=True)} | {ratio} | {pm(s.get('val_final'))} | "
+            + f" | {pm(gain, signed=True)} | {ratio} | {pm(s.get('reward_mean'))} | {pm(s.get('val_final'))} | "
             + (f"{kl['mean']:.2e} ± {kl['std']:.1e}" if kl else "–")
             + f" | {pm(s.get('kl_realized_over_budget'), 2)} | {calibration_text(cell)} | "
             + (f"{cap['mean']:.0%}" if cap else "–")
@@ -1116,7 +1127,9 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         f"by math-verify; {setup.updates} updates per run; held-out pass@1 greedy on {setup.eval_size} problems "
         f"({report['val_start']:.3f} before any update); "
         f"seeds {', '.join(map(str, seeds))} (each its own prompt order over the same problems); mean ± std over the "
-        f"seeds finished. Reward gain: {window_text(report, setup.updates)}. Training state: "
+        f"seeds finished. Reward gain: {window_text(report, setup.updates)}. Mean train reward: over every update "
+        "of the run (the gain saturates for a run that ends near 1.0; the mean also tells an early take-off from a "
+        "late one). Training state: "
         "bytes held for training besides the weights, peak over updates (MemoryMonitor). ÷ predicted, per update: "
         "each update's realized KL over the KL predicted for the step applied, the median of the seeds' medians, "
         f"the range over every update, and the share of updates off by more than {KL_RATIO_OFF:g}× either way.",

@@ -179,17 +179,22 @@ def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Pa
     assert result["next_gain_per_sqrt_kl"] == pytest.approx((3 - 1 + 3 + 3) / 4)
     assert result["next_gain_per_sqrt_kl_scored"] == pytest.approx(3.0)  # batches 1, 3, 4
     assert result["unscored_share"] == pytest.approx(2 / 5)
-    # A result summarized before these two measures existed gets them from the curves it keeps.
-    older = {k: v for k, v in result.items() if k not in ("next_gain_per_sqrt_kl_scored", "unscored_share")}
+    assert result["reward_mean"] == pytest.approx((0.0 + 0.1 + 0.0 + 0.3 + 0.4) / 5)  # over every update
+    # A result summarized before these three measures existed gets them from the curves it keeps.
+    measures = ("next_gain_per_sqrt_kl_scored", "unscored_share", "reward_mean")
+    older = {k: v for k, v in result.items() if k not in measures}
     (run.folder / "result.json").write_text(json.dumps(older))
     loaded = kl_matched.load_result(run)
     assert loaded["next_gain_per_sqrt_kl_scored"] == pytest.approx(3.0)
     assert loaded["unscored_share"] == pytest.approx(2 / 5)
+    assert loaded["reward_mean"] == pytest.approx(0.16)
     assert result["next_gain_mean"] == pytest.approx(sum(nexts) / 4)
     assert result["carried_share"] == pytest.approx(sum(nexts) / 0.1)
 
     report = kl_matched.collect("smollm2", kl_matched.MODELS["smollm2"], [run, other], 0.2)
-    assert "| 1.05 (0.50–2.00; 50% off) |" in kl_matched.table(report, run.budget)
+    main_row = next(line for line in kl_matched.table(report, run.budget).splitlines() if "paper" in line)
+    assert "| 1.05 (0.50–2.00; 50% off) |" in main_row
+    assert "| 0.160 ± 0.000 |" in main_row  # the mean train reward (this cell's one seed)
     row = next(line for line in kl_matched.direction_table(report, run.budget).splitlines() if "paper" in line)
     assert "| 3.00e-02 ± 0.0e+00 |" in row and "| 2.00 ± 0.00 |" in row
     carried = kl_matched.carry_table(report, run.budget).splitlines()
