@@ -37,6 +37,7 @@ from logra_pl.sketch import LoGRAConfig, LoGRASketcher, Payload, Proposal, selec
 from logra_pl.sketch.config import (
     DEFAULT_TARGETS,
     MOMENT_DTYPES,
+    PROJECTION_STORAGES,
     SKETCH_OPERAND_DTYPES,
     SKETCH_SIDES,
     check_rank_fits,
@@ -45,6 +46,7 @@ from logra_pl.sketch.config import (
 from logra_pl.sketch.memory import MemoryReport, memory_report
 from logra_pl.sketch.merge import full_tensor
 from logra_pl.sketch.probe import ProbeMode, logit_tangent, moved_logits
+from logra_pl.sketch.projection import packed_bytes
 
 
 def reduce_sketches(optimizer: LoGRAOptimizer, ranks: DataParallelRanks) -> None:
@@ -222,6 +224,11 @@ class LoGRAMethod(UpdateMethod):
             choices=sorted(SKETCH_SIDES),
             help="the side the projection mixes (logra.sketch_side: d_in × r sketches on the outputs'); default inputs",
         )
+        parser.add_argument(
+            "--projection-storage",
+            choices=sorted(PROJECTION_STORAGES),
+            help="how projections are held (logra.projection_storage: packed keeps their draws, 1/32); default dense",
+        )
 
     @classmethod
     @override
@@ -230,7 +237,8 @@ class LoGRAMethod(UpdateMethod):
         ``d_out × r`` each per matrix, bf16; ``"paper"``: RowAdam, ``d_out`` row statistics only), ``logra_moments``
         (the paper's rule with a first moment, ``logra.beta1 > 0``; a dtype name also sets its storage),
         ``moment_dtype`` (the moments' storage, ``logra.moment_dtype``; None: the rule's own), ``sketch_operands``
-        (``logra.sketch_operands``; None: float32) and ``sketch_side`` (``logra.sketch_side``; None: inputs)."""
+        (``logra.sketch_operands``; None: float32), ``sketch_side`` (``logra.sketch_side``; None: inputs) and
+        ``projection_storage`` (``logra.projection_storage``; None: dense)."""
         options = settings.options
         rule, moments = options.get("logra_rule") or "default", options.get("logra_moments")
         dtype = options.get("moment_dtype") or (moments if isinstance(moments, str) else None)
@@ -247,6 +255,8 @@ class LoGRAMethod(UpdateMethod):
             knobs["sketch_operands"] = options["sketch_operands"]
         if options.get("sketch_side"):
             knobs["sketch_side"] = options["sketch_side"]
+        if options.get("projection_storage"):
+            knobs["projection_storage"] = options["projection_storage"]
         return cls(PLAN_RULES[rule](**knobs))
 
     def with_targets(self, targets: Sequence[str]) -> LoGRAConfig:
@@ -420,9 +430,12 @@ class LoGRAMethod(UpdateMethod):
             report.sketches += rows * r * 4
             if cfg.input_precondition == "gram":  # the update's r × r Gram and its token count
                 report.sketches += r * r * 4 + 4
-            report.projections += r * width * 4
-            if cfg.sketch_operands == "bfloat16":  # P's signs in bf16 beside it, the sketch matmuls' operand
-                report.projections += r * width * 2
+            if cfg.projection_storage == "packed":  # the draws P is built from (signs too, at each read)
+                report.projections += packed_bytes(r, width, cfg.distribution)
+            else:
+                report.projections += r * width * 4
+                if cfg.sketch_operands == "bfloat16":  # P's signs in bf16 beside it, the sketch matmuls' operand
+                    report.projections += r * width * 2
             report.row_statistics += rows * 4
             if cfg.input_scaling == "rms":  # the update's Σx² and token count; the EMA and the scales s
                 report.sketches += linear.in_features * 4 + 4
@@ -447,7 +460,7 @@ class LoGRAMethod(UpdateMethod):
             return ""
         mats = sketcher.matrices.values()
         sketch = sum(m.sketch.numel() * m.sketch.element_size() for m in mats)
-        proj = sum(m.projection.numel() * m.projection.element_size() for m in mats)
+        proj = sum(m.stored_projection.numel() * m.stored_projection.element_size() for m in mats)
         rows = sum(v.numel() * v.element_size() for v in sketcher.row_stats.values())
         dense = sum(m.module.weight.numel() * 4 for m in mats)
         every = cfg.refresh_every
@@ -460,7 +473,7 @@ class LoGRAMethod(UpdateMethod):
         return (
             f"LoGRA trains {count_text(self.trained_parameter_count(policy))} parameters in {len(sketcher.matrices)} "
             f"matrices ({', '.join(targets)}) through rank-{cfg.rank} sketches of their {cfg.sketch_side} "
-            f"({cfg.distribution} projections, "
+            f"({cfg.distribution} projections{', packed' if cfg.projection_storage == 'packed' else ''}, "
             f"{basis}; {cfg.update_rule} rule); everything else is frozen. Its state: {bytes_text(sketch)} of "
             f"sketches + {bytes_text(proj)} of projections + {bytes_text(rows)} of row statistics{moment_text}, in "
             f"place of {bytes_text(dense)} of fp32 dense gradients (+ {bytes_text(2 * dense)} of Adam moments)"

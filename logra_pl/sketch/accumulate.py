@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from logra_pl.runtime.checkpointing import replayed_later
+from logra_pl.sketch.input_scale import scaled_signs
+from logra_pl.sketch.projection import PackedProjections
 from logra_pl.sketch.side import INPUTS, sketch_dims
 from logra_pl.sketch.trace import traced
 
@@ -85,10 +87,11 @@ class MatrixSketch:
         self.input_sq, self.input_tokens = input_sq, input_tokens
         self.input_scale: torch.Tensor | None = None
         self.operands = operands
-        self.signs: torch.Tensor | None = None  # bf16 sign(P) (r × d_in) with bf16 operands, else None
+        self._signs: torch.Tensor | None = None  # bf16 sign(P) (r × d_in) with bf16 operands, else None
         self.scale: float | None = None  # |P|'s one non-zero magnitude, with the signs (read once per new P)
         self._projection: torch.Tensor | None = torch.empty(0, device=sketch.device)
         self._projection_row: tuple[torch.Tensor, int] | None = None  # (stack, row) until first read
+        self._packed: tuple[PackedProjections, int] | None = None  # (packed stack, row): P built at each read
         self.seed = -1
         # A grad-requiring leaf routed into SketchGrad so backward reaches the hook even when nothing
         # below this layer requires grad (frozen embeddings, algorithm.md §1). It never receives a gradient.
@@ -102,7 +105,11 @@ class MatrixSketch:
 
     @property
     def projection(self) -> torch.Tensor:
-        """``P`` (r × d_in, fp32) of the current update: its row of the group's stack, viewed when first read."""
+        """``P`` (r × d_in, fp32) of the current update: its row of the group's stack, viewed when first read; with
+        packed projections, built from its draws at each read (the caller's to let go)."""
+        if self._packed is not None:
+            packed, row = self._packed
+            return packed[row]
         if self._projection is None:
             assert self._projection_row is not None
             stack, row = self._projection_row
@@ -111,8 +118,43 @@ class MatrixSketch:
 
     @projection.setter
     def projection(self, value: torch.Tensor) -> None:
-        self._projection, self._projection_row = value, None
+        self._projection, self._projection_row, self._packed = value, None, None
         self.signs = self.scale = None  # the fp32 path until signs come with a stacked projection
+
+    @property
+    def signs(self) -> torch.Tensor | None:
+        """The bf16 operand ``sign(P)`` (``sign(P)·s`` with input scales) with bf16 operands, else ``None``; with
+        packed projections built at each read, like :attr:`projection`."""
+        if self._packed is not None and self.scale is not None:
+            p = self.projection
+            return p.sign().to(torch.bfloat16) if self.input_scale is None else scaled_signs(p, self.input_scale)
+        return self._signs
+
+    @signs.setter
+    def signs(self, value: torch.Tensor | None) -> None:
+        self._signs = value
+
+    @property
+    def stored_projection(self) -> torch.Tensor:
+        """What holds ``P`` between reads: its fp32 row (a view of the group's stack), or, packed, the row of draws
+        it is built from (memory accounting reads this, not :attr:`projection`, which builds a packed ``P``)."""
+        if self._packed is not None:
+            packed, row = self._packed
+            return packed.draws[row]
+        return self.projection
+
+    @property
+    def stored_signs(self) -> torch.Tensor | None:
+        """The bf16 signs held between reads (``None`` when packed: they are built at each read)."""
+        return self._signs
+
+    def set_packed_projection(self, packed: PackedProjections, row: int, seed: int, scale: float | None) -> None:
+        """Install row ``row`` of a packed stack as ``P`` (built from its draws at each read), and its seed;
+        ``scale`` (``P = scale·sign(P)``) for bf16 operands, whose signs are then built at each read too."""
+        self._projection, self._projection_row, self._packed = None, None, (packed, row)
+        self.seed = seed
+        self._signs = None
+        self.scale = scale if self.operands == torch.bfloat16 else None
 
     def set_projection(self, projection: torch.Tensor, seed: int) -> None:
         """Install ``P`` (on the sketch's device) and its seed for the coming update: how a matrix sketched on its own,
@@ -131,7 +173,7 @@ class MatrixSketch:
         """Install row ``row`` of a ``(k, r, d_in)`` stack (on the sketch's device) as ``P``, and its seed; the row
         is viewed when ``P`` is first read (the sketcher installs whole groups at once). ``signs`` (``(k, r, d_in)``
         bf16) and ``scales`` (``k`` floats): ``P = scale·signs`` for bf16 operands."""
-        self._projection, self._projection_row = None, (stack, row)
+        self._projection, self._projection_row, self._packed = None, (stack, row), None
         self.seed = seed
         bf16 = self.operands == torch.bfloat16 and signs is not None and scales is not None
         self.signs = signs[row] if bf16 else None
@@ -151,8 +193,9 @@ class MatrixSketch:
             return SketchGrad.apply(output, z, self.anchor, self, sq)
         with traced("logra.sketch.project"), _no_autocast(x.device):
             sq = None
-            if self.signs is not None:  # bf16 X times P's signs (times s, exact in bf16), fp32 sums; P's scale c
-                z = mixed_mm(x.to(torch.bfloat16), self.signs.T)  # is applied in the backward
+            signs = self.signs
+            if signs is not None:  # bf16 X times P's signs (times s, exact in bf16), fp32 sums; P's scale c
+                z = mixed_mm(x.to(torch.bfloat16), signs.T)  # is applied in the backward
                 if stats:
                     sq = x.to(torch.float32).square().sum(0)  # never in place: x may be fp32 already
             else:  # fp32 even under autocast (bf16-mixed training): exact for the bf16 activations it sees
@@ -170,8 +213,7 @@ class MatrixSketch:
         if self.side != INPUTS:
             self.accumulate_outputs(grad_output, z)
             return
-        if self.signs is not None:
-            assert self.scale is not None
+        if self.scale is not None:  # bf16 operands: z came from P's signs
             with traced("logra.sketch.accumulate"), _no_autocast(grad_output.device):
                 dy16 = grad_output.reshape(-1, self.d_out).to(torch.bfloat16)
                 high = z.to(torch.bfloat16)
@@ -190,9 +232,10 @@ class MatrixSketch:
         the inputs' path mirrored: ``Z = dY sign(R)ᵀ`` from bf16 ``dY`` summed in fp32, then ``Tᵀ += c·(Xᵀ Z_hi +
         Xᵀ Z_lo)`` from bf16 ``X``."""
         with traced("logra.sketch.accumulate"), _no_autocast(grad_output.device):
-            if self.signs is not None:
+            signs = self.signs
+            if signs is not None:
                 assert self.scale is not None
-                z = mixed_mm(grad_output.reshape(-1, self.d_out).to(torch.bfloat16), self.signs.T)
+                z = mixed_mm(grad_output.reshape(-1, self.d_out).to(torch.bfloat16), signs.T)
                 x16 = x.to(torch.bfloat16)
                 high = z.to(torch.bfloat16)
                 low = torch.sub(z, high).to(torch.bfloat16)

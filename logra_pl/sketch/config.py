@@ -24,6 +24,8 @@ MomentTransfer = Literal["project", "reset"]
 InputPreconditioner = Literal["none", "gram"]
 InputScaling = Literal["none", "rms"]
 SketchSide = Literal["inputs", "outputs"]
+ProjectionStorage = Literal["dense", "packed"]
+PROJECTION_STORAGES = ("dense", "packed")
 SKETCH_SIDES: tuple[str, ...] = ("inputs", "outputs")
 RatioScope = Literal["global", "matrix"]
 
@@ -181,6 +183,12 @@ class LoGRAConfig:
             normalization then sees each input channel as it is, as dense Adam's does (docs/benchmarks.md). The forward
             keeps the layer input ``X`` (tokens × d_in, what a dense weight gradient keeps) for the backward. Not
             with ``input_scaling`` or ``input_precondition``, which act on the inputs' mixing.
+        projection_storage: how the projections are held between their uses. ``"dense"`` (default): each ``P`` in
+            fp32 (``4·r·d_in`` bytes per matrix, as many as its sketch). ``"packed"``: as their draws (Rademacher:
+            ``r·d_in`` bits, 1/32 of the fp32 ``P``; Hadamard: ``r + 2·d_in`` integers), and each reader (the
+            backward's sketch, the merge, the step control's probe) builds its ``P`` bit for bit when it reads it
+            and lets it go. The same arithmetic, so the same run; what it costs is the building, once per
+            microbatch per matrix in the backward. Not structural: a run resumes under either.
         step_mode: ``"ratio"`` scales the step to ``update_ratio`` of the weight norm; ``"lr"`` uses ``U = lr·D``;
             ``"adam"`` uses ``U = lr·N/den``: row-wise Adam in sketch space (no norm restore), steps of dense Adam's
             size for the same ``lr``.
@@ -233,6 +241,7 @@ class LoGRAConfig:
     input_scaling: InputScaling = "none"
     input_scale_beta: float = 0.9
     sketch_side: SketchSide = "inputs"
+    projection_storage: ProjectionStorage = "dense"
     step_mode: StepMode = "adam"
     update_ratio: float = 6e-5
     ratio_scope: RatioScope = "global"
@@ -296,6 +305,15 @@ class LoGRAConfig:
             )
         if self.sketch_side not in SKETCH_SIDES:
             raise LoGRAConfigError(f"unknown logra.sketch_side {self.sketch_side!r}: use 'inputs' or 'outputs'")
+        if self.projection_storage not in PROJECTION_STORAGES:
+            raise LoGRAConfigError(
+                f"unknown logra.projection_storage {self.projection_storage!r}: use 'dense' or 'packed'"
+            )
+        if self.projection_storage == "packed" and self.distribution == "gaussian":
+            raise LoGRAConfigError(
+                "logra.projection_storage: packed keeps each P as the integers it is built from, and a Gaussian P "
+                "is its own draw (fp32 entries): use distribution rademacher or hadamard, or projection_storage dense"
+            )
         if self.sketch_side == "outputs" and (self.input_scaling != "none" or self.input_precondition != "none"):
             raise LoGRAConfigError(
                 "logra.sketch_side 'outputs' leaves the inputs unmixed, so input_scaling and input_precondition, "
@@ -392,6 +410,8 @@ class LoGRAConfig:
             del out["sketch_operands"]
         if self.sketch_side == "inputs":  # likewise
             del out["sketch_side"]
+        if self.projection_storage == "dense":  # likewise
+            del out["projection_storage"]
         out["targets"] = list(self.targets)
         out["dense_params"] = list(self.dense_params)
         out["dense_betas"] = list(self.dense_betas)

@@ -25,6 +25,7 @@ from torch import nn
 
 from logra_pl.sketch.config import matrix_rank
 from logra_pl.sketch.merge import float64_scratch, per_batch
+from logra_pl.sketch.projection import PackedProjections
 from logra_pl.sketch.side import INPUTS, sketch_dims
 from logra_pl.sketch.update import matrix_sum, transfer_moment
 
@@ -55,7 +56,11 @@ class MatrixGroup:
             gram``; zero between updates, all-reduced with the sketches), else ``None``.
         gram_tokens: ``(k,)`` fp32 token counts of those Grams, else ``None``.
         projection: ``(k, r, d_in)`` fp32 projections of the current update (empty until the first is drawn;
-            replaced, not overwritten, when a new basis is drawn, so a proposal keeps the ``P`` it was made with).
+            replaced, not overwritten, when a new basis is drawn, so a proposal keeps the ``P`` it was made with);
+            ``None`` with ``logra.projection_storage: packed``, where ``packed`` holds them. Readers of the whole
+            stack call :meth:`projections`.
+        packed: with ``projection_storage: packed``, the projections as their draws
+            (:class:`~logra_pl.sketch.projection.PackedProjections`, replaced like ``projection``), else ``None``.
         signs: ``(k, r, d_in)`` bf16 ``sign(P)`` with ``logra.sketch_operands: bfloat16``, else ``None``.
         scales: ``max |P|`` of each matrix (``P = scale·signs``), with the signs, else ``None``.
         input_sq: ``(k, d_in)`` fp32 sums of the update's squared layer inputs (``logra.input_scaling: rms``; zero
@@ -75,7 +80,7 @@ class MatrixGroup:
     sketch: torch.Tensor
     row_stats: torch.Tensor
     moments: torch.Tensor | None
-    projection: torch.Tensor
+    projection: torch.Tensor | None
     second_moments: torch.Tensor | None = None
     grams: torch.Tensor | None = None
     gram_tokens: torch.Tensor | None = None
@@ -86,6 +91,21 @@ class MatrixGroup:
     input_ema: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None
     side: str = INPUTS
+    packed: PackedProjections | None = None
+
+    def projections(self) -> torch.Tensor:
+        """The ``(k, r, d_in)`` fp32 projections: the stack itself, or (packed) built now, bit for bit, for the
+        caller to use and let go."""
+        if self.packed is not None:
+            return self.packed.expand()
+        assert self.projection is not None
+        return self.projection
+
+    @property
+    def basis(self) -> PackedProjections | torch.Tensor | None:
+        """What the current projections are held as (the stack or the packed draws): a new basis is a new object,
+        so comparing identities tells whether the basis changed."""
+        return self.packed if self.packed is not None else self.projection
 
     @property
     def size(self) -> int:

@@ -121,8 +121,10 @@ def memory_report(
         report.sketches = _storage_bytes((m.sketch for m in sketcher.matrices.values()), seen)
         grams = [t for m in sketcher.matrices.values() for t in (m.gram, m.gram_tokens) if t is not None]
         report.sketches += _storage_bytes(grams, seen)  # input_precondition: gram's per-update Grams
-        signs = [m.signs for m in sketcher.matrices.values() if m.signs is not None]  # bf16 sketch operands
-        report.projections = _storage_bytes([*(m.projection for m in sketcher.matrices.values()), *signs], seen)
+        # The projections as held between uses (packed: their draws) and the bf16 sketch operands' signs.
+        held = [m.stored_projection for m in sketcher.matrices.values()]
+        signs = [m.stored_signs for m in sketcher.matrices.values() if m.stored_signs is not None]
+        report.projections = _storage_bytes([*held, *signs], seen)
         report.row_statistics = _storage_bytes(sketcher.row_stats.values(), seen)
         # input_scaling: rms — the update's sums of squared inputs (with the sketches), the EMA and the scales
         stats = [t for m in sketcher.matrices.values() for t in (m.input_sq, m.input_tokens) if t is not None]

@@ -25,7 +25,7 @@ from torch import nn
 
 from logra_pl.sketch.config import matrix_rank, resolve_refresh_every
 from logra_pl.sketch.merge import local_tensor, merge_stack_
-from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
+from logra_pl.sketch.projection import PackedProjections, make_projections, projection_index, projection_seed
 from logra_pl.sketch.side import INPUTS, OUTPUTS, merge_span, oriented, sketch_dims
 from logra_pl.sketch.targets import canonical_name
 
@@ -134,7 +134,8 @@ class MatrixProposal:
             ``row`` of a group's stacked factors, viewed when first read (the sketcher's own steps read the stack).
         seed: the seed of ``P``.
         projection: ``P``, fp32, ``(r, d_in)``: kept for probing; never serialised. Or ``projections``: the group's
-            ``(k, r, d_in)`` stack, of which ``P`` is row ``row``, viewed when first read.
+            ``(k, r, d_in)`` stack, of which ``P`` is row ``row``, viewed when first read (or the group's
+            :class:`~logra_pl.sketch.projection.PackedProjections`, whose row is built at each read).
         input_scales: the group's ``(k, d_in)`` per-column scales ``s`` (``logra.input_scaling: rms``), of which
             this matrix's is row ``row``; ``None``: unscaled.
     """
@@ -147,7 +148,7 @@ class MatrixProposal:
         *,
         stack: FactorStack | None = None,
         row: int = 0,
-        projections: torch.Tensor | None = None,
+        projections: torch.Tensor | PackedProjections | None = None,
         input_scales: torch.Tensor | None = None,
     ) -> None:
         if factor is None and stack is None:
@@ -179,9 +180,12 @@ class MatrixProposal:
 
     @property
     def projection(self) -> torch.Tensor:
-        """``P`` (fp32, ``(r, d_in)``)."""
+        """``P`` (fp32, ``(r, d_in)``): a view of its stack's row, or, for packed projections, built from the draws
+        at each read and not kept (the proposal would otherwise hold every matrix's ``P`` again)."""
         if self._projection is None:
             assert self._projections is not None
+            if isinstance(self._projections, PackedProjections):
+                return self._projections[self.row]
             self._projection = self._projections[self.row]
         return self._projection
 

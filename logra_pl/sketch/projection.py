@@ -224,16 +224,99 @@ def make_projections(
     if rank > d_in:
         raise LoGRAConfigError(f"projection rank {rank} exceeds the input dimension {d_in}: use rank <= {d_in}")
     check_distribution(distribution)
+    return expand_draws(device_draws(seeds, rank, d_in, distribution, device), rank, d_in, distribution)
+
+
+def device_draws(
+    seeds: Sequence[int], rank: int, d_in: int, distribution: str, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """:func:`projection_draws` of ``seeds`` on ``device`` (from pinned memory, asynchronously, on CUDA)."""
     device = None if device is None else torch.device(device)
     pinned = device is not None and device.type == "cuda"
     draws = projection_draws(seeds, rank, d_in, distribution, pin_memory=pinned)
-    if device is not None:
-        draws = draws.to(device, non_blocking=pinned)
+    return draws if device is None else draws.to(device, non_blocking=pinned)
+
+
+def expand_draws(draws: torch.Tensor, rank: int, d_in: int, distribution: str) -> torch.Tensor:
+    """The ``(..., rank, d_in)`` fp32 projections of a stack of :func:`projection_draws` rows, on their device:
+    Rademacher words unpacked (:func:`unpack_signs`), Hadamard integers expanded (:func:`hadamard_entries`),
+    Gaussian rows as they are (they are ``P``)."""
     if distribution == "rademacher":
         return unpack_signs(draws, rank, d_in)
     if distribution == "hadamard":
         return hadamard_entries(draws, rank, d_in)
     return draws
+
+
+PACKABLE = ("rademacher", "hadamard")
+
+
+class PackedProjections:
+    """A stack of ``k`` projections kept as their draws (``logra.projection_storage: packed``), expanded where read.
+
+    Rademacher ``P`` are ``r·d_in`` sign bits, 64 to an int64 word (1/32 of the fp32 ``P``); Hadamard ``P`` are
+    ``r + 2·d_in`` integers. :meth:`expand` and ``packed[i]`` build the fp32 ``P`` from them by the integer ops
+    :func:`make_projections` uses, so every reader gets ``P`` bit for bit, as a new tensor that lives as long as its
+    reader keeps it. Immutable: a new basis is a new object (readers that compare bases compare identities).
+
+    Arguments:
+        draws: ``(k, ·)`` int64 rows of :func:`projection_draws`, on the device the ``P`` are needed on.
+        rank: ``r``.
+        d_in: the projections' width.
+        distribution: ``rademacher`` or ``hadamard`` (:data:`PACKABLE`; Gaussian draws are the fp32 ``P``).
+    """
+
+    def __init__(self, draws: torch.Tensor, rank: int, d_in: int, distribution: str) -> None:
+        if distribution not in PACKABLE:
+            raise LoGRAConfigError(
+                f"{distribution!r} projections have no packed form (their draws are the fp32 P): use one of "
+                f"{PACKABLE} or logra.projection_storage: dense"
+            )
+        self.draws, self.rank, self.d_in, self.distribution = draws, rank, d_in, distribution
+
+    @classmethod
+    def draw(
+        cls, seeds: Sequence[int], rank: int, d_in: int, distribution: str, device: torch.device | str | None = None
+    ) -> PackedProjections:
+        """The packed projections of ``seeds`` on ``device``: what :func:`make_projections` draws, not expanded."""
+        return cls(device_draws(seeds, rank, d_in, distribution, device), rank, d_in, distribution)
+
+    def __len__(self) -> int:
+        return self.draws.shape[0]
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        """``P`` of one row, ``(r, d_in)`` fp32, built now."""
+        return expand_draws(self.draws[row], self.rank, self.d_in, self.distribution)
+
+    def expand(self, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """The ``(k, r, d_in)`` fp32 stack (``rows``: only those), built now."""
+        draws = self.draws if rows is None else self.draws[list(rows)]
+        return expand_draws(draws, self.rank, self.d_in, self.distribution)
+
+    def replace_rows(self, rows: Sequence[int], other: PackedProjections) -> PackedProjections:
+        """A new stack: this one with ``rows`` taken from ``other`` (one row of ``other`` per row, in order)."""
+        draws = self.draws.clone()
+        draws[list(rows)] = other.draws
+        return PackedProjections(draws, self.rank, self.d_in, self.distribution)
+
+    @property
+    def device(self) -> torch.device:
+        return self.draws.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the draws."""
+        return self.draws.numel() * self.draws.element_size()
+
+
+def packed_bytes(rank: int, d_in: int, distribution: str) -> int:
+    """Bytes of one packed projection (:class:`PackedProjections`): ``ceil(r·d_in/64)`` int64 words for Rademacher,
+    ``r + 2·d_in`` int64 for Hadamard."""
+    if distribution == "rademacher":
+        return -(-rank * d_in // 64) * 8
+    if distribution == "hadamard":
+        return (rank + 2 * d_in) * 8
+    raise LoGRAConfigError(f"{distribution!r} projections have no packed form: use one of {PACKABLE}")
 
 
 def make_projection(

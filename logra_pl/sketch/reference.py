@@ -45,6 +45,11 @@ class PerMatrixSketcher(LoGRASketcher):
                 "PerMatrixSketcher is the reference of the inputs-side kernels; sketch_side 'outputs' is checked "
                 "against dense computations instead (tests/sketch/test_outputs_side.py): use LoGRASketcher"
             )
+        if config is not None and config.projection_storage != "dense":
+            raise LoGRAConfigError(
+                "PerMatrixSketcher draws each P in fp32 as the reference; projection_storage 'packed' is checked "
+                "against the dense stacks instead (tests/sketch/test_packed_projections.py): use LoGRASketcher"
+            )
         super().__init__(model, config, **kwargs)
 
     def _group_direction(self, group: MatrixGroup, step: int, grad_scale: float) -> GroupStep:

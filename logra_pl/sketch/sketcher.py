@@ -49,7 +49,13 @@ from logra_pl.sketch.payload import (
     named_tensors,
     stacked_factors,
 )
-from logra_pl.sketch.projection import make_projections, projection_index, projection_seed
+from logra_pl.sketch.projection import (
+    PackedProjections,
+    make_projections,
+    projection_index,
+    projection_seed,
+    sign_scale,
+)
 from logra_pl.sketch.side import merge_span, oriented
 from logra_pl.sketch.targets import select_targets
 from logra_pl.sketch.trace import traced_call
@@ -219,29 +225,48 @@ class LoGRASketcher:
             if not fresh:
                 continue
             drawn = self._draw(group, [seeds[i] for i in fresh])
+            packed = isinstance(drawn, PackedProjections)
+            new: torch.Tensor | PackedProjections
             if len(fresh) == group.size:
                 new = drawn
-            else:  # a partial change (not produced by the seed rule today): keep the other rows' P
+            elif isinstance(drawn, PackedProjections):  # a partial change (not produced by the seed rule today)
+                assert group.packed is not None
+                new = group.packed.replace_rows(fresh, drawn)
+            else:  # likewise: keep the other rows' P
+                assert group.projection is not None
                 new = group.projection.clone()
                 new[fresh] = drawn
             carried = [i for i in fresh if matrices[i].seed != -1]
+            dense_pair: tuple[torch.Tensor, torch.Tensor] | None = None  # (old, new) P, built once if carried
             for kept, squared in ((group.moments, False), (group.second_moments, True)):
                 if not carry or kept is None or not carried:
                     continue
                 if self.config.momentum_transfer == "project":
-                    self._transfer(group, carried, group.projection, new, squared)
+                    if dense_pair is None:
+                        dense_pair = (group.projections(), new.expand() if isinstance(new, PackedProjections) else new)
+                    self._transfer(group, carried, *dense_pair, squared)
                 elif len(carried) == group.size:
                     kept.zero_()
                 else:
                     kept[carried] = 0
                 changed = True
-            group.projection = new
-            if self.config.sketch_operands == "bfloat16":  # P = scale·signs: rademacher and hadamard (config)
+            del dense_pair
+            if isinstance(new, PackedProjections):
+                group.packed, group.projection = new, None
+                fresh = list(range(group.size))  # every row reads the new packed stack
+            else:
+                group.projection = new
+            bf16 = self.config.sketch_operands == "bfloat16"  # P = scale·signs: rademacher and hadamard (config)
+            if bf16 and not packed:
                 group.signs = self._signs(group)
                 group.scales = new.abs().amax(dim=(1, 2)).tolist()  # one read per new basis (fixed: once a run)
                 fresh = list(range(group.size))  # every row's signs view the new stack
+            scale = sign_scale(self.config.distribution, group.rank, group.d_in) if bf16 and packed else None
             for i in fresh:
-                matrices[i].set_stacked_projection(new, i, seeds[i], group.signs, group.scales)
+                if isinstance(new, PackedProjections):  # signs, if any, built from the draws at each read
+                    matrices[i].set_packed_projection(new, i, seeds[i], scale)
+                else:
+                    matrices[i].set_stacked_projection(new, i, seeds[i], group.signs, group.scales)
                 if group.input_scale is not None:
                     matrices[i].input_scale = group.input_scale[i]
         if changed and self.config.momentum_transfer == "reset":
@@ -251,8 +276,8 @@ class LoGRASketcher:
     def _signs(group: MatrixGroup) -> torch.Tensor:
         """The bf16 operand of the tensor-core sketch path: ``sign(P)``, or ``sign(P)·s`` with input scaling."""
         if group.input_scale is None:
-            return group.projection.sign().to(torch.bfloat16)
-        return scaled_signs(group.projection, group.input_scale)
+            return group.projections().sign().to(torch.bfloat16)
+        return scaled_signs(group.projections(), group.input_scale)
 
     def _fold_input_stats(self) -> None:
         """``input_scaling: rms``, after a merged update: its input statistics (summed over ranks with the sketches)
@@ -293,9 +318,12 @@ class LoGRASketcher:
                 if group.signs is not None:
                     m.signs = group.signs[i]
 
-    def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor:
-        """The projections of ``seeds`` at the group's shape, stacked ``(k, r, d_in)`` on its device."""
+    def _draw(self, group: MatrixGroup, seeds: list[int]) -> torch.Tensor | PackedProjections:
+        """The projections of ``seeds`` at the group's shape, stacked ``(k, r, d_in)`` on its device (packed:
+        their draws, ``logra.projection_storage``)."""
         cfg = self.config
+        if cfg.projection_storage == "packed":
+            return PackedProjections.draw(seeds, group.rank, group.d_in, cfg.distribution, device=group.device)
         return make_projections(seeds, group.rank, group.d_in, cfg.distribution, device=group.device)
 
     def _transfer(
@@ -372,7 +400,8 @@ class LoGRASketcher:
         if gram is None:
             exact = self.config.distribution != "gaussian"
             group = self.groups[index]
-            gram = self._grams[index] = stack_grams(group.projection, exact=exact, col_scales=group.input_scale)
+            projections = group.projections()
+            gram = self._grams[index] = stack_grams(projections, exact=exact, col_scales=group.input_scale)
         return gram
 
     def _lifted_sq_norms(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -440,7 +469,7 @@ class LoGRASketcher:
                 seed=m.seed,
                 stack=rows[name][0],
                 row=rows[name][2],
-                projections=rows[name][1].projection,
+                projections=rows[name][1].basis,
                 input_scales=rows[name][1].input_scale,
             )
             for name, m in self.matrices.items()
@@ -653,7 +682,7 @@ class LoGRASketcher:
         if self.keep_step:  # on the basis just merged on (a fold or refresh below replaces it, never overwrites it)
             self._kept = KeptStep(
                 factor_stacks,
-                [group.projection for group in self.groups],
+                [group.basis for group in self.groups],
                 [group.input_scale for group in self.groups],
                 {n: payload.alpha * d.delta for n, d in proposal.dense.items()},
             )
@@ -683,11 +712,12 @@ class LoGRASketcher:
         weights = [oriented(p.data, group.side) for p in params]
         held = params[0].shape[0]  # the rows of W this process holds (a dim-0 shard under FSDP)
         offsets = [int(self.row_offsets.get(name, 0)) for name in group.names]
+        projections = group.projections()  # packed: built for this merge only
         if len(set(offsets)) == 1:  # one offset per group under FSDP (same shape, same mesh)
             norms = merge_stack_(
                 weights,
                 factors,
-                group.projection,
+                projections,
                 self.config.distribution,
                 **merge_span((offsets[0], offsets[0] + held), None, group.side),
                 chunk_rows=self.config.merge_chunk_rows,
@@ -702,7 +732,7 @@ class LoGRASketcher:
             merge_stack_(
                 [weights[i] for i in rows],
                 factors[rows],
-                group.projection[rows],
+                projections[rows],
                 self.config.distribution,
                 **merge_span((offset, offset + held), None, group.side),
                 chunk_rows=self.config.merge_chunk_rows,
@@ -734,9 +764,7 @@ class LoGRASketcher:
         """The kept step's gain on this update's raw sketches and dense gradients (on the device, no sync), or None
         when no step is kept or the basis changed since it was merged (next_gain.py)."""
         kept = self._kept
-        if kept is None or not kept.same_basis(
-            [g.projection for g in self.groups], [g.input_scale for g in self.groups]
-        ):
+        if kept is None or not kept.same_basis([g.basis for g in self.groups], [g.input_scale for g in self.groups]):
             return None
         grads = {n: None if p.grad is None else local_tensor(p.grad).detach() for n, p in self.dense.items()}
         return kept.sketched_gains([g.sketch for g in self.groups]), kept.dense_gains(grads)
