@@ -44,6 +44,7 @@ FEATURE_OVERLAYS = (
     "higher_lower",
     "input_scaled",
     "outputs_side",
+    "packed_projections",
 )
 # Overlays that replace the base's logger (no full config of their own) -> the Lightning logger class they build.
 LOGGER_OVERLAYS = {"wandb": "WandbLogger", "mlflow": "MLFlowLogger"}

@@ -51,10 +51,12 @@ def test_levers_reach_the_engine_and_resume_bit_for_bit(tmp_path, rl_run) -> Non
         assert moment.dtype == torch.bfloat16 and torch.equal(moment, resumed.method.sketcher.moments[name]), name
 
 
-def _outputs_module() -> LoGRAPolicyModule:
+def _outputs_module(storage: str = "dense") -> LoGRAPolicyModule:
     from logra_pl.methods import LoGRAMethod
 
-    config = LoGRAConfig(**{**LEVERS, "distribution": "rademacher", "sketch_side": "outputs"})
+    config = LoGRAConfig(
+        **{**LEVERS, "distribution": "rademacher", "sketch_side": "outputs", "projection_storage": storage}
+    )
     return LoGRAPolicyModule(policy="tiny", method=LoGRAMethod(config), rollout=RolloutSettings(max_new_tokens=4))
 
 
@@ -68,7 +70,8 @@ def _outputs_callbacks() -> list:
 def test_outputs_side_reaches_the_engine_and_resumes_bit_for_bit(tmp_path, rl_run) -> None:
     """``sketch_side: outputs`` under the KL controller (its probe) and the next-batch gain (its kept step), across a
     refresh of ``R`` (moments carried into the new basis): the engine, merged from ``d_in × r`` factors, equals the
-    policy after every update (PolicySync verifies), and a resume from update 2 ends on the same bits."""
+    policy after every update (PolicySync verifies), and a resume from update 2 ends on the same bits, though it
+    holds its projections packed (``projection_storage: packed``: each ``R`` built from its draws where read)."""
     straight = _outputs_module()
     every2 = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
     trainer = rl_run(straight, tmp_path, 4, callbacks=[*_outputs_callbacks(), every2], enable_checkpointing=True)
@@ -79,8 +82,9 @@ def test_outputs_side_reaches_the_engine_and_resumes_bit_for_bit(tmp_path, rl_ru
     mine, engine = straight.policy.state_dict(), straight.engine.model.state_dict()
     assert all(torch.equal(mine[k], engine[k]) for k in mine)
     assert "train/next_batch_gain" in trainer.callback_metrics  # the kept step met the next update's sketches
-    resumed = _outputs_module()
+    resumed = _outputs_module("packed")
     rl_run(resumed, tmp_path, 4, callbacks=_outputs_callbacks(), ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
+    assert all(g.packed is not None and g.projection is None for g in resumed.method.sketcher.groups)
     for name, value in straight.policy.state_dict().items():
         assert torch.equal(value, resumed.policy.state_dict()[name]), name
     for name, moment in sketcher.moments.items():
