@@ -359,6 +359,17 @@ def _methods() -> dict[str, Method]:
             refresh_every=0,
         ),
         logra("logra_levers_ls", "LoGRA, levers, line search (r = 64)", levers, LINE_SEARCH),
+        # The outputs' side at r = 96 with the line search: where the two probe responses see too little of a step
+        # that normalizes every input channel (tiny:small), the step's KL measured on the whole batch.
+        logra(
+            "logra_adam_outputs_r96_ls",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 96), line search",
+            sketch_adam,
+            LINE_SEARCH,
+            refresh_every=0,
+            sketch_side="outputs",
+            rank=96,
+        ),
     )
     return {m.name: m for m in (*baselines, *decomposition, *candidates)}
 
