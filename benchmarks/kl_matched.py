@@ -305,15 +305,6 @@ def _methods() -> dict[str, Method]:
             sketch_side="outputs",
             rank=96,
         ),
-        # ... and at r = 64 with R drawn anew every 25 updates, the moments carried: more output directions over the
-        # run at the rule's state, for the moment's mass that a change of basis loses.
-        logra(
-            "logra_adam_outputs_n25",
-            "LoGRA, sketch-space Adam, refresh every 25, sketch on the outputs (r = 64)",
-            sketch_adam,
-            refresh_every=25,
-            sketch_side="outputs",
-        ),
         # The rule at r = d_in on a fixed orthogonal projection: Adam in rotated input coordinates, every direction
         # kept. Against the rule at r = 64 it is the rank-64 subspace's cost; against dense AdamW, the mixing's.
         logra(
