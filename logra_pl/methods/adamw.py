@@ -219,23 +219,32 @@ class DenseAdamW(ProposalAnswers, UpdateMethod):
             p.requires_grad_(True)
         return params
 
+    def build_optimizer(self, params: list[nn.Parameter]) -> tuple[ProposingOptimizer, LambdaLR]:
+        """The torch optimizer of ``params`` (a :class:`ProposingOptimizer`) and its schedule: torch's AdamW here. A
+        diagnostic that keeps AdamW's moments in another basis (``rotated.py``, ``projected.py``) builds its own and
+        shares everything else."""
+        return self.adamw.build(params)
+
+    def applied_norm(self, inner: Any) -> float:
+        """``‖ΔW‖`` of the step ``inner`` just took: from AdamW's state, no copy of the weights."""
+        return adamw_update_norm(inner, alpha=inner.last_alpha)
+
     @override
     def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
         self.guard = guard
-        opt, sched = self.adamw.build(self.trainable(policy, targets))
-        self.optimizer = opt
+        opt, sched = self.build_optimizer(self.trainable(policy, targets))
+        self.optimizer = opt  # type: ignore[assignment]
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     @override
     def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
-        inner: ProposingAdamW = optimizer.optimizer
+        inner: ProposingOptimizer = optimizer.optimizer
         inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
         self.begin_step()
-        optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → AdamW at lr·α, or no step
+        optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → the step at lr·α, or no step
         rejected = inner.last_rejection
         optimizer.zero_grad(set_to_none=True)
-        # From the state: no copy of the weights.
-        norm = 0.0 if rejected else adamw_update_norm(inner, alpha=inner.last_alpha)
+        norm = 0.0 if rejected else self.applied_norm(inner)
         scheduler.step()
         return StepResult(rejected, norm)
 

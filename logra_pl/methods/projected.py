@@ -32,8 +32,6 @@ from typing_extensions import override
 from logra_pl.config import as_settings
 from logra_pl.errors import ConfigError
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
-from logra_pl.methods.base import AllReduceSum, StepResult
-from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.methods.proposing import ProposingOptimizer, local
 
 BASES = ("random", "gradient")
@@ -187,11 +185,10 @@ class ProjectedAdamW(DenseAdamW):
         self.projection = as_settings(ProjectionConfig, projection, "projection")
 
     @override
-    def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
-        self.guard = guard
+    def build_optimizer(self, params: list[nn.Parameter]) -> tuple[ProposingOptimizer, LambdaLR]:
         a, p = self.adamw, self.projection
         opt = ProjectedAdamWOptimizer(
-            self.trainable(policy, targets),
+            params,
             lr=a.lr,
             betas=tuple(a.betas),
             eps=a.eps,
@@ -201,19 +198,11 @@ class ProjectedAdamW(DenseAdamW):
             refresh_every=p.refresh_every,
             seed=p.seed,
         )
-        self.optimizer = opt  # type: ignore[assignment]
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, a.lr_factor), "interval": "step"}}
+        return opt, LambdaLR(opt, a.lr_factor)
 
     @override
-    def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
-        inner: ProjectedAdamWOptimizer = optimizer.optimizer
-        inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
-        self.begin_step()
-        optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → the projected step at lr·α, or none
-        rejected = inner.last_rejection
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        return StepResult(rejected, 0.0 if rejected else math.sqrt(inner.last_update_sq))
+    def applied_norm(self, inner: Any) -> float:
+        return math.sqrt(inner.last_update_sq)
 
     @override
     def report(self, policy: nn.Module, targets: Sequence[str]) -> str:

@@ -33,8 +33,6 @@ from typing_extensions import override
 from logra_pl.config import as_settings
 from logra_pl.errors import ConfigError
 from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
-from logra_pl.methods.base import AllReduceSum, StepResult
-from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.methods.proposing import ProposingOptimizer, local
 
 SIDES = ("inputs", "outputs")
@@ -165,11 +163,10 @@ class RotatedAdamW(DenseAdamW):
         self.rotation = as_settings(RotationConfig, rotation, "rotation")
 
     @override
-    def configure_optimizers(self, policy: nn.Module, targets: Sequence[str], guard: DivergenceGuard) -> Any:
-        self.guard = guard
+    def build_optimizer(self, params: list[nn.Parameter]) -> tuple[ProposingOptimizer, LambdaLR]:
         a = self.adamw
         opt = RotatedAdamWOptimizer(
-            self.trainable(policy, targets),
+            params,
             lr=a.lr,
             betas=tuple(a.betas),
             eps=a.eps,
@@ -177,19 +174,11 @@ class RotatedAdamW(DenseAdamW):
             rotate=self.rotation.rotate,
             seed=self.rotation.seed,
         )
-        self.optimizer = opt  # type: ignore[assignment]
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, a.lr_factor), "interval": "step"}}
+        return opt, LambdaLR(opt, a.lr_factor)
 
     @override
-    def step(self, optimizer: Any, scheduler: Any, all_reduce_sum: AllReduceSum) -> StepResult:
-        inner: RotatedAdamWOptimizer = optimizer.optimizer
-        inner.check = lambda opt, proposal: self.judge(self.guard, proposal, all_reduce_sum)
-        self.begin_step()
-        optimizer.step()  # propose → closure (hooks: α, veto) → the guard's check → the rotated step at lr·α, or none
-        rejected = inner.last_rejection
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        return StepResult(rejected, 0.0 if rejected else math.sqrt(inner.last_update_sq))
+    def applied_norm(self, inner: Any) -> float:
+        return math.sqrt(inner.last_update_sq)
 
     @override
     def report(self, policy: nn.Module, targets: Sequence[str]) -> str:
