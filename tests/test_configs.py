@@ -45,6 +45,7 @@ FEATURE_OVERLAYS = (
     "input_scaled",
     "outputs_side",
     "packed_projections",
+    "outputs_side_r96",
 )
 # Overlays that replace the base's logger (no full config of their own) -> the Lightning logger class they build.
 LOGGER_OVERLAYS = {"wandb": "WandbLogger", "mlflow": "MLFlowLogger"}
