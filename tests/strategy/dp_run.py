@@ -2,6 +2,7 @@
 
     python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH] [--hf-export DIR]
         [--optimizer adamw] [--kl-control] [--snapshot-at K] [--loss-menu] [--per-matrix]
+        [--sketch-side outputs] [--projection-storage packed] [--input-scaling]
 
 Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT (and, with ``--kl-control``, the KL
 controller's history).
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--input-scaling", action="store_true", help="logra.input_scaling: rms")
     parser.add_argument("--sketch-side", default="inputs", choices=["inputs", "outputs"], help="logra.sketch_side")
     parser.add_argument(
+        "--projection-storage", default="dense", choices=["dense", "packed"], help="logra.projection_storage"
+    )
+    parser.add_argument(
         "--per-matrix", action="store_true", help="LoGRA's step one matrix at a time (the reference, not the grouped)"
     )
     args = parser.parse_args()
@@ -161,6 +165,7 @@ def main() -> None:
             update_ratio=1e-3,
             input_scaling="rms" if args.input_scaling else "none",
             sketch_side=args.sketch_side,
+            projection_storage=args.projection_storage,
         ),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,
@@ -212,6 +217,7 @@ def main() -> None:
     rows, padded = [None] * trainer.world_size, [None] * trainer.world_size
     torch.distributed.all_gather_object(rows, record.rows)
     torch.distributed.all_gather_object(padded, record.padded)
+    report = memory_report(module.policy, optimizer=module.optimizers().optimizer, sketcher=module.method.sketcher)
     if trainer.global_rank == 0:
         torch.save(
             {
@@ -225,9 +231,8 @@ def main() -> None:
                 "sketch_dtypes": sorted({str(s.dtype) for s in module.method.sketcher.sketches().values()})
                 if module.method.sketcher is not None
                 else [],
-                "persistent_bytes": memory_report(
-                    module.policy, optimizer=module.optimizers().optimizer, sketcher=module.method.sketcher
-                ).persistent,
+                "persistent_bytes": report.persistent,
+                "projection_bytes": report.projections,
                 "kl": kl.history if kl is not None else None,
                 "gains": gains.values,
                 "next_gains": gains.next,

@@ -76,6 +76,15 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
             tmp, 2, 3, "two_outputs", "--sketch-side", "outputs", "--kl-control", "--activation-checkpointing"
         ),
         "one_outputs": _run(tmp, 1, 3, "one_outputs", "--sketch-side", "outputs", "--kl-control"),
+        # The same two-rank run with its projections kept as their packed draws, rebuilt where they are read.
+        "two_outputs_packed": _run(
+            tmp,
+            2,
+            3,
+            "two_outputs_packed",
+            *("--sketch-side", "outputs", "--kl-control", "--activation-checkpointing"),
+            *("--projection-storage", "packed"),
+        ),
     }
     out["one6"], out["adamw_one"] = _side_by_side(
         tmp,
@@ -140,6 +149,24 @@ def test_outputs_side_runs_agree_on_two_ranks(runs) -> None:
     for a, b in zip(one["kl"], two["kl"], strict=True):  # the probe's prediction, the same on 1 and 2 ranks
         assert a["alpha"] != 1.0 and b["alpha"] == pytest.approx(a["alpha"], rel=2e-3)  # set by the controller
     assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
+
+
+def test_packed_projections_are_the_dense_run_on_two_ranks(runs) -> None:
+    dense, packed = runs["two_outputs"], runs["two_outputs_packed"]
+    assert packed["logra"]["config"]["projection_storage"] == "packed"
+    assert dense["logra"]["config"].get("projection_storage", "dense") == "dense"
+    assert packed["rows"] == dense["rows"]
+    # Bit for bit: every rank rebuilt the same P from its draws for the backward, the merge of its shard and the probe.
+    for key, value in dense["policy"].items():
+        assert torch.equal(packed["policy"][key], value), key
+    for name, moment in dense["logra"]["moments"].items():
+        assert torch.equal(packed["logra"]["moments"][name], moment), name
+    assert [k["alpha"] for k in packed["kl"]] == [k["alpha"] for k in dense["kl"]]
+    assert packed["gains"] == dense["gains"]
+    # ... while holding each projection as its draws: Rademacher signs as bits, 1/32 of fp32.
+    assert 0 < packed["projection_bytes"] * 16 < dense["projection_bytes"]
+    assert packed["persistent_bytes"] == dense["persistent_bytes"]  # moments and statistics: the same state
+    assert all(torch.equal(packed["engine"][k], packed["policy"][k]) for k in packed["policy"])
 
 
 @pytest.mark.slow
