@@ -130,6 +130,12 @@ def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path:
     goal = kl_matched.goal_line(report, budget)
     assert "LoGRA, levers (r = 64): **MET**" in goal
     assert "LoGRA, paper rule (r = 64): **MISSED**" in goal
+    # Seed by seed (one prompt stream per seed): the levers gain 0.10 more than AdamW and 0.08 more than LoRA on each.
+    levers = next(line for line in goal.splitlines() if "LoGRA, levers (r = 64)" in line)
+    assert "Paired by seed: +0.100 ± 0.000 (3 seeds, 0 below) against AdamW" in levers
+    assert "+0.080 ± 0.000 (3 seeds, 0 below) against LoRA" in levers
+    paper = next(line for line in goal.splitlines() if "LoGRA, paper rule (r = 64)" in line)
+    assert "-0.050 ± 0.000 (3 seeds, 3 below) against AdamW" in paper
     assert "not yet measured" in kl_matched.goal_line(report, runs[-1].budget)
     for cell in report["cells"].values():  # two seeds of three: no verdict
         cell["runs"].pop("2")
