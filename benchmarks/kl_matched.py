@@ -1034,13 +1034,12 @@ def paired_gain(mine: Mapping[str, Any], other: Mapping[str, Any]) -> str:
     """The reward gain's difference to another cell, seed by seed over the seeds both finished: each seed draws one
     prompt stream that every method trains on, so the difference varies far less than either cell does. E.g.
     ``"+0.080 ± 0.010 (3 seeds, 0 below)"``."""
-    seeds = sorted(set(mine["runs"]) & set(other["runs"]), key=int)
-    diffs = [mine["runs"][k]["reward_gain"] - other["runs"][k]["reward_gain"] for k in seeds]
-    if not diffs:
+    seeds = set(mine["runs"]) & set(other["runs"])
+    diffs = [{"diff": mine["runs"][k]["reward_gain"] - other["runs"][k]["reward_gain"]} for k in seeds]
+    stat = aggregate(diffs, ["diff"])["diff"]
+    if stat is None:
         return "no common seed"
-    mean = sum(diffs) / len(diffs)
-    std = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
-    return f"{mean:+.3f} ± {std:.3f} ({len(diffs)} seeds, {sum(d < 0 for d in diffs)} below)"
+    return f"{pm(stat, signed=True)} ({stat['n']} seeds, {sum(d['diff'] < 0 for d in diffs)} below)"
 
 
 def goal_line(report: Mapping[str, Any], budget: float) -> str:
