@@ -23,12 +23,13 @@ Stages:
    run's folder (``configs/tiny_cpu.yaml`` with the model's, the method's and the protocol's settings: see
    :func:`run_config`). Resumable: a run whose ``result.json`` holds the config's key is reused; ``--jobs`` at a
    time, one thread each when two run.
-3. ``report``: ``results.json``, ``results.md`` (mean ± std over seeds of the reward gain — the last 10% of updates'
-   mean train reward minus the first 10%'s —, the final held-out pass@1, the realized KL per update and its ratio to
-   the budget, how often α reached its cap, the training state besides the weights, wall time; with each method's
-   ratios to dense AdamW and the goal line), the realized KL over the predicted KL of every update (median and
-   range: how well the step control held each method to the budget) and plots (reward and realized KL per update,
-   seed bands).
+3. ``report`` (over every finished seed unless ``--seeds`` names some): ``results.json``, ``results.md`` (mean ± std
+   over seeds of the reward gain — the last w updates' mean train reward minus the first w's, w = max(10, a tenth of
+   the run): 20% of a 50-update run at each end —, the final held-out pass@1, the realized KL per update and its
+   ratio to the budget, how often α reached its cap, the training state besides the weights, wall time; with each
+   method's ratios to dense AdamW and the goal line), the realized KL over the predicted KL of every update (median
+   and range: how well the step control held each method to the budget) and plots (reward and realized KL per
+   update, seed bands).
 
 Given committed results, ``--stage report`` only re-reads them. ``--stage resummarize`` rewrites each finished run's
 numbers from its TensorBoard log (kept in the run's folder, not committed), keeping its wall time: for results
@@ -569,6 +570,19 @@ def plan_runs(model: str, setup: ModelSetup, methods: Sequence[str], seeds: Sequ
                     Run(name, budget, seed, folder, run_config(model, setup, METHODS[name], budget, seed, folder))
                 )
     return runs
+
+
+def finished_seeds(out: Path, budgets: Sequence[float], methods: Sequence[str]) -> set[int]:
+    """Every seed with a finished run (a ``result.json``) under ``out`` for one of ``methods`` at one of ``budgets``:
+    the report's default, so a cell grown past the model's seeds is reported whole without naming its seeds."""
+    found = set()
+    for budget in budgets:
+        for name in methods:
+            for done in (out / cell_name(name, budget)).glob("seed*/result.json"):
+                suffix = done.parent.name.removeprefix("seed")
+                if suffix.isdigit():
+                    found.add(int(suffix))
+    return found
 
 
 def load_result(run: Run) -> dict | None:
@@ -1210,7 +1224,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     parser.add_argument("--stage", default="all", choices=["select", "runs", "resummarize", "report", "all"])
     parser.add_argument("--budgets", type=float, nargs="+", help="KL budgets per update (default: the model's)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the model's)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", help="seeds (default: the model's; the report adds every finished one)"
+    )
     parser.add_argument("--updates", type=int, help="updates per run (default: the model's)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2, one thread each)")
@@ -1245,6 +1261,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.stage in ("runs", "all"):
         execute(runs, args.jobs)
     if args.stage in ("report", "all"):
+        if not args.seeds:  # every finished seed, not only the model's default ones
+            seeds = tuple(sorted(set(seeds) | finished_seeds(out, setup.budgets, args.methods)))
+            runs = plan_runs(args.model, setup, args.methods, seeds, out)
         write_report(collect(args.model, setup, runs, val_start), out, setup, seeds)
         print(f"report: {out / 'results.md'}")
 

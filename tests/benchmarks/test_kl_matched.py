@@ -146,6 +146,24 @@ def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path:
     )
 
 
+def test_the_report_finds_every_finished_seed(tmp_path: Path) -> None:
+    """A cell grown past the model's seeds (here seed 5) is reported whole without naming its seeds; a folder that is
+    not a seed's or holds no result is not a seed."""
+    setup = kl_matched.MODELS["smollm2"]
+    budget = setup.budgets[0]
+    for seed in (0, 1, 5):
+        run = kl_matched.plan_runs("smollm2", setup, ["adamw"], (seed,), tmp_path)[0]
+        _finish(run, 0.1 * seed, 0.5, 1e-3, 400 * MiB)
+    (tmp_path / kl_matched.cell_name("adamw", budget) / "seed7").mkdir()  # started, not finished
+    (tmp_path / kl_matched.cell_name("adamw", budget) / "seedling" / "result.json").parent.mkdir()
+    (tmp_path / kl_matched.cell_name("adamw", budget) / "seedling" / "result.json").write_text("{}")
+    assert kl_matched.finished_seeds(tmp_path, setup.budgets, ["adamw", "lora"]) == {0, 1, 5}
+    assert kl_matched.finished_seeds(tmp_path, setup.budgets, ["lora"]) == set()
+    runs = kl_matched.plan_runs("smollm2", setup, ["adamw"], (0, 1, 2, 5), tmp_path)
+    cell = kl_matched.collect("smollm2", setup, runs, 0.2)["cells"][kl_matched.cell_name("adamw", budget)]
+    assert sorted(cell["runs"]) == ["0", "1", "5"] and cell["summary"]["reward_gain"]["n"] == 3
+
+
 def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Path) -> None:
     """``kl/realized`` over ``kl/predicted_scaled`` update by update (an update without a prediction is left out),
     written by ``--stage resummarize`` from a real TensorBoard log into ``result.json`` and shown in the table."""
