@@ -73,6 +73,9 @@ from grid import (
 ALPHA_MAX = 1000.0
 VALIDATIONS = 3  # validations per run, the last at the final update
 GOAL = {"gain_vs_adamw": 1.0, "state": 0.10}
+# The train reward (rolling mean of 10 updates) at which a run counts as taken off: on SmolLM2 at 1e-3 a run either
+# takes off (its reward passes 0.5 and ends near 0.9) or stalls below 0.25 (docs/benchmarks.md).
+TAKE_OFF = 0.5
 MIN_SEEDS = 3  # seeds in each of the rule's, AdamW's and LoRA's cells before the goal line gives a verdict
 GOAL_TEXT = (
     "at matched KL per update, LoGRA's reward gain ≥ 100% of dense AdamW's and ≥ LoRA r = 64's, held-out pass@1 "
@@ -767,6 +770,34 @@ def reward_mean(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
     return statistics.fmean(rewards) if rewards else None
 
 
+def take_off(run: Mapping[str, Any]) -> int | None:
+    """The update (counted from 1) at which a finished run's train reward, as a rolling mean of 10 updates, first
+    reaches :data:`TAKE_OFF`; ``None`` where it never does. Where runs either take off or stall, the reward gain's
+    mean over seeds mixes how often a method's runs take off with how soon: this tells the two apart."""
+    rewards = [v for _, v in run.get("curves", {}).get("train/reward_mean", [])]
+    return next((i + 1 for i, v in enumerate(rolling_mean(rewards, 10)) if v >= TAKE_OFF), None)
+
+
+def take_offs(cell: Mapping[str, Any]) -> dict[str, Any]:
+    """A cell's take-offs: how many of its finished runs with a reward curve took off (:func:`take_off`), of how
+    many, and the median update at which those that did."""
+    runs = [r for r in cell["runs"].values() if not r.get("failed") and r.get("curves", {}).get("train/reward_mean")]
+    updates = [u for u in map(take_off, runs) if u is not None]
+    return {
+        "runs": len(runs),
+        "took_off": len(updates),
+        "update_median": statistics.median(updates) if updates else None,
+    }
+
+
+def take_off_text(cell: Mapping[str, Any]) -> str:
+    """``"4/6 (update 32)"``: runs taken off of those with a reward curve, and their median take-off update."""
+    t = cell.get("take_off")
+    if not t or not t["runs"]:
+        return "–"
+    return f"{t['took_off']}/{t['runs']}" + (f" (update {t['update_median']:g})" if t["took_off"] else "")
+
+
 def summarize(scalars: dict[str, list[tuple[int, float]]], wall_s: float) -> dict[str, Any]:
     """One run's numbers: ``grid.summarize_run``'s (val0 from the run's first validation), α at its cap, state,
     the KL calibration per update, the direction's measures (:func:`direction`) and their curves."""
@@ -924,6 +955,7 @@ def collect(model: str, setup: ModelSetup, runs: Sequence[Run], val_start: float
         ok = [r for r in cell["runs"].values() if not r.get("failed")]
         cell["failed"] = sum(1 for r in cell["runs"].values() if r.get("failed"))
         cell["summary"] = aggregate(ok, KEYS)
+        cell["take_off"] = take_offs(cell)
     return report
 
 
@@ -949,9 +981,10 @@ def table(report: Mapping[str, Any], budget: float) -> str:
     cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
     adamw = cells.get("adamw")
     lines = [
-        "| method | seeds | reward gain | ÷ AdamW's | mean train reward | held-out pass@1 | realized KL / update "
-        "| ÷ budget | ÷ predicted, per update | α at cap | training state | ÷ AdamW's | wall / run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | seeds | reward gain | ÷ AdamW's | mean train reward | took off | held-out pass@1 "
+        "| realized KL / update | ÷ budget | ÷ predicted, per update | α at cap | training state | ÷ AdamW's "
+        "| wall / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in METHODS:
         cell = cells.get(name)
@@ -967,7 +1000,8 @@ def table(report: Mapping[str, Any], budget: float) -> str:
         lines.append(
             f"| {cell['label']} | {len(cell['runs']) - cell['failed']}"
             + (f" ({cell['failed']} failed)" if cell["failed"] else "")
-            + f" | {pm(gain, signed=True)} | {ratio} | {pm(s.get('reward_mean'))} | {pm(s.get('val_final'))} | "
+            + f" | {pm(gain, signed=True)} | {ratio} | {pm(s.get('reward_mean'))} | {take_off_text(cell)} | "
+            + f"{pm(s.get('val_final'))} | "
             + (f"{kl['mean']:.2e} ± {kl['std']:.1e}" if kl else "–")
             + f" | {pm(s.get('kl_realized_over_budget'), 2)} | {calibration_text(cell)} | "
             + (f"{cap['mean']:.0%}" if cap else "–")
@@ -1182,7 +1216,8 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         f"seeds {', '.join(map(str, seeds))} (each its own prompt order over the same problems); mean ± std over the "
         f"seeds finished. Reward gain: {window_text(report, setup.updates)}. Mean train reward: over every update "
         "of the run (the gain saturates for a run that ends near 1.0; the mean also tells an early take-off from a "
-        "late one). Training state: "
+        f"late one). Took off: the runs whose train reward, as a rolling mean of 10 updates, reached {TAKE_OFF:g}, "
+        "and the median update at which they did. Training state: "
         "bytes held for training besides the weights, peak over updates (MemoryMonitor). ÷ predicted, per update: "
         "each update's realized KL over the KL predicted for the step applied, the median of the seeds' medians, "
         f"the range over every update, and the share of updates off by more than {KL_RATIO_OFF:g}× either way.",

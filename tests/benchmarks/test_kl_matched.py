@@ -164,6 +164,33 @@ def test_the_report_finds_every_finished_seed(tmp_path: Path) -> None:
     assert sorted(cell["runs"]) == ["0", "1", "5"] and cell["summary"]["reward_gain"]["n"] == 3
 
 
+def test_a_cell_counts_its_take_offs_and_when_they_happened(tmp_path: Path) -> None:
+    """A run takes off at the first update whose rolling mean of 10 train rewards reaches 0.5 (counted from 1); a run
+    that never does stalled. The table shows how many took off and their median update."""
+    setup = kl_matched.MODELS["smollm2"]
+    budget = setup.budgets[0]
+    stalled = [0.2] * 50
+    early = [0.0] * 10 + [1.0] * 40  # rolling means 0.1, 0.2, ... reach 0.5 at the 15th update
+    late = [0.0] * 30 + [0.6] * 20  # reaches 0.5 only once the window holds nine 0.6's: (9 × 0.6) / 10 = 0.54
+    curves = {0: early, 1: stalled, 2: late}
+    runs = kl_matched.plan_runs("smollm2", setup, ["adamw"], (0, 1, 2), tmp_path)
+    for run in runs:
+        _finish(run, 0.1, 0.5, 1e-3, 400 * MiB)
+        result = json.loads((run.folder / "result.json").read_text())
+        result["curves"] = {"train/reward_mean": [[i, v] for i, v in enumerate(curves[run.seed])]}
+        (run.folder / "result.json").write_text(json.dumps(result))
+    by_seed = {run.seed: kl_matched.take_off(kl_matched.load_result(run)) for run in runs}
+    assert by_seed == {0: 15, 1: None, 2: 39}
+    report = kl_matched.collect("smollm2", setup, runs, 0.2)
+    cell = report["cells"][kl_matched.cell_name("adamw", budget)]
+    assert cell["take_off"] == {"runs": 3, "took_off": 2, "update_median": 27}
+    row = next(line for line in kl_matched.table(report, budget).splitlines() if line.startswith("| dense AdamW"))
+    assert "| 2/3 (update 27) |" in row
+    cell["runs"]["2"]["failed"] = True  # a failed run is not counted, a run without its curve neither
+    cell["runs"]["0"]["curves"] = {}
+    assert kl_matched.take_offs(cell) == {"runs": 1, "took_off": 0, "update_median": None}
+
+
 def test_the_calibration_per_update_is_read_from_the_log_and_tabled(tmp_path: Path) -> None:
     """``kl/realized`` over ``kl/predicted_scaled`` update by update (an update without a prediction is left out),
     written by ``--stage resummarize`` from a real TensorBoard log into ``result.json`` and shown in the table."""
