@@ -1078,11 +1078,11 @@ def line_search_line(report: Mapping[str, Any], budget: float) -> str:
     return ("Line search (measured on every response of the batch): " + "; ".join(parts) + ".") if parts else ""
 
 
-def paired_gain(mine: Mapping[str, Any], other: Mapping[str, Any]) -> str:
-    """The reward gain's difference to another cell, seed by seed over the seeds both finished: each seed draws one
-    prompt stream that every method trains on, so the difference varies far less than either cell does. E.g.
-    ``"+0.080 ± 0.010 (3 seeds, 0 below)"``."""
-    seeds = set(mine["runs"]) & set(other["runs"])
+def paired_gain(mine: Mapping[str, Any], other: Mapping[str, Any], seeds: Sequence[str] | None = None) -> str:
+    """The reward gain's difference to another cell, seed by seed over ``seeds`` (default: the seeds both finished):
+    each seed draws one prompt stream that every method trains on, so the difference varies far less than either
+    cell does. E.g. ``"+0.080 ± 0.010 (3 seeds, 0 below)"``."""
+    seeds = shared_seeds(mine, other) if seeds is None else seeds
     diffs = [{"diff": mine["runs"][k]["reward_gain"] - other["runs"][k]["reward_gain"]} for k in seeds]
     stat = aggregate(diffs, ["diff"])["diff"]
     if stat is None:
@@ -1090,44 +1090,54 @@ def paired_gain(mine: Mapping[str, Any], other: Mapping[str, Any]) -> str:
     return f"{pm(stat, signed=True)} ({stat['n']} seeds, {sum(d['diff'] < 0 for d in diffs)} below)"
 
 
+def shared_seeds(*cells: Mapping[str, Any]) -> list[str]:
+    """The seeds every one of ``cells`` finished (a failed run is not finished), in order: each seed draws one prompt
+    stream that every method trains on, so cells are compared on the same streams only."""
+    sets = [{k for k, r in c["runs"].items() if not r.get("failed")} for c in cells]
+    return sorted(set.intersection(*sets), key=int)
+
+
+def _over(cell: Mapping[str, Any], key: str, seeds: Sequence[str]) -> dict | None:
+    """``key``'s mean ± std over ``seeds`` of ``cell`` (``None`` where a run lacks it)."""
+    return aggregate([cell["runs"][k] for k in seeds], [key])[key]
+
+
 def goal_line(report: Mapping[str, Any], budget: float) -> str:
-    """MET / MISSED for every LoGRA rule at this budget, with the numbers (against AdamW and LoRA); not judged
-    where a cell it compares has fewer than :data:`MIN_SEEDS` seeds."""
+    """MET / MISSED for every LoGRA rule at this budget, with the numbers (against AdamW and LoRA), judged over the
+    seeds the rule's, AdamW's and LoRA's cells all finished: a cell grown by more seeds than another would otherwise be
+    judged on prompt streams the other never trained on. Not judged where fewer than :data:`MIN_SEEDS` are shared."""
     cells = {c["method"]: c for c in report["cells"].values() if c["budget"] == budget}
     need = ("adamw", "lora")
     if any(_stat(cells.get(n), "reward_gain") is None for n in need):
         return "Goal: not yet measured at this budget (AdamW or LoRA runs missing)."
-    adamw, lora = cells["adamw"]["summary"], cells["lora"]["summary"]
     out = []
     for name in (n for n in METHODS if n.startswith("logra")):
-        s = _stat(cells.get(name), "reward_gain")
-        if s is None:
+        if _stat(cells.get(name), "reward_gain") is None:
             continue
-        mine = cells[name]["summary"]
-        seeds = min(s["n"], adamw["reward_gain"]["n"], lora["reward_gain"]["n"])
-        if seeds < MIN_SEEDS:
+        mine, adamw, lora = cells[name], cells["adamw"], cells["lora"]
+        seeds = shared_seeds(mine, adamw, lora)
+        gains = {n: _over(c, "reward_gain", seeds) for n, c in (("rule", mine), ("adamw", adamw), ("lora", lora))}
+        if len(seeds) < MIN_SEEDS:
+            means = {n: f"{g['mean']:+.3f}" if g else "–" for n, g in gains.items()}
             out.append(
-                f"{cells[name]['label']}: not judged — {seeds} seed(s) in a cell, a verdict takes {MIN_SEEDS} "
-                f"(reward gain {s['mean']:+.3f} vs AdamW {adamw['reward_gain']['mean']:+.3f} and LoRA "
-                f"{lora['reward_gain']['mean']:+.3f})."
+                f"{mine['label']}: not judged — {len(seeds)} seed(s) shared by the three cells, a verdict takes "
+                f"{MIN_SEEDS} (reward gain {means['rule']} vs AdamW {means['adamw']} and LoRA {means['lora']} on "
+                "them)."
             )
             continue
-        gain_ok = (
-            s["mean"] >= GOAL["gain_vs_adamw"] * adamw["reward_gain"]["mean"]
-            and s["mean"] >= lora["reward_gain"]["mean"]
-        )
-        val, base_val = mine.get("val_final"), adamw.get("val_final")
+        s, base, other = gains["rule"], gains["adamw"], gains["lora"]
+        gain_ok = s["mean"] >= GOAL["gain_vs_adamw"] * base["mean"] and s["mean"] >= other["mean"]
+        val, base_val = _over(mine, "val_final", seeds), _over(adamw, "val_final", seeds)
         val_ok = bool(val and base_val and abs(val["mean"] - base_val["mean"]) <= base_val["std"])
-        st, base_st = mine.get("training_state_bytes"), adamw.get("training_state_bytes")
+        st, base_st = _over(mine, "training_state_bytes", seeds), _over(adamw, "training_state_bytes", seeds)
         state_ratio = st["mean"] / base_st["mean"] if st and base_st else math.nan
         ok = gain_ok and val_ok and state_ratio <= GOAL["state"]
         out.append(
-            f"{cells[name]['label']}: **{'MET' if ok else 'MISSED'}** — reward gain {s['mean']:+.3f} vs AdamW "
-            f"{adamw['reward_gain']['mean']:+.3f} and LoRA {lora['reward_gain']['mean']:+.3f}; pass@1 "
+            f"{mine['label']}: **{'MET' if ok else 'MISSED'}** on the {len(seeds)} seeds the three cells share — "
+            f"reward gain {s['mean']:+.3f} vs AdamW {base['mean']:+.3f} and LoRA {other['mean']:+.3f}; pass@1 "
             f"{val['mean'] if val else math.nan:.3f} vs AdamW {base_val['mean'] if base_val else math.nan:.3f} ± "
             f"{base_val['std'] if base_val else math.nan:.3f}; state {state_ratio:.3f}× AdamW's. Paired by seed: "
-            f"{paired_gain(cells[name], cells['adamw'])} against AdamW, {paired_gain(cells[name], cells['lora'])} "
-            "against LoRA."
+            f"{paired_gain(mine, adamw, seeds)} against AdamW, {paired_gain(mine, lora, seeds)} against LoRA."
         )
     return "Goal (" + GOAL_TEXT + "):\n\n" + "\n".join(f"- {line}" for line in out)
 

@@ -140,7 +140,9 @@ def test_the_report_tables_finished_runs_with_ratios_and_the_goal_line(tmp_path:
     for cell in report["cells"].values():  # two seeds of three: no verdict
         cell["runs"].pop("2")
         cell["summary"] = kl_matched.aggregate(list(cell["runs"].values()), kl_matched.KEYS)
-    assert "LoGRA, levers (r = 64): not judged — 2 seed(s) in a cell" in kl_matched.goal_line(report, budget)
+    assert "LoGRA, levers (r = 64): not judged — 2 seed(s) shared by the three cells" in kl_matched.goal_line(
+        report, budget
+    )
     assert "the last 10 updates' mean train reward minus the first 10's (20% of the run" in kl_matched.window_text(
         report, 50
     )
@@ -162,6 +164,36 @@ def test_the_report_finds_every_finished_seed(tmp_path: Path) -> None:
     runs = kl_matched.plan_runs("smollm2", setup, ["adamw"], (0, 1, 2, 5), tmp_path)
     cell = kl_matched.collect("smollm2", setup, runs, 0.2)["cells"][kl_matched.cell_name("adamw", budget)]
     assert sorted(cell["runs"]) == ["0", "1", "5"] and cell["summary"]["reward_gain"]["n"] == 3
+
+
+def test_the_goal_is_judged_on_the_seeds_the_three_cells_share(tmp_path: Path) -> None:
+    """LoRA grown to six seeds whose last three gain far more: over all its seeds its mean (0.35) is above the rule's
+    (0.22), yet on the three prompt streams the rule also trained on the rule gains 0.10 more on each. The verdict and
+    its numbers are the shared seeds'; a failed run is not a shared seed."""
+    setup = kl_matched.MODELS["smollm2"]
+    budget = setup.budgets[0]
+    gains = {"adamw": [0.1, 0.1, 0.1], "lora": [0.1, 0.1, 0.1, 0.6, 0.6, 0.6], "logra_adam_fixed": [0.2, 0.2, 0.2, 0.3]}
+    states = {"adamw": 400, "lora": 100, "logra_adam_fixed": 30}
+    for method, values in gains.items():
+        for seed, gain in enumerate(values):
+            run = kl_matched.plan_runs("smollm2", setup, [method], (seed,), tmp_path)[0]
+            _finish(run, gain, 0.9 + 0.01 * seed, 1e-3, states[method] * MiB)
+    runs = kl_matched.plan_runs("smollm2", setup, list(gains), range(6), tmp_path)
+    report = kl_matched.collect("smollm2", setup, runs, 0.2)
+    cells = {c["method"]: c for c in report["cells"].values()}
+    assert cells["lora"]["summary"]["reward_gain"]["mean"] > cells["logra_adam_fixed"]["summary"]["reward_gain"]["mean"]
+    assert kl_matched.shared_seeds(cells["logra_adam_fixed"], cells["adamw"], cells["lora"]) == ["0", "1", "2"]
+    line = next(
+        x for x in kl_matched.goal_line(report, budget).splitlines() if "sketch-space Adam, fixed projection" in x
+    )
+    assert "**MET** on the 3 seeds the three cells share" in line
+    assert "reward gain +0.200 vs AdamW +0.100 and LoRA +0.100" in line and "state 0.075× AdamW's" in line
+    assert "+0.100 ± 0.000 (3 seeds, 0 below) against LoRA" in line
+    cells["adamw"]["runs"]["2"]["failed"] = True
+    line = next(
+        x for x in kl_matched.goal_line(report, budget).splitlines() if "sketch-space Adam, fixed projection" in x
+    )
+    assert "not judged — 2 seed(s) shared by the three cells" in line and "(2 seeds, 0 below) against AdamW" not in line
 
 
 def test_a_cell_counts_its_take_offs_and_when_they_happened(tmp_path: Path) -> None:
