@@ -76,6 +76,7 @@ GOAL = {"gain_vs_adamw": 1.0, "state": 0.10}
 # The train reward (rolling mean of 10 updates) at which a run counts as taken off: on SmolLM2 at 1e-3 a run either
 # takes off (its reward passes 0.5 and ends near 0.9) or stalls below 0.25 (docs/benchmarks.md).
 TAKE_OFF = 0.5
+TAKE_OFF_WINDOW = 10  # updates in that rolling mean
 MIN_SEEDS = 3  # seeds in each of the rule's, AdamW's and LoRA's cells before the goal line gives a verdict
 GOAL_TEXT = (
     "at matched KL per update, LoGRA's reward gain ≥ 100% of dense AdamW's and ≥ LoRA r = 64's, held-out pass@1 "
@@ -771,11 +772,12 @@ def reward_mean(scalars: Mapping[str, list[tuple[int, float]]]) -> float | None:
 
 
 def take_off(run: Mapping[str, Any]) -> int | None:
-    """The update (counted from 1) at which a finished run's train reward, as a rolling mean of 10 updates, first
-    reaches :data:`TAKE_OFF`; ``None`` where it never does. Where runs either take off or stall, the reward gain's
-    mean over seeds mixes how often a method's runs take off with how soon: this tells the two apart."""
+    """The update (counted from 1) at which a finished run's train reward, as a rolling mean of
+    :data:`TAKE_OFF_WINDOW` updates, first reaches :data:`TAKE_OFF`; ``None`` where it never does. Where runs either
+    take off or stall, the reward gain's mean over seeds mixes how often a method's runs take off with how soon: this
+    tells the two apart."""
     rewards = [v for _, v in run.get("curves", {}).get("train/reward_mean", [])]
-    return next((i + 1 for i, v in enumerate(rolling_mean(rewards, 10)) if v >= TAKE_OFF), None)
+    return next((i + 1 for i, v in enumerate(rolling_mean(rewards, TAKE_OFF_WINDOW)) if v >= TAKE_OFF), None)
 
 
 def take_offs(cell: Mapping[str, Any]) -> dict[str, Any]:
@@ -1226,7 +1228,8 @@ def write_report(report: dict[str, Any], out: Path, setup: ModelSetup, seeds: Se
         f"seeds {', '.join(map(str, seeds))} (each its own prompt order over the same problems); mean ± std over the "
         f"seeds finished. Reward gain: {window_text(report, setup.updates)}. Mean train reward: over every update "
         "of the run (the gain saturates for a run that ends near 1.0; the mean also tells an early take-off from a "
-        f"late one). Took off: the runs whose train reward, as a rolling mean of 10 updates, reached {TAKE_OFF:g}, "
+        f"late one). Took off: the runs whose train reward, as a rolling mean of {TAKE_OFF_WINDOW} updates, reached "
+        f"{TAKE_OFF:g}, "
         "and the median update at which they did. Training state: "
         "bytes held for training besides the weights, peak over updates (MemoryMonitor). ÷ predicted, per update: "
         "each update's realized KL over the KL predicted for the step applied, the median of the seeds' medians, "
