@@ -208,6 +208,10 @@ def _methods() -> dict[str, Method]:
         init = {"adamw": adamw, "projection": {"rank": 64, "seed": 0, **projection}}
         return by_class(name, label, "logra_pl.methods.projected.ProjectedAdamW", init)
 
+    def two_sided_adamw(name: str, label: str, **ranks: int) -> Method:
+        init = {"adamw": adamw, "sketches": {"seed": 0, **ranks}}
+        return by_class(name, label, "logra_pl.methods.two_sided.TwoSidedAdamW", init)
+
     # Each method's own step setting only sizes the nominal step that α then scales to the budget (AdamW's and LoRA's
     # lr, LoGRA's update_ratio or lr, SGD's lr 0.1: large enough that α stays far below ALPHA_MAX).
     baselines = (
@@ -247,6 +251,15 @@ def _methods() -> dict[str, Method]:
             "dense AdamW, step in the gradient's top-64 output directions (every 10)",
             basis="gradient",
             refresh_every=10,
+        ),
+        # Dense AdamW with its moments in both sides' sketches at once (methods/two_sided.py): Adam on S = G Pᵀ and on
+        # T = R G, the step Û_S P + Rᵀ Û_T, both bases fixed; r = 48 a side holds the moments of r = 96 on one side.
+        # Whether a rule with LoRA's two sides, each fixed, keeps the inputs' side at 1e-3 and the outputs' at 4e-3.
+        two_sided_adamw(
+            "adamw_two_sided_r48",
+            "dense AdamW, moments in a rank-48 inputs' and a rank-48 outputs' sketch",
+            rank_inputs=48,
+            rank_outputs=48,
         ),
     )
     # Candidate rules (docs/benchmarks.md), each with LoGRA's contract: Adam on the sketch's d_out × r coordinates
