@@ -416,6 +416,19 @@ def _methods() -> dict[str, Method]:
             sketch_side="outputs",
             rank=96,
         ),
+        # The guarded r = 96 rule with β1 = 0.95 and its projections packed (0.092× AdamW's state on SmolLM2, the same
+        # bits as dense): the candidate for both budgets, the guard for tiny:small.
+        logra(
+            "logra_adam_outputs_r96_b95_ls4",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 96), β1 = 0.95, packed, line search at 4×",
+            sketch_adam,
+            LINE_SEARCH_GUARD,
+            refresh_every=0,
+            sketch_side="outputs",
+            rank=96,
+            beta1=0.95,
+            projection_storage="packed",
+        ),
     )
     return {m.name: m for m in (*baselines, *decomposition, *candidates)}
 
