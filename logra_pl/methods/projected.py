@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
 from logra_pl.config import as_settings
 from logra_pl.errors import ConfigError
-from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
-from logra_pl.methods.proposing import ProposingOptimizer, local
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.basis_adamw import AdamWInBasis, DeltaProposing, DeltaStepOptimizer
+from logra_pl.methods.proposing import local
 
 BASES = ("random", "gradient")
 
@@ -52,14 +52,12 @@ def gradient_basis(grad: torch.Tensor, rank: int) -> torch.Tensor:
     return (u * torch.where(signs == 0, 1.0, signs)).T.contiguous()
 
 
-class _ProjectedAdamWCore(torch.optim.Optimizer):
+class _ProjectedAdamWCore(DeltaStepOptimizer):
     """AdamW on the coordinates of each gradient in a rank-``r`` basis of its outputs (module docstring)."""
 
-    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 rank: int, basis: str, refresh_every: int, seed: int) -> None:  # fmt: skip
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+    def __init__(self, params: Any, rank: int, basis: str, refresh_every: int, seed: int, **adamw: Any) -> None:
+        super().__init__(params, **adamw)
         self.rank, self.basis, self.refresh_every, self.seed = rank, basis, refresh_every, seed
-        self.last_update_sq = 0.0
         self._drawn: dict[int, tuple[float, torch.Tensor]] = {}  # a basis drawn for a step not yet committed
 
     def _draw(self, index: int, g: torch.Tensor, step: float) -> torch.Tensor:
@@ -77,6 +75,7 @@ class _ProjectedAdamWCore(torch.optim.Optimizer):
         self._drawn[index] = (step, q)
         return q
 
+    @override
     def _deltas(self, commit: bool) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         index = -1
         for group in self.param_groups:
@@ -111,17 +110,15 @@ class _ProjectedAdamWCore(torch.optim.Optimizer):
                     state["basis"], state["exp_avg"], state["exp_avg_sq"] = q, m, v
                 yield p, delta
 
+    @override
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Take the step at each group's ``lr`` (the proposing mixin scales it by α for this call)."""
-        self.last_update_sq = 0.0
-        for p, delta in self._deltas(commit=True):
-            self.last_update_sq += float(delta.double().square().sum())
-            p.add_(delta)
+        """Take the step, then forget the bases drawn for it (the state keeps the one taken)."""
+        super().step(closure)
         self._drawn.clear()
 
 
-class ProjectedAdamWOptimizer(ProposingOptimizer, _ProjectedAdamWCore):
+class ProjectedAdamWOptimizer(DeltaProposing, _ProjectedAdamWCore):
     """:class:`_ProjectedAdamWCore` stepping through a proposal, as every dense method's optimizer does."""
 
     @override
@@ -133,11 +130,6 @@ class ProjectedAdamWOptimizer(ProposingOptimizer, _ProjectedAdamWCore):
             return super().step(closure)
         finally:
             self._drawn.clear()
-
-    @override
-    def step_deltas(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        with torch.no_grad():
-            yield from self._deltas(commit=False)
 
 
 @dataclass
@@ -168,7 +160,7 @@ class ProjectionConfig:
             )
 
 
-class ProjectedAdamW(DenseAdamW):
+class ProjectedAdamW(AdamWInBasis):
     """Dense AdamW on the target matrices with its step in a rank-``r`` subspace of their outputs (a diagnostic;
     module docstring).
 
@@ -178,31 +170,16 @@ class ProjectedAdamW(DenseAdamW):
         projection: rank, basis, refresh and seed (:class:`ProjectionConfig`).
     """
 
+    optimizer_class = ProjectedAdamWOptimizer
+
     def __init__(self, adamw: AdamWConfig | None = None, projection: ProjectionConfig | None = None) -> None:
         super().__init__(adamw)
-        if self.adamw.train_all:
-            raise ConfigError("ProjectedAdamW projects the target matrices only: set adamw.train_all: false")
         self.projection = as_settings(ProjectionConfig, projection, "projection")
 
     @override
-    def build_optimizer(self, params: list[nn.Parameter]) -> tuple[ProposingOptimizer, LambdaLR]:
-        a, p = self.adamw, self.projection
-        opt = ProjectedAdamWOptimizer(
-            params,
-            lr=a.lr,
-            betas=tuple(a.betas),
-            eps=a.eps,
-            weight_decay=a.weight_decay,
-            rank=p.rank,
-            basis=p.basis,
-            refresh_every=p.refresh_every,
-            seed=p.seed,
-        )
-        return opt, LambdaLR(opt, a.lr_factor)
-
-    @override
-    def applied_norm(self, inner: Any) -> float:
-        return math.sqrt(inner.last_update_sq)
+    def optimizer_options(self) -> dict[str, Any]:
+        p = self.projection
+        return {"rank": p.rank, "basis": p.basis, "refresh_every": p.refresh_every, "seed": p.seed}
 
     @override
     def report(self, policy: nn.Module, targets: Sequence[str]) -> str:

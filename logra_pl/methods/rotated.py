@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
 from logra_pl.config import as_settings
 from logra_pl.errors import ConfigError
-from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
-from logra_pl.methods.proposing import ProposingOptimizer, local
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.basis_adamw import AdamWInBasis, DeltaProposing, DeltaStepOptimizer
+from logra_pl.methods.proposing import local
 
 SIDES = ("inputs", "outputs")
 
@@ -61,15 +61,13 @@ def rotate_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, inverse: bo
     return torch.einsum("nij,ki,lj->nkl", x.reshape(rows, a, b), qa, qb).reshape(rows, a * b)
 
 
-class _RotatedAdamWCore(torch.optim.Optimizer):
+class _RotatedAdamWCore(DeltaStepOptimizer):
     """AdamW with its moments in a rotated basis of one side of each 2-D parameter (module docstring)."""
 
-    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 rotate: str, seed: int) -> None:  # fmt: skip
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+    def __init__(self, params: Any, rotate: str, seed: int, **adamw: Any) -> None:
+        super().__init__(params, **adamw)
         self.rotate, self.seed = rotate, seed
         self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.last_update_sq = 0.0
 
     def _q(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         if d not in self._factors:
@@ -82,6 +80,7 @@ class _RotatedAdamWCore(torch.optim.Optimizer):
             return rotate_rows(t, *self._q(t.shape[1]), inverse=inverse)
         return rotate_rows(t.T, *self._q(t.shape[0]), inverse=inverse).T
 
+    @override
     def _deltas(self, commit: bool) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         for group in self.param_groups:
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
@@ -112,22 +111,9 @@ class _RotatedAdamWCore(torch.optim.Optimizer):
                     state["exp_avg"], state["exp_avg_sq"] = m, v
                 yield p, delta
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Take the step at each group's ``lr`` (the proposing mixin scales it by α for this call)."""
-        self.last_update_sq = 0.0
-        for p, delta in self._deltas(commit=True):
-            self.last_update_sq += float(delta.double().square().sum())
-            p.add_(delta)
 
-
-class RotatedAdamWOptimizer(ProposingOptimizer, _RotatedAdamWCore):
+class RotatedAdamWOptimizer(DeltaProposing, _RotatedAdamWCore):
     """:class:`_RotatedAdamWCore` stepping through a proposal, as every dense method's optimizer does."""
-
-    @override
-    def step_deltas(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        with torch.no_grad():
-            yield from self._deltas(commit=False)
 
 
 @dataclass
@@ -147,7 +133,7 @@ class RotationConfig:
             raise ConfigError(f"rotation.rotate must be one of {SIDES}, got {self.rotate!r}")
 
 
-class RotatedAdamW(DenseAdamW):
+class RotatedAdamW(AdamWInBasis):
     """Dense AdamW on the target matrices with its moments in a rotated basis (a diagnostic; module docstring).
 
     Arguments:
@@ -156,29 +142,15 @@ class RotatedAdamW(DenseAdamW):
         rotation: the side and seed (:class:`RotationConfig`).
     """
 
+    optimizer_class = RotatedAdamWOptimizer
+
     def __init__(self, adamw: AdamWConfig | None = None, rotation: RotationConfig | None = None) -> None:
         super().__init__(adamw)
-        if self.adamw.train_all:
-            raise ConfigError("RotatedAdamW rotates the target matrices only: set adamw.train_all: false")
         self.rotation = as_settings(RotationConfig, rotation, "rotation")
 
     @override
-    def build_optimizer(self, params: list[nn.Parameter]) -> tuple[ProposingOptimizer, LambdaLR]:
-        a = self.adamw
-        opt = RotatedAdamWOptimizer(
-            params,
-            lr=a.lr,
-            betas=tuple(a.betas),
-            eps=a.eps,
-            weight_decay=a.weight_decay,
-            rotate=self.rotation.rotate,
-            seed=self.rotation.seed,
-        )
-        return opt, LambdaLR(opt, a.lr_factor)
-
-    @override
-    def applied_norm(self, inner: Any) -> float:
-        return math.sqrt(inner.last_update_sq)
+    def optimizer_options(self) -> dict[str, Any]:
+        return {"rotate": self.rotation.rotate, "seed": self.rotation.seed}
 
     @override
     def report(self, policy: nn.Module, targets: Sequence[str]) -> str:

@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
 from logra_pl.config import as_settings
 from logra_pl.errors import ConfigError
-from logra_pl.methods.adamw import AdamWConfig, DenseAdamW
+from logra_pl.methods.adamw import AdamWConfig
+from logra_pl.methods.basis_adamw import AdamWInBasis, DeltaProposing, DeltaStepOptimizer
 from logra_pl.methods.projected import random_basis
-from logra_pl.methods.proposing import ProposingOptimizer, local
+from logra_pl.methods.proposing import local
 
 
 def side_seed(seed: int, index: int, side: str) -> int:
@@ -50,14 +50,12 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, step: float, betas: tuple[f
     return (m / (1 - beta1**step)).div_(v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps))
 
 
-class _TwoSidedAdamWCore(torch.optim.Optimizer):
+class _TwoSidedAdamWCore(DeltaStepOptimizer):
     """AdamW on an inputs' side and an outputs' side sketch of each gradient (module docstring)."""
 
-    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 rank_inputs: int, rank_outputs: int, seed: int) -> None:  # fmt: skip
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+    def __init__(self, params: Any, rank_inputs: int, rank_outputs: int, seed: int, **adamw: Any) -> None:
+        super().__init__(params, **adamw)
         self.rank_inputs, self.rank_outputs, self.seed = rank_inputs, rank_outputs, seed
-        self.last_update_sq = 0.0
 
     def _bases(self, index: int, g: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor | None, ...]:
         """``P`` (``r_in × d_in``) and ``R`` (``r_out × d_out``) of parameter ``index``; None for a side of rank 0."""
@@ -71,6 +69,7 @@ class _TwoSidedAdamWCore(torch.optim.Optimizer):
             r.to(g.dtype) if self.rank_outputs else None,
         )
 
+    @override
     def _deltas(self, commit: bool) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         index = -1
         for group in self.param_groups:
@@ -111,22 +110,9 @@ class _TwoSidedAdamWCore(torch.optim.Optimizer):
                     state.update({k: b for k, b in bases.items() if b is not None}, **moments)
                 yield p, delta
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Take the step at each group's ``lr`` (the proposing mixin scales it by α for this call)."""
-        self.last_update_sq = 0.0
-        for p, delta in self._deltas(commit=True):
-            self.last_update_sq += float(delta.double().square().sum())
-            p.add_(delta)
 
-
-class TwoSidedAdamWOptimizer(ProposingOptimizer, _TwoSidedAdamWCore):
+class TwoSidedAdamWOptimizer(DeltaProposing, _TwoSidedAdamWCore):
     """:class:`_TwoSidedAdamWCore` stepping through a proposal, as every dense method's optimizer does."""
-
-    @override
-    def step_deltas(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        with torch.no_grad():
-            yield from self._deltas(commit=False)
 
 
 @dataclass
@@ -152,7 +138,7 @@ class TwoSidedConfig:
             raise ConfigError("sketches: rank_inputs and rank_outputs are both 0; give at least one side a rank")
 
 
-class TwoSidedAdamW(DenseAdamW):
+class TwoSidedAdamW(AdamWInBasis):
     """Dense AdamW on the target matrices with its moments in an inputs' and an outputs' side sketch (a diagnostic;
     module docstring).
 
@@ -162,30 +148,16 @@ class TwoSidedAdamW(DenseAdamW):
         sketches: the two ranks and the seed (:class:`TwoSidedConfig`).
     """
 
+    optimizer_class = TwoSidedAdamWOptimizer
+
     def __init__(self, adamw: AdamWConfig | None = None, sketches: TwoSidedConfig | None = None) -> None:
         super().__init__(adamw)
-        if self.adamw.train_all:
-            raise ConfigError("TwoSidedAdamW sketches the target matrices only: set adamw.train_all: false")
         self.sketches = as_settings(TwoSidedConfig, sketches, "sketches")
 
     @override
-    def build_optimizer(self, params: list[nn.Parameter]) -> tuple[ProposingOptimizer, LambdaLR]:
-        a, s = self.adamw, self.sketches
-        opt = TwoSidedAdamWOptimizer(
-            params,
-            lr=a.lr,
-            betas=tuple(a.betas),
-            eps=a.eps,
-            weight_decay=a.weight_decay,
-            rank_inputs=s.rank_inputs,
-            rank_outputs=s.rank_outputs,
-            seed=s.seed,
-        )
-        return opt, LambdaLR(opt, a.lr_factor)
-
-    @override
-    def applied_norm(self, inner: Any) -> float:
-        return math.sqrt(inner.last_update_sq)
+    def optimizer_options(self) -> dict[str, Any]:
+        s = self.sketches
+        return {"rank_inputs": s.rank_inputs, "rank_outputs": s.rank_outputs, "seed": s.seed}
 
     @override
     def report(self, policy: nn.Module, targets: Sequence[str]) -> str:

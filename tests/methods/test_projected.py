@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.optim import StepThrough, assert_moved_as_written
+from helpers.optim import (
+    StepThrough,
+    assert_alpha_scales_the_step,
+    assert_moved_as_written,
+    assert_step_taken,
+    kl_controlled_run,
+    lm_gradients,
+)
 
 from logra_pl.errors import ConfigError
 from logra_pl.methods.adamw import AdamWConfig
@@ -17,12 +24,6 @@ from logra_pl.models.load import load_policy
 
 TARGETS = ["q_proj", "down_proj"]
 RANK = 8
-
-
-def _grads(policy, seed: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(seed))
-    policy(input_ids=ids, labels=ids).loss.backward()
-    return {n: p.grad.detach().double().clone() for n, p in policy.named_parameters() if p.grad is not None}
 
 
 def _top_output_directions(g: torch.Tensor, rank: int) -> torch.Tensor:
@@ -63,7 +64,7 @@ def test_three_steps_across_a_refresh_are_adam_in_the_subspace(tiny_model_dir, b
     before = {n: p.detach().double().clone() for n, p in policy.named_parameters()}
     want, m, v, q = dict(before), {}, {}, {}
     for t, seed in enumerate((0, 1, 2), start=1):
-        grads = _grads(policy, seed)
+        grads = lm_gradients(policy, seed)
         step_sq = 0.0
         for index, n in enumerate(names):
             g = grads[n]
@@ -84,9 +85,7 @@ def test_three_steps_across_a_refresh_are_adam_in_the_subspace(tiny_model_dir, b
             delta = q[n].T @ step_proj - lr * wd * want[n]
             want[n] = want[n] + delta
             step_sq += float(delta.square().sum())
-        result = method.step(opt, scheduler, lambda x: x)
-        assert result.rejected is None
-        assert result.update_norm == pytest.approx(step_sq**0.5, rel=1e-3)
+        assert_step_taken(method, opt, scheduler, step_sq)
     assert_moved_as_written(policy, names, before, want)
     assert method.applied_updates == 3
 
@@ -99,30 +98,22 @@ def test_alpha_scales_the_step_and_a_vetoed_gradient_basis_is_not_kept(tiny_mode
     configured = method.configure_optimizers(policy, TARGETS, DivergenceGuard(max_update_ratio=1.0))
     inner, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
     trained = {n: p for n, p in policy.named_parameters() if p.requires_grad}
-    _grads(policy, 0)
-    preview = {p: d.clone() for p, d in inner.step_deltas()}
-    w0 = {n: p.detach().clone() for n, p in trained.items()}
-
-    def scale(optimizer) -> None:
-        optimizer.proposal.alpha = 0.3
-
-    assert method.step(StepThrough(inner, scale), scheduler, lambda x: x).rejected is None
-    for n, p in trained.items():
-        torch.testing.assert_close(p.detach() - w0[n], 0.3 * preview[p], rtol=1e-4, atol=1e-8, msg=n)  # fp32 W
+    lm_gradients(policy, 0)
+    assert_alpha_scales_the_step(method, inner, scheduler, trained)
     state = {p: (inner.state[p]["exp_avg"].clone(), inner.state[p]["basis"].clone()) for p in trained.values()}
 
     def veto(optimizer) -> None:
         list(optimizer.step_deltas())  # a preview draws this gradient's basis
         optimizer.proposal.skip("vetoed by the test")
 
-    _grads(policy, 1)
+    lm_gradients(policy, 1)
     w1 = {n: p.detach().clone() for n, p in trained.items()}
     result = method.step(StepThrough(inner, veto), scheduler, lambda x: x)
     assert result.rejected == "vetoed by the test" and result.update_norm == 0.0
     assert all(torch.equal(p.detach(), w1[n]) for n, p in trained.items())
     assert all(torch.equal(inner.state[p]["exp_avg"], state[p][0]) for p in trained.values())
     assert all(torch.equal(inner.state[p]["basis"], state[p][1]) for p in trained.values())
-    grads = _grads(policy, 2)
+    grads = lm_gradients(policy, 2)
     assert method.step(StepThrough(inner), scheduler, lambda x: x).rejected is None
     for n, p in trained.items():
         want = _top_output_directions(grads[n], RANK)
@@ -145,20 +136,5 @@ def test_bad_settings_are_named() -> None:
 def test_a_run_under_kl_control_keeps_the_engine_equal(tmp_path, rl_run) -> None:
     """Two updates in a real Trainer with the KL-matched protocol's step control (the probe's JVP along the projected
     step, a gradient basis drawn each update), the engine's weights equal to the policy's after them."""
-    from logra_pl.callbacks import PredictedKLControl
-    from logra_pl.callbacks.kl_control import BudgetSchedule
-    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-
-    module = LoGRAPolicyModule(
-        policy="tiny",
-        method=_method("gradient", refresh_every=1),
-        targets=TARGETS,
-        rollout=RolloutSettings(max_new_tokens=4),
-        microbatch_size=4,
-    )
-    control = PredictedKLControl(BudgetSchedule("cosine", delta_max=1e-3, delta_min=1e-3, horizon=2), calibrate=True)
-    rl_run(module, tmp_path, 2, callbacks=[control])
-    assert module.global_step == 2 and module.method.applied_updates == 2
-    engine = module.engine.model.state_dict()
-    assert all(torch.equal(t, engine[k]) for k, t in module.policy.state_dict().items())
+    module = kl_controlled_run(_method("gradient", refresh_every=1), TARGETS, tmp_path, rl_run)
     assert "rank-8 gradient subspace of the matrices' outputs" in module.method.report(module.policy, module.targets)

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.optim import StepThrough, assert_moved_as_written
+from helpers.optim import (
+    StepThrough,
+    assert_alpha_scales_the_step,
+    assert_moved_as_written,
+    kl_controlled_run,
+    lm_gradients,
+)
 
 from logra_pl.errors import ConfigError
 from logra_pl.methods.adamw import AdamWConfig
@@ -15,12 +21,6 @@ from logra_pl.methods.rotated import RotatedAdamW, RotationConfig, kron_factors,
 from logra_pl.models.load import load_policy
 
 TARGETS = ["q_proj", "down_proj"]
-
-
-def _grads(policy, seed: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(seed))
-    policy(input_ids=ids, labels=ids).loss.backward()
-    return {n: p.grad.detach().double().clone() for n, p in policy.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("d", [12, 64, 7])
@@ -58,7 +58,7 @@ def test_two_steps_are_adam_in_the_rotated_basis(tiny_model_dir, rotate: str) ->
     before = {n: p.detach().double().clone() for n, p in policy.named_parameters()}
     want, m, v = dict(before), {}, {}
     for t, seed in enumerate((0, 1), start=1):
-        grads = _grads(policy, seed)
+        grads = lm_gradients(policy, seed)
         step_sq = 0.0
         for n in trained:
             g = grads[n]
@@ -85,18 +85,10 @@ def test_alpha_scales_the_step_and_a_veto_changes_nothing(tiny_model_dir) -> Non
     configured = method.configure_optimizers(policy, TARGETS, DivergenceGuard(max_update_ratio=1.0))
     inner, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
     trained = {n: p for n, p in policy.named_parameters() if p.requires_grad}
-    _grads(policy, 0)
-    preview = {p: d.clone() for p, d in inner.step_deltas()}
-    w0 = {n: p.detach().clone() for n, p in trained.items()}
-
-    def scale(optimizer) -> None:
-        optimizer.proposal.alpha = 0.3
-
-    assert method.step(StepThrough(inner, scale), scheduler, lambda x: x).rejected is None
-    for n, p in trained.items():
-        torch.testing.assert_close(p.detach() - w0[n], 0.3 * preview[p], rtol=1e-4, atol=1e-8, msg=n)  # fp32 W
+    lm_gradients(policy, 0)
+    assert_alpha_scales_the_step(method, inner, scheduler, trained)
     moments = {p: inner.state[p]["exp_avg"].clone() for p in trained.values()}
-    _grads(policy, 1)
+    lm_gradients(policy, 1)
     w1 = {n: p.detach().clone() for n, p in trained.items()}
 
     def veto(optimizer) -> None:
@@ -119,20 +111,5 @@ def test_bad_settings_are_named() -> None:
 def test_a_run_under_kl_control_keeps_the_engine_equal(tmp_path, rl_run) -> None:
     """Two updates in a real Trainer with the KL-matched protocol's step control (the probe's JVP along the rotated
     step), the engine's weights equal to the policy's after them."""
-    from logra_pl.callbacks import PredictedKLControl
-    from logra_pl.callbacks.kl_control import BudgetSchedule
-    from logra_pl.module import LoGRAPolicyModule, RolloutSettings
-
-    module = LoGRAPolicyModule(
-        policy="tiny",
-        method=_method("outputs"),
-        targets=TARGETS,
-        rollout=RolloutSettings(max_new_tokens=4),
-        microbatch_size=4,
-    )
-    control = PredictedKLControl(BudgetSchedule("cosine", delta_max=1e-3, delta_min=1e-3, horizon=2), calibrate=True)
-    rl_run(module, tmp_path, 2, callbacks=[control])
-    assert module.global_step == 2 and module.method.applied_updates == 2
-    engine = module.engine.model.state_dict()
-    assert all(torch.equal(t, engine[k]) for k, t in module.policy.state_dict().items())
+    module = kl_controlled_run(_method("outputs"), TARGETS, tmp_path, rl_run)
     assert "moments rotated on the matrices' outputs" in module.method.report(module.policy, module.targets)
