@@ -62,12 +62,11 @@ class _TwoSidedAdamWCore(DeltaStepOptimizer):
         if "step" in state:  # drawn at the first update and kept
             return state.get("basis_inputs"), state.get("basis_outputs")
         d_out, d_in = g.shape
-        p = random_basis(d_in, min(self.rank_inputs, d_in), side_seed(self.seed, index, "inputs"))
-        r = random_basis(d_out, min(self.rank_outputs, d_out), side_seed(self.seed, index, "outputs"))
-        return (
-            p.to(g.dtype) if self.rank_inputs else None,
-            r.to(g.dtype) if self.rank_outputs else None,
-        )
+
+        def draw(d: int, rank: int, side: str) -> torch.Tensor | None:
+            return random_basis(d, min(rank, d), side_seed(self.seed, index, side)).to(g.dtype) if rank else None
+
+        return draw(d_in, self.rank_inputs, "inputs"), draw(d_out, self.rank_outputs, "outputs")
 
     @override
     def _deltas(self, commit: bool) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -75,6 +74,7 @@ class _TwoSidedAdamWCore(DeltaStepOptimizer):
         for group in self.param_groups:
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
             betas = tuple(group["betas"])
+            b1, b2 = betas
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -96,7 +96,6 @@ class _TwoSidedAdamWCore(DeltaStepOptimizer):
                     if sketch is None:
                         continue
                     m, v = state.get(f"exp_avg_{side}"), state.get(f"exp_avg_sq_{side}")
-                    b1, b2 = betas
                     m = sketch * (1 - b1) if m is None else m * b1 + sketch * (1 - b1)
                     v = sketch.square() * (1 - b2) if v is None else v * b2 + sketch.square() * (1 - b2)
                     moments[f"exp_avg_{side}"], moments[f"exp_avg_sq_{side}"] = m, v
