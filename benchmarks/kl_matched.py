@@ -429,6 +429,21 @@ def _methods() -> dict[str, Method]:
             beta1=0.95,
             projection_storage="packed",
         ),
+        # The same rule with the moment's horizon in KL: β1 = 0.95 per update of KL 1e-3, so β1² ≈ 0.90 per update
+        # of 4e-3 — the horizon each budget's best constant β1 had, as one rule.
+        logra(
+            "logra_adam_outputs_r96_horizon",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 96), β1 = 0.95 per 1e-3 of KL, packed, "
+            "line search at 4×",
+            sketch_adam,
+            LINE_SEARCH_GUARD,
+            refresh_every=0,
+            sketch_side="outputs",
+            rank=96,
+            beta1=0.95,
+            moment_reference_kl=1e-3,
+            projection_storage="packed",
+        ),
     )
     return {m.name: m for m in (*baselines, *decomposition, *candidates)}
 

@@ -343,7 +343,8 @@ class PredictedKLControl(pl.Callback):
             {"kl/alpha": alpha, "kl/predicted_scaled": alpha * alpha * pred, "kl/skipped_updates": float(self.skipped)}
         )
         pl_module.log_dict(log, on_step=True, batch_size=bs)
-        ctx.update_kls.append(alpha * alpha * pred if measured is None else measured)
+        proposal.priced_kl = alpha * alpha * pred if measured is None else measured
+        ctx.update_kls.append(proposal.priced_kl)
         self._record(proposal, probe, pred, alpha, effective)
         if measured is not None:
             self.history[-1].update(backtracks=float(backtracks), line_search_realized=measured)
@@ -358,7 +359,8 @@ class PredictedKLControl(pl.Callback):
             self._pending = None  # nothing to calibrate against; the guard judges the update as usual
             ctx.update_kls.append(math.nan)  # not priced: a KL bound cannot judge this update
             return
-        ctx.update_kls.append(proposal.alpha * proposal.alpha * pred)
+        proposal.priced_kl = proposal.alpha * proposal.alpha * pred
+        ctx.update_kls.append(proposal.priced_kl)
         self._record(proposal, probe, pred, proposal.alpha, float("nan"))
 
     def _record(self, proposal: Any, probe: dict[str, Any], pred: float, alpha: float, budget: float) -> None:

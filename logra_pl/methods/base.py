@@ -186,7 +186,8 @@ class UpdateMethod(ABC):
         ships_factors: an update reaches engines as a factor :class:`~logra_pl.sketch.payload.Payload` (not as
             the changed tensors).
         makes_proposals: ``optimizer.proposal`` exists during ``on_before_optimizer_step``, for step controllers
-            to scale (``proposal.alpha``: the update applied is ``α`` times the proposal) or veto
+            to scale (``proposal.alpha``: the update applied is ``α`` times the proposal), price
+            (``proposal.priced_kl``: the KL of the update at ``α``, which a method may read) or veto
             (``proposal.skip(reason)``: nothing applied); the divergence guard judges the update after them. Such a
             method also answers :meth:`logit_tangent`, :attr:`applied_updates` and :meth:`applied` (and
             :meth:`logits_at`, for a controller's line search).

@@ -46,6 +46,7 @@ class StepProposal:
         self.optimizer: ProposingOptimizer | None = optimizer
         self.alpha = 1.0
         self.veto: str | None = None
+        self.priced_kl: float | None = None  # the KL a step controller priced the step at, at alpha (None: unpriced)
         self._deltas: dict[torch.nn.Parameter, torch.Tensor] | None = None
 
     def skip(self, reason: str) -> None:

@@ -153,6 +153,11 @@ class LoGRAConfig:
         beta2: the EMA factor of the second moment (RowAdam's row statistic, or ``adam``'s per-entry one).
         beta1: EMA factor of a first moment in sketch space (``d_out × r`` per matrix), carried across
             projection changes; ``0`` (default, the paper's rule): no first moment, ``D`` is formed from ``S``.
+        moment_reference_kl: the first moment's horizon as a distance in policy space: each update decays ``m`` by
+            ``β1^√(κ/κ_ref)``, ``κ`` the KL the previous merged update moved the policy as the step controller priced
+            it, so ``β1`` is the decay per update of KL ``moment_reference_kl`` (a ``4×`` larger update decays by
+            ``β1²``; algorithm.md §4). ``None`` (default): ``β1`` per update, whatever the update's size. Needs
+            ``beta1 > 0`` and a step controller that prices each update (PredictedKLControl).
         momentum_transfer: what the sketch-space moments do when a matrix's projection changes: ``"project"``
             carries them to the new basis (``m ← m C`` with ``C = (P_old P_oldᵀ)⁻¹ P_old P_newᵀ``; ``adam``'s ``V ← V
             (C ∘ C)``), ``"reset"`` zeroes them (and their bias corrections restart).
@@ -233,6 +238,7 @@ class LoGRAConfig:
     update_rule: UpdateRule = "adam"
     beta2: float = 0.95
     beta1: float = 0.9
+    moment_reference_kl: float | None = None
     momentum_transfer: MomentTransfer = "project"
     moment_dtype: str = "bfloat16"
     eps: float = 1e-8
@@ -319,6 +325,11 @@ class LoGRAConfig:
                 "logra.sketch_side 'outputs' leaves the inputs unmixed, so input_scaling and input_precondition, "
                 "which act on the inputs' mixing, have nothing to act on: set them to 'none', or sketch_side 'inputs'"
             )
+        if self.moment_reference_kl is not None and self.beta1 == 0:
+            raise LoGRAConfigError(
+                "logra.moment_reference_kl sets the first moment's horizon, and logra.beta1 = 0 keeps no first "
+                "moment: set beta1 > 0 (e.g. 0.95), or moment_reference_kl: null"
+            )
         if self.momentum_transfer not in ("project", "reset"):
             raise LoGRAConfigError(f"unknown momentum_transfer {self.momentum_transfer!r}: use 'project' or 'reset'")
         if self.ratio_scope not in ("global", "matrix"):
@@ -326,6 +337,8 @@ class LoGRAConfig:
         try:  # finite numbers in range: NaN fails every comparison and would otherwise slip through
             check_range("logra.beta2", self.beta2, 0.0, 1.0, high_open=True)
             check_range("logra.beta1", self.beta1, 0.0, 1.0, high_open=True, hint="0 = no first moment")
+            if self.moment_reference_kl is not None:
+                check_range("logra.moment_reference_kl", self.moment_reference_kl, 0.0, low_open=True, hint="a KL")
             check_range("logra.lr_min_ratio", self.lr_min_ratio, 0.0, 1.0)
             check_int("logra.lr_warmup_steps", self.lr_warmup_steps, 0)
             check_int("logra.lr_decay_steps", self.lr_decay_steps, 0)

@@ -231,6 +231,8 @@ class Proposal:
         stacks: the factors ``U`` stacked by group (:class:`FactorStack`; each ``matrices[name].factor`` is a view of
             one): :meth:`to_payload` rounds a stack at once. Matrices in no stack are rounded one by one.
         sketch_side: ``"inputs"`` (``ΔW = −α·U P``) or ``"outputs"`` (``ΔW = −α·(U R)ᵀ``, ``U`` ``d_in × r``).
+        priced_kl: the KL a step controller priced the update at, at its ``alpha`` (``None``: not priced); the
+            sketcher keeps the merged update's for the next first moment's decay (``logra.moment_reference_kl``).
     """
 
     matrices: dict[str, MatrixProposal]
@@ -250,6 +252,7 @@ class Proposal:
     stacks: list[FactorStack] = field(default_factory=list)
     clip_rank: bool = False
     sketch_side: str = INPUTS
+    priced_kl: float | None = None
 
     def skip(self, reason: str) -> None:
         """Ask the optimizer not to merge this proposal (e.g. a step controller's NaN prediction)."""

@@ -66,7 +66,9 @@ from logra_pl.sketch.update import (
     factor_gain,
     first_moment,
     gram_preconditioned,
+    horizon_decay,
     lr_factor,
+    moment_mass,
     ratio_scale,
     rowadam_direction,
     sgd_direction,
@@ -166,6 +168,10 @@ class LoGRASketcher:
             {n: views[n][0].moments[views[n][1]] for n in self.matrices} if beta1 else {}  # type: ignore[index]
         )
         self.moment_age = 0
+        # ``logra.moment_reference_kl``: the moment's total weight ``c`` (``m / c`` is its bias-corrected value,
+        # :func:`moment_mass`) and the KL the last merged update moved the policy, as its step controller priced it.
+        self.moment_mass = 0.0
+        self.moved_kl: float | None = None
         # ``update_rule: adam``'s per-entry second moment (d_out × r per matrix, ``moment_dtype``), in the same basis;
         # ``second_age`` counts the merged updates it has averaged (bias correction).
         self.second_moments: dict[str, torch.Tensor] = (
@@ -270,7 +276,22 @@ class LoGRASketcher:
                 if group.input_scale is not None:
                     matrices[i].input_scale = group.input_scale[i]
         if changed and self.config.momentum_transfer == "reset":
-            self.moment_age = self.second_age = 0
+            self._restart_moments()
+
+    def _restart_moments(self) -> None:
+        """The sketch-space moments start over (zeroed by the caller, or in a new basis): their bias corrections
+        restart from the next update."""
+        self.moment_age = self.second_age = 0
+        self.moment_mass = 0.0
+
+    def _moment_decay(self) -> tuple[float, float]:
+        """``(decay, weight)`` of this update's first-moment step ``m ← decay·m + weight·S``: ``(β1, 1−β1)``, or with
+        ``logra.moment_reference_kl`` the decay over the distance the last merged update moved the policy
+        (:func:`horizon_decay`) and the new sketch's weight ``1−β1`` (the moment's mass ``c`` normalizes it)."""
+        cfg = self.config
+        if cfg.moment_reference_kl is None:
+            return cfg.beta1, 1.0 - cfg.beta1
+        return horizon_decay(cfg.beta1, self.moved_kl, cfg.moment_reference_kl), 1.0 - cfg.beta1
 
     @staticmethod
     def _signs(group: MatrixGroup) -> torch.Tensor:
@@ -299,7 +320,7 @@ class LoGRASketcher:
                 for kept in (group.moments, group.second_moments):
                     if kept is not None:
                         kept.zero_()
-            self.moment_age = self.second_age = 0
+            self._restart_moments()
 
     def _install_input_scales(self) -> None:
         """Form every group's ``s`` from its EMA (a new tensor: a proposal keeps the scales it was made with) and
@@ -561,7 +582,11 @@ class LoGRASketcher:
         cfg = self.config
         s = sketch * grad_scale if grad_scale != 1.0 else sketch
         numerator = moment = None
-        if moments is not None:
+        if moments is not None and cfg.moment_reference_kl is not None:
+            decay, weight = self._moment_decay()
+            moment = first_moment(s, moments, decay, weight)
+            numerator = moment / moment_mass(self.moment_mass, decay, weight)
+        elif moments is not None:
             moment = first_moment(s, moments, cfg.beta1)
             numerator = bias_corrected(moment, cfg.beta1, self.moment_age + 1)
         if grams is not None:
@@ -618,6 +643,12 @@ class LoGRASketcher:
         if proposal.veto is not None:
             self.skip(proposal.veto)
             return None
+        if self.config.moment_reference_kl is not None and proposal.priced_kl is None:
+            raise LoGRAConfigError(
+                "logra.moment_reference_kl decays the first moment by the KL each update moves the policy, and this "
+                "update was not priced: add a step controller that prices every update (PredictedKLControl), or set "
+                "logra.moment_reference_kl: null"
+            )
         payload = proposal.to_payload(alpha)
         if not math.isfinite(payload.alpha):
             self.skip(f"non-finite factors at alpha={payload.alpha}")
@@ -673,6 +704,8 @@ class LoGRASketcher:
                     group.second_moments.copy_(second)  # type: ignore[union-attr]  # likewise
             if self.moments:
                 self.moment_age += 1
+                if self.config.moment_reference_kl is not None:
+                    self.moment_mass = moment_mass(self.moment_mass, *self._moment_decay())
             if self.second_moments:
                 self.second_age += 1
         sketched = len(self.matrices)
@@ -687,6 +720,7 @@ class LoGRASketcher:
                 {n: payload.alpha * d.delta for n, d in proposal.dense.items()},
             )
         self.num_applied += 1
+        self.moved_kl = proposal.priced_kl  # the next moment's decay reads it (logra.moment_reference_kl)
         self._fold_input_stats()
         self._advance()
         return payload
@@ -806,6 +840,8 @@ class LoGRASketcher:
             },
             "moments": {name: m.detach().cpu().clone() for name, m in self.moments.items()},
             "moment_age": self.moment_age,
+            "moment_mass": self.moment_mass,
+            "moved_kl": self.moved_kl,
             "second_moments": {name: v.detach().cpu().clone() for name, v in self.second_moments.items()},
             "second_age": self.second_age,
             **self._input_state(),
@@ -872,6 +908,10 @@ class LoGRASketcher:
         for name, moment in moments.items():
             self.moments[name].copy_(moment)
         self.moment_age = int(state.get("moment_age", 0))
+        # A checkpoint from before the horizon in KL: the constant-β1 mass 1 − β1^a it implied, no KL recorded.
+        self.moment_mass = float(state.get("moment_mass", 1.0 - self.config.beta1**self.moment_age))
+        moved = state.get("moved_kl")
+        self.moved_kl = None if moved is None else float(moved)
         second = state.get("second_moments", {})
         if set(second) != set(self.second_moments):
             raise LoGRAConfigError(

@@ -176,11 +176,35 @@ def sgd_direction(sketch: torch.Tensor) -> torch.Tensor:
     return _float32(sketch).clone()
 
 
-def first_moment(sketch: torch.Tensor, moment: torch.Tensor, beta1: float) -> torch.Tensor:
+def first_moment(sketch: torch.Tensor, moment: torch.Tensor, beta1: float, weight: float | None = None) -> torch.Tensor:
     """``m ← β1·m + (1−β1)·S`` in fp32 (from ``m`` as stored: fp32 or bf16), the sketch-space first moment;
-    returns the new fp32 ``m``, inputs untouched. The caller rounds it to the storage dtype when it commits."""
+    returns the new fp32 ``m``, inputs untouched. The caller rounds it to the storage dtype when it commits.
+    ``weight`` replaces ``1−β1`` as the new sketch's weight (a horizon in KL, :func:`horizon_decay`)."""
     # ``β1·m`` is a new tensor (``m`` as stored is never written); the second product is added to it in place.
-    return _float32(moment).mul(beta1).add_(_float32(sketch).mul(1.0 - beta1))
+    return _float32(moment).mul(beta1).add_(_float32(sketch).mul(1.0 - beta1 if weight is None else weight))
+
+
+def horizon_decay(beta1: float, moved_kl: float | None, reference_kl: float) -> float:
+    """The first moment's decay for one update when its horizon is a distance in policy space, not a count of
+    updates: ``β = β1^√(κ/κ_ref)``, ``κ`` the KL the previous merged update moved the policy (``moved_kl``).
+
+    The gradients a moment holds go stale as the policy moves away from where they were taken, and distance in
+    policy space grows as ``√KL``: a moment that keeps ``β1`` per update of KL ``κ_ref`` keeps ``β1^2`` per update
+    of ``4·κ_ref`` and ``1`` (nothing decays) across an update that did not move the policy. ``moved_kl`` ``None`` (no
+    update merged yet) or not finite (not priced) reads as ``κ_ref``: the moment decays by ``β1``.
+    """
+    if moved_kl is None or not math.isfinite(moved_kl):
+        return beta1
+    return beta1 ** math.sqrt(max(moved_kl, 0.0) / reference_kl)
+
+
+def moment_mass(mass: float, decay: float, weight: float) -> float:
+    """The total weight of the sketches a first moment holds after ``m ← decay·m + weight·S``: ``decay·c + weight``.
+
+    ``m / c`` is the weighted mean of the sketches (the bias-corrected moment): with a constant ``decay = β1`` and
+    ``weight = 1−β1`` it is ``c_a = 1 − β1^a`` (:func:`bias_corrected`); with a varying decay the weights no longer
+    sum to a closed form, so ``c`` is carried (from 0 when the moment starts)."""
+    return decay * mass + weight
 
 
 def bias_corrected(moment: torch.Tensor, beta1: float, age: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from logra_pl.data import ReasoningGymDataModule
 from logra_pl.methods.guard import DivergenceGuard
 from logra_pl.module import LoGRAPolicyModule, RolloutSettings
 from logra_pl.sketch import LoGRAConfig
+from logra_pl.sketch.config import LoGRAConfigError
 
 SMALL = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
 
@@ -102,6 +103,26 @@ def test_alpha_scales_proposal_to_budget() -> None:
     logged = trainer.logged_metrics
     for name in ("kl/predicted", "kl/alpha", "kl/budget", "kl/effective_budget", "kl/predicted_scaled", "kl/realized"):
         assert name in logged, name
+
+
+def test_the_priced_kl_reaches_the_moments_horizon() -> None:
+    """``logra.moment_reference_kl`` in a Trainer run: each merged update's ``α²·predicted`` (the controller's price)
+    is what the sketcher keeps, and the moment's mass follows ``c ← β1^√(κ/κ_ref)·c + (1−β1)`` over those prices.
+    Without a controller nothing prices the update and the run stops at its first merge, weights untouched."""
+    logra = LoGRAConfig(rank=16, beta1=0.95, moment_reference_kl=1e-4)
+    kl = PredictedKLControl(BudgetSchedule("constant", delta_max=4e-4))
+    module, _ = _run([kl], logra=logra)
+    sketcher = module.method.sketcher
+    prices = [h["alpha"] ** 2 * h["predicted"] for h in kl.history]
+    assert sketcher.num_applied == 3 and sketcher.moved_kl == pytest.approx(prices[-1])
+    mass, previous = 0.0, None
+    for price in prices:
+        mass = (0.95 if previous is None else 0.95 ** math.sqrt(previous / 1e-4)) * mass + 0.05
+        previous = price
+    assert sketcher.moment_mass == pytest.approx(mass)
+    assert mass != pytest.approx(1 - 0.95**3)  # the prices (4× the reference) decayed it faster than β1
+    with pytest.raises(LoGRAConfigError, match="PredictedKLControl"):
+        _run([], logra=logra, steps=1)
 
 
 def test_no_control_with_calibration_measures_the_kl_it_takes() -> None:
