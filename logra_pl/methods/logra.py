@@ -398,12 +398,15 @@ class LoGRAMethod(UpdateMethod):
     @override
     def metrics(self) -> dict[str, float]:
         sketcher = self._sketcher
-        return {
+        out = {
             "guard/relative_update": sketcher.last_relative_update,
             "logra/skipped_updates": float(sketcher.num_skipped),
             "logra/merge_s": self.optimizer.last_merge_s,
             "train/update_gain": self._gain,
         }
+        if sketcher.config.moment_reference_kl is not None:  # the moment's horizon in KL: its decay this update
+            out["logra/moment_decay"] = sketcher.last_moment_decay
+        return out
 
     @override
     def memory(self, policy: nn.Module) -> MemoryReport:

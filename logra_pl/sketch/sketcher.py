@@ -172,6 +172,7 @@ class LoGRASketcher:
         # :func:`moment_mass`) and the KL the last merged update moved the policy, as its step controller priced it.
         self.moment_mass = 0.0
         self.moved_kl: float | None = None
+        self.last_moment_decay = self.config.beta1  # the decay the last merged update's moment took (a diagnostic)
         # ``update_rule: adam``'s per-entry second moment (d_out × r per matrix, ``moment_dtype``), in the same basis;
         # ``second_age`` counts the merged updates it has averaged (bias correction).
         self.second_moments: dict[str, torch.Tensor] = (
@@ -705,7 +706,9 @@ class LoGRASketcher:
             if self.moments:
                 self.moment_age += 1
                 if self.config.moment_reference_kl is not None:
-                    self.moment_mass = moment_mass(self.moment_mass, *self._moment_decay())
+                    decay, weight = self._moment_decay()
+                    self.moment_mass = moment_mass(self.moment_mass, decay, weight)
+                    self.last_moment_decay = decay
             if self.second_moments:
                 self.second_age += 1
         sketched = len(self.matrices)

@@ -121,6 +121,7 @@ def test_the_priced_kl_reaches_the_moments_horizon() -> None:
         previous = price
     assert sketcher.moment_mass == pytest.approx(mass)
     assert mass != pytest.approx(1 - 0.95**3)  # the prices (4× the reference) decayed it faster than β1
+    assert module.method.metrics()["logra/moment_decay"] == pytest.approx(0.95 ** math.sqrt(prices[-2] / 1e-4))
     with pytest.raises(LoGRAConfigError, match="PredictedKLControl"):
         _run([], logra=logra, steps=1)
 

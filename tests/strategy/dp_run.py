@@ -2,7 +2,7 @@
 
     python tests/strategy/dp_run.py DEVICES STEPS OUT [--ckpt-dir DIR] [--ckpt-resume PATH] [--hf-export DIR]
         [--optimizer adamw] [--kl-control] [--snapshot-at K] [--loss-menu] [--per-matrix]
-        [--sketch-side outputs] [--projection-storage packed] [--input-scaling]
+        [--sketch-side outputs] [--projection-storage packed] [--input-scaling] [--moment-reference-kl KL]
 
 Rank 0 writes the full (gathered) policy state dict and the LoGRA state to OUT (and, with ``--kl-control``, the KL
 controller's history).
@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument(
         "--projection-storage", default="dense", choices=["dense", "packed"], help="logra.projection_storage"
     )
+    parser.add_argument("--moment-reference-kl", type=float, default=None, help="logra.moment_reference_kl")
     parser.add_argument(
         "--per-matrix", action="store_true", help="LoGRA's step one matrix at a time (the reference, not the grouped)"
     )
@@ -166,6 +167,7 @@ def main() -> None:
             input_scaling="rms" if args.input_scaling else "none",
             sketch_side=args.sketch_side,
             projection_storage=args.projection_storage,
+            moment_reference_kl=args.moment_reference_kl,
         ),
         rollout=RolloutSettings(max_new_tokens=6),
         microbatch_size=4,

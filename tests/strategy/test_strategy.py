@@ -55,6 +55,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
     tmp = tmp_path_factory.mktemp("dp")
     ckpt, ckpt1, dckpt = tmp / "ckpt", tmp / "ckpt1", tmp / "dckpt"
     budget = ("--loss-menu", "--max-tokens", "70")  # token budgets that pad one rank: the reference pads with it
+    outputs = ("--sketch-side", "outputs", "--kl-control", "--moment-reference-kl", "2.5e-5")
     out = {
         "two_ac": _run(tmp, 2, 3, "two_ac", "--activation-checkpointing"),
         "two_bf16": _run(tmp, 2, 3, "two_bf16", "--activation-checkpointing", "--param-dtype", "bfloat16"),
@@ -70,20 +71,14 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
         # input_scaling: rms, its statistics summed over ranks; the replay of checkpointed layers supplies them.
         "two_scaled": _run(tmp, 2, 3, "two_scaled", "--input-scaling", "--activation-checkpointing"),
         "one_scaled": _run(tmp, 1, 3, "one_scaled", "--input-scaling"),
-        # sketch_side: outputs — each rank merges its rows of W as columns of Wᵀ; the probe under the KL controller;
-        # the replay of checkpointed layers keeps X for the backward.
-        "two_outputs": _run(
-            tmp, 2, 3, "two_outputs", "--sketch-side", "outputs", "--kl-control", "--activation-checkpointing"
-        ),
-        "one_outputs": _run(tmp, 1, 3, "one_outputs", "--sketch-side", "outputs", "--kl-control"),
+        # sketch_side: outputs — each rank merges its rows of W as columns of Wᵀ; the probe under the KL controller,
+        # whose price of each update decays the moment (a horizon in KL: β1² per update of the 1e-4 budget); the
+        # replay of checkpointed layers keeps X for the backward.
+        "two_outputs": _run(tmp, 2, 3, "two_outputs", *outputs, "--activation-checkpointing"),
+        "one_outputs": _run(tmp, 1, 3, "one_outputs", *outputs),
         # The same two-rank run with its projections kept as their packed draws, rebuilt where they are read.
         "two_outputs_packed": _run(
-            tmp,
-            2,
-            3,
-            "two_outputs_packed",
-            *("--sketch-side", "outputs", "--kl-control", "--activation-checkpointing"),
-            *("--projection-storage", "packed"),
+            tmp, 2, 3, "two_outputs_packed", *outputs, "--activation-checkpointing", "--projection-storage", "packed"
         ),
     }
     out["one6"], out["adamw_one"] = _side_by_side(
@@ -148,6 +143,12 @@ def test_outputs_side_runs_agree_on_two_ranks(runs) -> None:
     assert len(one["kl"]) == len(two["kl"]) == 3
     for a, b in zip(one["kl"], two["kl"], strict=True):  # the probe's prediction, the same on 1 and 2 ranks
         assert a["alpha"] != 1.0 and b["alpha"] == pytest.approx(a["alpha"], rel=2e-3)  # set by the controller
+    # The moment's horizon in KL: every rank keeps the controller's (all-reduced) price and decays alike.
+    last = one["kl"][-1]
+    assert one["logra"]["moved_kl"] == pytest.approx(last["alpha"] ** 2 * last["predicted"])
+    assert two["logra"]["moved_kl"] == pytest.approx(one["logra"]["moved_kl"], rel=5e-3)
+    assert two["logra"]["moment_mass"] == pytest.approx(one["logra"]["moment_mass"], rel=1e-3)
+    assert one["logra"]["moment_mass"] != pytest.approx(1 - 0.9**3)  # the prices decayed it, not β1 per update
     assert all(torch.equal(two["engine"][k], two["policy"][k]) for k in two["policy"])
 
 
