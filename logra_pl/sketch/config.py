@@ -407,14 +407,16 @@ class LoGRAConfig:
         """Plain-Python form (lists, not tuples) for checkpoints and payloads.
 
         ``refresh_every`` is written only when ``refresh`` cannot say it (``N ≥ 2``): a config at ``N`` = 0 or 1
-        writes the same dict as before the setting existed, so its checkpoints are unchanged; so does ``clip_rank``,
-        written only when set.
+        writes the same dict as before the setting existed, so its checkpoints are unchanged; so do ``clip_rank`` and
+        ``moment_reference_kl``, written only when set.
         """
         out = dataclasses.asdict(self)
         if self.refresh_every in (0, 1):
             del out["refresh_every"]
         if not self.clip_rank:  # as before the setting existed
             del out["clip_rank"]
+        if self.moment_reference_kl is None:  # likewise
+            del out["moment_reference_kl"]
         if self.input_precondition == "none":  # likewise
             del out["input_precondition"], out["gram_damping"]
         if self.input_scaling == "none":  # likewise

@@ -843,12 +843,18 @@ class LoGRASketcher:
             },
             "moments": {name: m.detach().cpu().clone() for name, m in self.moments.items()},
             "moment_age": self.moment_age,
-            "moment_mass": self.moment_mass,
-            "moved_kl": self.moved_kl,
             "second_moments": {name: v.detach().cpu().clone() for name, v in self.second_moments.items()},
             "second_age": self.second_age,
             **self._input_state(),
+            **self._horizon_state(),
         }
+
+    def _horizon_state(self) -> dict[str, Any]:
+        """``logra.moment_reference_kl``'s state (nothing otherwise: other checkpoints keep their keys): the moment's
+        mass and the last merged update's price, from which the next decay and bias correction follow bit for bit."""
+        if self.config.moment_reference_kl is None:
+            return {}
+        return {"moment_mass": self.moment_mass, "moved_kl": self.moved_kl}
 
     def _input_state(self) -> dict[str, Any]:
         """``input_scaling: rms``'s state (nothing otherwise: other checkpoints keep their keys): each matrix's EMA

@@ -60,7 +60,7 @@ def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> No
         searched = {k: rest["trainer"]["callbacks"][-1]["init_args"].pop(k, None) for k in SEARCH_KEYS}
         if run.method.endswith("_ls"):
             assert searched == {**kl_matched.LINE_SEARCH, "search_responses": setup.prompts_per_step}, run.method
-        elif run.method.endswith("_ls4"):  # the search as a guard: the same, at 4× the budget
+        elif run.method.endswith(("_ls4", "_horizon")):  # the search as a guard, at 4× (the horizon rule has it)
             guard = {**kl_matched.LINE_SEARCH, "max_overshoot": 4.0, "search_responses": setup.prompts_per_step}
             assert searched == guard, run.method
         else:
