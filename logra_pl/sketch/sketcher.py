@@ -285,13 +285,12 @@ class LoGRASketcher:
         self.moment_age = self.second_age = 0
         self.moment_mass = 0.0
 
-    def _moment_decay(self) -> tuple[float, float]:
-        """``(decay, weight)`` of this update's first-moment step ``m ← decay·m + weight·S``: ``(β1, 1−β1)``, or with
-        ``logra.moment_reference_kl`` the decay over the distance the last merged update moved the policy
+    def _horizon_step(self) -> tuple[float, float]:
+        """``(decay, weight)`` of this update's first-moment step ``m ← decay·m + weight·S`` under
+        ``logra.moment_reference_kl``: the decay over the distance the last merged update moved the policy
         (:func:`horizon_decay`) and the new sketch's weight ``1−β1`` (the moment's mass ``c`` normalizes it)."""
         cfg = self.config
-        if cfg.moment_reference_kl is None:
-            return cfg.beta1, 1.0 - cfg.beta1
+        assert cfg.moment_reference_kl is not None
         return horizon_decay(cfg.beta1, self.moved_kl, cfg.moment_reference_kl), 1.0 - cfg.beta1
 
     @staticmethod
@@ -584,7 +583,7 @@ class LoGRASketcher:
         s = sketch * grad_scale if grad_scale != 1.0 else sketch
         numerator = moment = None
         if moments is not None and cfg.moment_reference_kl is not None:
-            decay, weight = self._moment_decay()
+            decay, weight = self._horizon_step()
             moment = first_moment(s, moments, decay, weight)
             numerator = moment / moment_mass(self.moment_mass, decay, weight)
         elif moments is not None:
@@ -706,7 +705,7 @@ class LoGRASketcher:
             if self.moments:
                 self.moment_age += 1
                 if self.config.moment_reference_kl is not None:
-                    decay, weight = self._moment_decay()
+                    decay, weight = self._horizon_step()
                     self.moment_mass = moment_mass(self.moment_mass, decay, weight)
                     self.last_moment_decay = decay
             if self.second_moments:
