@@ -175,6 +175,9 @@ class Method:
 LINE_SEARCH = {"max_overshoot": 2.0, "max_backtracks": 3}
 # The same search as a guard: a step is cut only where its KL on the batch is above four times the budget.
 LINE_SEARCH_GUARD = {**LINE_SEARCH, "max_overshoot": 4.0}
+# ... and a wide guard, against the gross mispredictions alone: a step is cut only above sixteen times the budget. On
+# tiny:small the probe missed single steps by 100x to 5000x; on SmolLM2 no step the guards cut was near that.
+LINE_SEARCH_WIDE_GUARD = {**LINE_SEARCH, "max_overshoot": 16.0}
 
 
 def _overlay_model(path: str) -> dict[str, Any]:
@@ -437,6 +440,21 @@ def _methods() -> dict[str, Method]:
             "line search at 4×",
             sketch_adam,
             LINE_SEARCH_GUARD,
+            refresh_every=0,
+            sketch_side="outputs",
+            rank=96,
+            beta1=0.95,
+            moment_reference_kl=1e-3,
+            projection_storage="packed",
+        ),
+        # ... with the wide guard: whether the 4x guard's cuts (one update in fifty, early) are what stalls a 1e-3 run
+        # that the unguarded beta1 = 0.95 rule carried through, while the gross mispredictions stay caught.
+        logra(
+            "logra_adam_outputs_r96_horizon_ls16",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 96), β1 = 0.95 per 1e-3 of KL, packed, "
+            "line search at 16×",
+            sketch_adam,
+            LINE_SEARCH_WIDE_GUARD,
             refresh_every=0,
             sketch_side="outputs",
             rank=96,

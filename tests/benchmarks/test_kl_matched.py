@@ -63,6 +63,9 @@ def test_every_method_runs_under_the_same_control_and_data(tmp_path: Path) -> No
         elif run.method.endswith(("_ls4", "_horizon")):  # the search as a guard, at 4× (the horizon rule has it)
             guard = {**kl_matched.LINE_SEARCH, "max_overshoot": 4.0, "search_responses": setup.prompts_per_step}
             assert searched == guard, run.method
+        elif run.method.endswith("_ls16"):  # the wide guard, at 16×
+            guard = {**kl_matched.LINE_SEARCH, "max_overshoot": 16.0, "search_responses": setup.prompts_per_step}
+            assert searched == guard, run.method
         else:
             assert searched == dict.fromkeys(SEARCH_KEYS), run.method
         shared = rest if shared is None else shared
