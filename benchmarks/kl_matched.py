@@ -462,6 +462,21 @@ def _methods() -> dict[str, Method]:
             moment_reference_kl=1e-3,
             projection_storage="packed",
         ),
+        # ... with no search at all: each update priced at the KL the controller set (α² times the predicted KL, the
+        # schedule's budget), not at the search's measurement on eight responses (0.4-4.5 times the budget on SmolLM2
+        # at 1e-3), so the decay follows the schedule alone: 0.95 per update at 1e-3, 0.975 once it anneals to 2.5e-4.
+        logra(
+            "logra_adam_outputs_r96_horizon_free",
+            "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 96), β1 = 0.95 per 1e-3 of KL, packed, "
+            "no line search",
+            sketch_adam,
+            refresh_every=0,
+            sketch_side="outputs",
+            rank=96,
+            beta1=0.95,
+            moment_reference_kl=1e-3,
+            projection_storage="packed",
+        ),
     )
     return {m.name: m for m in (*baselines, *decomposition, *candidates)}
 
