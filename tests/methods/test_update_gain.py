@@ -181,7 +181,9 @@ def test_a_step_not_taken_leaves_the_last_one_kept(kind: str, qwen2_factory) -> 
     _loss(model, 3).backward()
     method.step(StepThrough(opt, _scale), sched, _same)
     want = -sum(float((grads[n] * (taken[n] - before[n])).sum()) for n in grads)
-    assert method.next_batch_gain == pytest.approx(want, rel=1e-5)
+    # The dense side reads the step back from float32 weights (each entry rounded at its weight's scale, not the
+    # step's); on one CPU that alone put the two 1.3e-5 apart. A wrong step or gradient is off by far more than 1e-4.
+    assert method.next_batch_gain == pytest.approx(want, rel=1e-4)
 
 
 def test_logra_measures_only_on_a_persisting_basis(qwen2_factory) -> None:
