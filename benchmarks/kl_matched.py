@@ -268,6 +268,15 @@ def _methods() -> dict[str, Method]:
     # Candidate rules (docs/benchmarks.md), each with LoGRA's contract: Adam on the sketch's d_out × r coordinates
     # with a first moment, both kept in bf16, on a basis that persists (fixed, or refreshed every N updates).
     sketch_adam = {**levers, "update_rule": "adam", "refresh": None}
+    # The r = 96 outputs' rule with β1 = 0.95 per 1e-3 of KL and packed projections (the moment's horizon in KL).
+    horizon = dict(
+        refresh_every=0,
+        sketch_side="outputs",
+        rank=96,
+        beta1=0.95,
+        moment_reference_kl=1e-3,
+        projection_storage="packed",
+    )
     candidates = (
         logra("logra_adam_fixed", "LoGRA, sketch-space Adam, fixed projection (r = 64)", sketch_adam, refresh_every=0),
         logra("logra_adam_n25", "LoGRA, sketch-space Adam, refresh every 25 (r = 64)", sketch_adam, refresh_every=25),
@@ -440,12 +449,7 @@ def _methods() -> dict[str, Method]:
             "line search at 4×",
             sketch_adam,
             LINE_SEARCH_GUARD,
-            refresh_every=0,
-            sketch_side="outputs",
-            rank=96,
-            beta1=0.95,
-            moment_reference_kl=1e-3,
-            projection_storage="packed",
+            **horizon,
         ),
         # ... with the wide guard: whether the 4x guard's cuts (one update in fifty, early) are what stalls a 1e-3 run
         # that the unguarded beta1 = 0.95 rule carried through, while the gross mispredictions stay caught.
@@ -455,27 +459,17 @@ def _methods() -> dict[str, Method]:
             "line search at 16×",
             sketch_adam,
             LINE_SEARCH_WIDE_GUARD,
-            refresh_every=0,
-            sketch_side="outputs",
-            rank=96,
-            beta1=0.95,
-            moment_reference_kl=1e-3,
-            projection_storage="packed",
+            **horizon,
         ),
         # ... with no search at all: each update priced at the KL the controller set (α² times the predicted KL, the
-        # schedule's budget), not at the search's measurement on eight responses (0.4-4.5 times the budget on SmolLM2
+        # schedule's budget), not at the search's measurement on eight responses (0.4-5.2 times the budget on SmolLM2
         # at 1e-3), so the decay follows the schedule alone: 0.95 per update at 1e-3, 0.975 once it anneals to 2.5e-4.
         logra(
             "logra_adam_outputs_r96_horizon_free",
             "LoGRA, sketch-space Adam, fixed, sketch on the outputs (r = 96), β1 = 0.95 per 1e-3 of KL, packed, "
             "no line search",
             sketch_adam,
-            refresh_every=0,
-            sketch_side="outputs",
-            rank=96,
-            beta1=0.95,
-            moment_reference_kl=1e-3,
-            projection_storage="packed",
+            **horizon,
         ),
     )
     return {m.name: m for m in (*baselines, *decomposition, *candidates)}
